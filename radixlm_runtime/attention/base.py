@@ -1,0 +1,32 @@
+"""One interface for every attention implementation: the model never knows which kernels run."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool
+
+
+class AttentionBackend(ABC):
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, scale: float) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.scale = scale
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Precomputes per-step index tensors once, so the per-layer calls only do math."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q [T, Hq, D]; k, v [T, Hkv, D] of the new tokens. Their KV is stored first, then every
+        request attends to its whole sequence through the request-to-token table."""
+        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        return self.attend(q, layer_id, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...

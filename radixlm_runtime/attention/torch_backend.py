@@ -1,0 +1,172 @@
+"""Attention in plain torch, tuned for CPU.
+
+Prefill chunks run one scaled-dot-product call per request over its KV gathered through the
+request-to-token table. Decode tokens are batched, and requests whose KV starts with the same pool
+slots (a shared few-shot prefix or system prompt, found through the radix cache) attend to that
+prefix together: its K/V is gathered once per group instead of once per request, and the partial
+results are merged with their log-sum-exp. On CPU the gather is the dominant cost of decode, so this
+is what keeps decode cheap when many requests share a long prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.engine.forward_batch import ForwardBatch
+
+# Shorter shared prefixes are cheaper to gather per request than to handle as a group.
+MIN_SHARED_PREFIX = 32
+
+
+@dataclass
+class _ExtendItem:
+    start: int
+    length: int
+    kv_slots: torch.Tensor  # [L]
+    mask: torch.Tensor | None  # [length, L] bool, None when the chunk has no cached prefix
+
+
+@dataclass
+class _PrefixGroup:
+    members: torch.Tensor  # positions among the decode requests
+    slots: torch.Tensor  # [P] the shared prefix's KV slots
+
+
+@dataclass
+class _DecodeMeta:
+    token_rows: torch.Tensor | None  # rows of q holding decode tokens; None when all are decodes
+    suffix_slots: torch.Tensor  # [Bd, S] KV slots past each request's group prefix, padded with 0
+    suffix_valid: torch.Tensor  # [Bd, S] bool
+    groups: list[_PrefixGroup]
+
+
+@dataclass
+class _TorchMeta:
+    extends: list[_ExtendItem]
+    decode: _DecodeMeta | None
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        req_rows = batch.req_pool_indices.tolist()
+        starts = batch.extend_start_loc.tolist()
+        extends: list[_ExtendItem] = []
+        decode_idx: list[int] = []
+        for b, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
+            if ext == 1:
+                decode_idx.append(b)
+                continue
+            slots = self.req_to_token[req_rows[b], :seq_len]
+            prefix = seq_len - ext
+            mask = None
+            if prefix > 0:
+                q_pos = torch.arange(prefix, seq_len, device=slots.device)[:, None]
+                mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos
+            extends.append(_ExtendItem(starts[b], ext, slots, mask))
+        decode = None
+        if decode_idx:
+            decode = self._decode_metadata(batch, decode_idx, req_rows, starts)
+        batch.attn_metadata = _TorchMeta(extends, decode)
+
+    def _decode_metadata(
+        self, batch: ForwardBatch, decode_idx: list[int], req_rows: list[int], starts: list[int]
+    ) -> _DecodeMeta:
+        rows = [self.req_to_token[req_rows[b], : batch.seq_lens_cpu[b]] for b in decode_idx]
+        prefix_lens = [0] * len(rows)
+        groups: list[_PrefixGroup] = []
+        by_first: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            by_first.setdefault(int(r[0]), []).append(i)
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            # The last token of every request is its own, so the shared part stops before it.
+            limit = min(len(rows[i]) for i in members) - 1
+            if limit < MIN_SHARED_PREFIX:
+                continue
+            mat = torch.stack([rows[i][:limit] for i in members])
+            shared = int((mat == mat[0]).all(0).to(torch.int32).cumprod(0).sum())
+            if shared < MIN_SHARED_PREFIX:
+                continue
+            for i in members:
+                prefix_lens[i] = shared
+            groups.append(_PrefixGroup(torch.tensor(members), rows[members[0]][:shared]))
+        suffix_len = max(len(r) - p for r, p in zip(rows, prefix_lens))
+        suffix_slots = torch.zeros(len(rows), suffix_len, dtype=torch.int64, device=rows[0].device)
+        suffix_valid = torch.zeros(len(rows), suffix_len, dtype=torch.bool, device=rows[0].device)
+        for i, (r, p) in enumerate(zip(rows, prefix_lens)):
+            suffix_slots[i, : len(r) - p] = r[p:]
+            suffix_valid[i, : len(r) - p] = True
+        token_rows = None
+        if len(decode_idx) != batch.batch_size:
+            token_rows = torch.tensor([starts[b] for b in decode_idx], device=rows[0].device)
+        return _DecodeMeta(token_rows, suffix_slots, suffix_valid, groups)
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        meta: _TorchMeta = batch.attn_metadata
+        k_buf = self.kv_pool.k_buffers[layer_id]
+        v_buf = self.kv_pool.v_buffers[layer_id]
+        out = torch.empty_like(q)
+        for item in meta.extends:
+            out[item.start : item.start + item.length] = self._extend(q, item, k_buf, v_buf)
+        if meta.decode is not None:
+            d = meta.decode
+            qd = q if d.token_rows is None else q.index_select(0, d.token_rows)
+            od = self._decode(qd, d, k_buf, v_buf)
+            if d.token_rows is None:
+                out = od
+            else:
+                out.index_copy_(0, d.token_rows, od)
+        return out
+
+    def _extend(
+        self, q: torch.Tensor, item: _ExtendItem, k_buf: torch.Tensor, v_buf: torch.Tensor
+    ) -> torch.Tensor:
+        qi = q[item.start : item.start + item.length].transpose(0, 1)  # [Hq, n, D]
+        k = k_buf.index_select(0, item.kv_slots).transpose(0, 1)  # [Hkv, L, D]
+        v = v_buf.index_select(0, item.kv_slots).transpose(0, 1)
+        if item.mask is None:
+            o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=item.mask, scale=self.scale, enable_gqa=True
+            )
+        return o.transpose(0, 1)
+
+    def _decode(
+        self, q: torch.Tensor, meta: _DecodeMeta, k_buf: torch.Tensor, v_buf: torch.Tensor
+    ) -> torch.Tensor:
+        bsz, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_buf.shape[1]
+        group = num_q_heads // num_kv_heads
+        qg = q.view(bsz, num_kv_heads, group, head_dim)
+        # Per-request suffix: [Bd, Hkv, G, S] scores over the padded suffix slots.
+        k = k_buf[meta.suffix_slots].permute(0, 2, 3, 1)  # [Bd, Hkv, D, S]
+        v = v_buf[meta.suffix_slots].transpose(1, 2)  # [Bd, Hkv, S, D]
+        scores = torch.matmul(qg, k).mul_(self.scale)
+        scores.masked_fill_(~meta.suffix_valid[:, None, None, :], float("-inf"))
+        out, lse = _softmax_attend(scores, v)
+        for g in meta.groups:
+            m = g.members
+            qm = qg.index_select(0, m).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+            kp = k_buf.index_select(0, g.slots).permute(1, 2, 0)  # [Hkv, D, P]
+            vp = v_buf.index_select(0, g.slots).transpose(0, 1)  # [Hkv, P, D]
+            po, plse = _softmax_attend(torch.matmul(qm, kp).mul_(self.scale), vp)
+            po = po.view(num_kv_heads, len(m), group, head_dim).transpose(0, 1)
+            plse = plse.view(num_kv_heads, len(m), group).transpose(0, 1)
+            so, slse = out.index_select(0, m), lse.index_select(0, m)
+            new_lse = torch.logaddexp(slse, plse)
+            merged = so * torch.exp(slse - new_lse)[..., None] + po * torch.exp(plse - new_lse)[..., None]
+            out.index_copy_(0, m, merged)
+        return out.reshape(bsz, num_q_heads, head_dim)
+
+
+def _softmax_attend(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp, so partial results can be merged."""
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    return torch.matmul(probs, v), lse

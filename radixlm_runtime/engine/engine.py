@@ -1,0 +1,246 @@
+"""The offline engine: the whole runtime in the caller's process, mirroring SGLang's `Engine`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from radixlm_runtime.engine.model_runner import ModelRunner
+from radixlm_runtime.engine.tokenizer import decode_output, eos_token_ids, load_tokenizer
+from radixlm_runtime.models.loader import resolve_model_path
+from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.scheduler.scheduler import Scheduler
+from radixlm_runtime.server_args import ServerArgs
+from radixlm_runtime.utils.logging import get_logger, setup_logging
+
+logger = get_logger(__name__)
+
+Prompt = str | list[str] | None
+InputIds = list[int] | list[list[int]] | None
+ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
+
+
+class Engine:
+    """`Engine()` runs the embedded default model; keyword arguments are ServerArgs fields."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        setup_logging(self.server_args.log_level)
+        t0 = time.perf_counter()
+        self.model_dir = resolve_model_path(self.server_args.model_path)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.runner = ModelRunner(self.model_dir, self.server_args)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.runner.config.eos_token_ids)
+        self.scheduler = Scheduler(self.runner, self.server_args, self.tokenizer, self.eos_token_ids)
+        self._seed_counter = itertools.count()
+        logger.info("engine ready in %.2fs (model %s)", time.perf_counter() - t0, self.model_dir)
+
+    # -- public API ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: ParamsArg = None,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        return_text_in_logprobs: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generates for one prompt (returns a dict, or a list of n dicts when n > 1) or a batch
+        (returns a list, n outputs per prompt in order). Everything is validated before anything runs."""
+        reqs, single = self._build_requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid
+        )
+        for req in reqs:
+            self.scheduler.add_request(req)
+        pending = {req.rid for req in reqs}
+        while pending:
+            for req in self.scheduler.step():
+                if req.finished:
+                    pending.discard(req.rid)
+        outs = [self._output(req, return_text_in_logprobs) for req in reqs]
+        return outs[0] if single and len(outs) == 1 else outs
+
+    def generate_stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: dict[str, Any] | None = None,
+        input_ids: list[int] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Yields {"text": cumulative text, "output_ids", "meta_info"} after every new token."""
+        reqs, _ = self._build_requests(prompt, sampling_params, input_ids, False, None, None, None)
+        if len(reqs) != 1:
+            raise ValueError("generate_stream takes one prompt with n == 1")
+        req = reqs[0]
+        self.scheduler.add_request(req)
+        while not req.finished:
+            if any(r is req for r in self.scheduler.step()):
+                yield self._output(req, False)
+
+    def flush_cache(self) -> bool:
+        ok = self.scheduler.flush_cache()
+        if not ok:
+            logger.warning("flush_cache refused: requests are still running")
+        return ok
+
+    def get_server_info(self) -> dict[str, Any]:
+        stats = self.scheduler.stats
+        tree = self.scheduler.cache.tree
+        return {
+            "model_path": str(self.model_dir),
+            "max_total_tokens": self.runner.max_total_tokens,
+            "context_length": self.runner.context_len,
+            "free_tokens": self.runner.allocator.available_size(),
+            "cached_tokens_in_tree": tree.total_size() if tree is not None else 0,
+            "evictable_tokens": tree.evictable_size() if tree is not None else 0,
+            **vars(stats),
+        }
+
+    def shutdown(self) -> None:
+        self.scheduler = None  # type: ignore[assignment]
+        self.runner = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- request building ---------------------------------------------------------------------
+    def _build_requests(
+        self,
+        prompt: Prompt,
+        sampling_params: ParamsArg,
+        input_ids: InputIds,
+        return_logprob: bool,
+        logprob_start_len: int | None,
+        top_logprobs_num: int | None,
+        rid: str | list[str] | None,
+    ) -> tuple[list[Req], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("exactly one of prompt (text) and input_ids must be given")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else prompt
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            id_lists = [self.tokenizer.encode(t) if t else [] for t in texts]
+        else:
+            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
+            id_lists = [input_ids] if single else input_ids
+            if not isinstance(id_lists, list) or not all(
+                isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                for ids in id_lists
+            ):
+                raise ValueError("input_ids must be a list of token ids or a list of such lists")
+        if not id_lists:
+            raise ValueError("prompt: the batch is empty")
+        params_list = (
+            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
+        )
+        if len(params_list) != len(id_lists):
+            raise ValueError(f"sampling_params: got {len(params_list)} entries for {len(id_lists)} prompts")
+        rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
+        if len(rids) != len(id_lists):
+            raise ValueError(f"rid: got {len(rids)} ids for {len(id_lists)} prompts")
+        if top_logprobs_num is not None and top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+
+        reqs: list[Req] = []
+        for ids, raw, base_rid in zip(id_lists, params_list, rids):
+            sp = SamplingParams.from_dict(raw)
+            sp.validate(self.runner.config.vocab_size)
+            self._validate_lengths(ids, sp, logprob_start_len)
+            base = base_rid or uuid.uuid4().hex
+            for i in range(sp.n):
+                seed = sp.seed + i if sp.seed is not None else None
+                reqs.append(
+                    Req(
+                        rid=base if sp.n == 1 else f"{base}-{i}",
+                        origin_input_ids=list(ids),
+                        sampling_params=sp,
+                        return_logprob=return_logprob,
+                        logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                        top_logprobs_num=top_logprobs_num or 0,
+                        generator=self._generator(seed),
+                    )
+                )
+        return reqs, single
+
+    def _validate_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int | None) -> None:
+        vocab = self.runner.config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
+        ctx = self.runner.context_len
+        if len(ids) >= ctx:
+            raise ValueError(f"prompt is {len(ids)} tokens, longer than the context length {ctx}")
+        if len(ids) + sp.max_new_tokens > ctx:
+            raise ValueError(
+                f"sampling_params.max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt "
+                f"exceeds the context length {ctx}"
+            )
+        pool = self.runner.max_total_tokens
+        if len(ids) + sp.max_new_tokens > pool:
+            raise ValueError(
+                f"sampling_params.max_new_tokens: prompt ({len(ids)}) + max_new_tokens "
+                f"({sp.max_new_tokens}) exceeds the KV cache pool ({pool} tokens)"
+            )
+        if logprob_start_len is not None and not -1 <= logprob_start_len < len(ids):
+            raise ValueError(f"logprob_start_len must be in [-1, {len(ids)}), got {logprob_start_len}")
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        if seed is None:
+            seed = self.server_args.random_seed * 1_000_003 + next(self._seed_counter)
+        gen = torch.Generator(device=self.runner.device)
+        gen.manual_seed(seed)
+        return gen
+
+    # -- outputs ------------------------------------------------------------------------------
+    def _output(self, req: Req, text_in_logprobs: bool) -> dict[str, Any]:
+        sp = req.sampling_params
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": req.prompt_len,
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": max(req.cached_tokens, 0),
+            "finish_reason": req.finished_reason,
+            "e2e_latency": time.monotonic() - req.arrival_time,
+        }
+        if req.return_logprob:
+            meta.update(self._logprob_meta(req, text_in_logprobs))
+        return {
+            "text": decode_output(
+                self.tokenizer, req.output_ids, req.finished_reason, sp.skip_special_tokens, sp.no_stop_trim
+            ),
+            "output_ids": list(req.output_ids),
+            "meta_info": meta,
+        }
+
+    def _logprob_meta(self, req: Req, text: bool) -> dict[str, Any]:
+        def tok_text(tid: int) -> str | None:
+            return self.tokenizer.decode([tid]) if text else None
+
+        start = max(req.logprob_start_len, 0) if req.wants_input_logprobs else req.prompt_len
+        in_ids = req.origin_input_ids[start:]
+        return {
+            "input_token_logprobs": [(lp, t, tok_text(t)) for lp, t in zip(req.input_token_logprobs, in_ids)],
+            "input_top_logprobs": [
+                None if top is None else [(lp, t, tok_text(t)) for lp, t in top]
+                for top in req.input_top_logprobs
+            ],
+            "output_token_logprobs": [
+                (lp, t, tok_text(t)) for lp, t in zip(req.output_token_logprobs, req.output_ids)
+            ],
+            "output_top_logprobs": [
+                [(lp, t, tok_text(t)) for lp, t in top] for top in req.output_top_logprobs
+            ],
+        }

@@ -1,0 +1,246 @@
+"""Radix tree over token ids whose nodes own KV slots, so requests sharing a prefix share its KV.
+
+Ownership model: a slot inside the tree belongs to the tree and is freed only by `evict`/`reset`.
+Callers lock the node their prefix ends in while a request runs, which pins the whole path.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import torch
+
+from radixlm_runtime.kvcache.pool import TokenAllocator
+
+
+def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
+    """Length of the common prefix of edge and key[start:], without slicing key at every level."""
+    n = min(len(edge), len(key) - start)
+    for i in range(n):
+        if edge[i] != key[start + i]:
+            return i
+    return n
+
+
+class TreeNode:
+    """One edge of the tree: `key` tokens and the KV slots (`value`) holding them."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        key: list[int],
+        value: torch.Tensor,
+        parent: TreeNode | None,
+        last_access_time: float,
+        lock_ref: int = 0,
+    ) -> None:
+        self.children: dict[int, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = lock_ref
+        self.last_access_time = last_access_time
+        self.id = next(TreeNode._ids)
+
+    def __lt__(self, other: TreeNode) -> bool:
+        # Heap order for eviction: least recently used first, creation order breaks ties.
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class RadixCache:
+    """Prefix cache with LRU eviction of unlocked leaves and O(1) size accounting."""
+
+    def __init__(self, allocator: TokenAllocator) -> None:
+        self.allocator = allocator
+        self.device = allocator.device
+        # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
+        self._clock = itertools.count(1)
+        self.root_node = TreeNode([], self._empty(), None, 0.0, lock_ref=1)
+        self._evictable_size = 0
+        self._protected_size = 0
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def _tick(self) -> float:
+        return float(next(self._clock))
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached prefix of key: its KV indices and the node the match ends in.
+
+        A match ending inside an edge splits it, so the returned node can be locked to pin exactly
+        the matched tokens.
+        """
+        node = self.root_node
+        now = self._tick()
+        node.last_access_time = now
+        values: list[torch.Tensor] = []
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            values.append(child.value)
+            node = child
+            pos += n
+        if not values:
+            return self._empty(), node
+        return torch.cat(values), node
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Inserts key with its KV indices; returns how many leading tokens were already cached.
+
+        The tree keeps its own slots for that prefix, so the caller must free its copies of them
+        (value[caller_prefix_len:returned_len]) unless they are the very same slots.
+        """
+        if value.numel() != len(key):
+            raise ValueError(f"insert: key has {len(key)} tokens but value has {value.numel()} slots")
+        node = self.root_node
+        now = self._tick()
+        node.last_access_time = now
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(key[pos])
+            if child is None:
+                # Cloned because callers often pass a view of a req_to_token row that gets reused.
+                new_value = value[pos:].to(device=self.device, dtype=torch.int64).clone()
+                leaf = TreeNode(list(key[pos:]), new_value, node, now)
+                node.children[key[pos]] = leaf
+                self._evictable_size += len(leaf.key)
+                return pos
+            n = _common_prefix_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            node = child
+            pos += n
+        return pos
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cuts child's edge after n tokens and returns the new upper node.
+
+        The upper node inherits lock_ref because every lock on child also pinned these tokens; the
+        token counters need no change since each token stays in a node of the same lock state.
+        """
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(child.key[:n], child.value[:n], parent, child.last_access_time, child.lock_ref)
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        return upper
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pins node and all its ancestors so eviction cannot take the prefix from a running request."""
+        while node is not self.root_node:
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.key)
+                self._protected_size += len(node.key)
+            node.lock_ref += 1
+            assert node.parent is not None, "inc_lock_ref on a node detached from the tree"
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        # Ancestors are locked at least as often as node, so checking node alone guards the whole path.
+        if node is not self.root_node and node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+        while node is not self.root_node:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable_size += len(node.key)
+                self._protected_size -= len(node.key)
+            assert node.parent is not None, "dec_lock_ref on a node detached from the tree"
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least num_tokens slots if possible, taking unlocked leaves least recently used first.
+
+        Returns the number of slots freed, which is less than asked when too little is evictable.
+        """
+        if num_tokens <= 0:
+            return 0
+        heap = [n for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[torch.Tensor] = []
+        num_freed = 0
+        while num_freed < num_tokens and heap:
+            node = heapq.heappop(heap)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[0]]
+            node.parent = None
+            freed.append(node.value)
+            num_freed += len(node.key)
+            self._evictable_size -= len(node.key)
+            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        if freed:
+            self.allocator.free(torch.cat(freed))
+        return num_freed
+
+    def _leaves(self) -> list[TreeNode]:
+        leaves: list[TreeNode] = []
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+    def evictable_size(self) -> int:
+        return self._evictable_size
+
+    def protected_size(self) -> int:
+        return self._protected_size
+
+    def total_size(self) -> int:
+        return self._evictable_size + self._protected_size
+
+    def reset(self) -> None:
+        """Returns every cached slot to the allocator; refuses while a request still pins a path."""
+        if self._protected_size:
+            raise RuntimeError(f"reset with {self._protected_size} tokens still locked")
+        values: list[torch.Tensor] = []
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            values.append(node.value)
+            stack.extend(node.children.values())
+            node.parent = None
+        if values:
+            self.allocator.free(torch.cat(values))
+        self.root_node.children = {}
+        self._evictable_size = 0
+
+    def pretty_print(self) -> str:
+        lines = [
+            f"RadixCache total={self.total_size()} evictable={self._evictable_size} "
+            f"protected={self._protected_size}"
+        ]
+        stack: list[tuple[TreeNode, int]] = [
+            (c, 1) for c in sorted(self.root_node.children.values(), key=lambda c: c.key[0], reverse=True)
+        ]
+        while stack:
+            node, depth = stack.pop()
+            lines.append(
+                f"{'  ' * depth}key={node.key} value={node.value.tolist()} lock_ref={node.lock_ref} "
+                f"t={node.last_access_time:g}"
+            )
+            children = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)
+            stack.extend((c, depth + 1) for c in children)
+        return "\n".join(lines)

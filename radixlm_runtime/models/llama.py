@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral): GQA, RoPE, RMSNorm, SwiGLU.
+
+Projections that read the same input are fused (q/k/v, gate/up) so each layer runs a few large
+matmuls; checkpoints are loaded by their Hugging Face names and packed into the fused weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.layers.activation import SiluAndMul
+from radixlm_runtime.layers.norm import RMSNorm
+from radixlm_runtime.layers.rotary import RotaryEmbedding
+from radixlm_runtime.models.config import ModelConfig
+
+# HF parameter name fragment -> (fused parameter fragment, shard id)
+_PACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = attn.forward(q, k, v.contiguous(), self.layer_id, batch)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+    def load_shard(self, shard: str, weight: torch.Tensor, bias: bool) -> None:
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
+        target = self.qkv_proj.bias if bias else self.qkv_proj.weight
+        target.data[offset : offset + weight.shape[0]].copy_(weight)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def load_shard(self, shard: int, weight: torch.Tensor) -> None:
+        offset = shard * self.intermediate_size
+        self.gate_up_proj.weight.data[offset : offset + self.intermediate_size].copy_(weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = rotary
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Returns float32 logits for the rows in batch.logits_indices only: projecting every prefill
+        token onto a 49k vocabulary would cost more than the rest of a small model."""
+        hidden = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, batch, attn)
+        if batch.logits_indices.numel() != batch.num_tokens:
+            hidden = hidden.index_select(0, batch.logits_indices)
+            residual = residual.index_select(0, batch.logits_indices)
+        hidden, _ = self.norm(hidden, residual)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            packed = next((frag for frag in _PACKED if f".{frag}." in name), None)
+            if packed is not None:
+                fused, shard = _PACKED[packed]
+                layer = self.layers[int(name.split(".")[1])]
+                module = layer.self_attn if fused == "qkv_proj" else layer.mlp
+                if fused == "qkv_proj":
+                    module.load_shard(shard, tensor, bias=name.endswith(".bias"))
+                else:
+                    module.load_shard(shard, tensor)
+                loaded.add(name.replace(packed, fused))
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in the model")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+            )

@@ -1,0 +1,153 @@
+"""Per-request sampling parameters, validated before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
+_FLOAT_FIELDS = {
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+}
+_BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+
+
+@dataclass
+class SamplingParams:
+    """Field names and defaults follow SGLang's `sampling_params` so requests port unchanged."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    regex: str | None = None
+    json_schema: str | None = None
+    n: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Builds params from a user dict, naming the offending field on any error."""
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return dataclasses.replace(params)
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in params.items():
+            if value is None and key not in ("seed", "regex", "json_schema", "stop", "stop_token_ids"):
+                continue
+            kwargs[key] = _coerce(key, value)
+        sp = cls(**kwargs)
+        sp.validate()
+        return sp
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
+            raise ValueError(
+                f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling_params.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(
+                f"sampling_params.frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"
+            )
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(
+                f"sampling_params.presence_penalty must be in [-2, 2], got {self.presence_penalty}"
+            )
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"sampling_params.repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if self.n < 1:
+            raise ValueError(f"sampling_params.n must be >= 1, got {self.n}")
+        if self.regex is not None and self.json_schema is not None:
+            raise ValueError("sampling_params: regex and json_schema cannot both be set")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        if vocab_size is not None:
+            for tid in self.stop_token_ids:
+                if not 0 <= tid < vocab_size:
+                    raise ValueError(f"sampling_params.stop_token_ids: {tid} is outside [0, {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _coerce(key: str, value: Any) -> Any:
+    if key in _INT_FIELDS:
+        if value is None and key == "seed":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
+        return value
+    if key in _FLOAT_FIELDS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"sampling_params.{key} must be a number, got {value!r}")
+        return float(value)
+    if key in _BOOL_FIELDS:
+        if not isinstance(value, bool):
+            raise ValueError(f"sampling_params.{key} must be a boolean, got {value!r}")
+        return value
+    if key == "stop":
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+            return list(value)
+        raise ValueError(f"sampling_params.stop must be a string or a list of strings, got {value!r}")
+    if key == "stop_token_ids":
+        if value is None:
+            return []
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        if isinstance(value, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
+            return list(value)
+        raise ValueError(f"sampling_params.stop_token_ids must be a list of integers, got {value!r}")
+    if key in ("regex", "json_schema"):
+        if value is None:
+            return None
+        if key == "json_schema" and isinstance(value, dict):
+            import json
+
+            return json.dumps(value)
+        if not isinstance(value, str):
+            raise ValueError(f"sampling_params.{key} must be a string, got {type(value).__name__}")
+        return value
+    raise AssertionError(key)

@@ -1,0 +1,53 @@
+"""Orders the waiting queue so that requests sharing a cached prefix run while it is still cached."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
+from radixlm_runtime.scheduler.req import Req
+
+# Matching every waiting request against the tree each step costs O(total prompt length); past
+# this queue length LPM falls back to arrival order, as the gain no longer pays for the walk.
+LPM_MAX_QUEUE = 256
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree: RadixCache | None) -> None:
+        if policy not in ("lpm", "dfs-weight", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm', 'dfs-weight' or 'fcfs', got {policy!r}")
+        self.policy = policy if tree is not None else "fcfs"
+        self.tree = tree
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """Returns the queue in admission order, with each request's prefix match refreshed."""
+        if self.tree is not None:
+            for req in waiting:
+                key = req.fill_ids[: req.max_prefix_len()]
+                req.prefix_indices, req.last_node = self.tree.match_prefix(key)
+        if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
+            return list(waiting)
+        if self.policy == "lpm":
+            return sorted(waiting, key=lambda r: -len(r.prefix_indices))
+        return self._dfs_weight(waiting)
+
+    def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
+        """Walks the radix tree depth-first, heaviest subtree (most waiting requests) first, so that
+        requests under one cached node are admitted back to back."""
+        assert self.tree is not None
+        by_node: dict[TreeNode, list[Req]] = defaultdict(list)
+        weight: dict[TreeNode, int] = defaultdict(int)
+        for req in waiting:
+            node = req.last_node
+            by_node[node].append(req)
+            while node is not None:
+                weight[node] += 1
+                node = node.parent
+        ordered: list[Req] = []
+        stack = [self.tree.root_node]
+        while stack:
+            node = stack.pop()
+            ordered.extend(by_node.get(node, ()))
+            children = [c for c in node.children.values() if weight.get(c, 0) > 0]
+            stack.extend(sorted(children, key=lambda c: weight[c]))
+        return ordered

@@ -1,0 +1,114 @@
+"""Every runtime flag in one place; the CLI is generated from these fields and their help text."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = _flag(
+        None, "Hugging Face model directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct."
+    )
+    device: str = _flag("auto", "Device to run on: 'cpu', 'cuda' or 'auto' (cuda when available).")
+    dtype: str = _flag(
+        "auto",
+        "Weight and activation dtype. 'auto' is float32 on CPU (bf16 matmul is very slow there) "
+        "and bfloat16 on CUDA.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    attention_backend: str = _flag(
+        "auto",
+        "Attention kernels: 'torch' (default on CPU) or 'triton' (default on CUDA).",
+        ("auto", "torch", "triton"),
+    )
+    max_total_tokens: int | None = _flag(
+        None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
+    )
+    mem_fraction_static: float = _flag(
+        0.15,
+        "Fraction of available memory (host RAM on CPU, free GPU memory on CUDA) given to the KV "
+        "cache pool when --max-total-tokens is not set.",
+    )
+    max_running_requests: int = _flag(128, "Most requests decoding at once in the running batch.")
+    chunked_prefill_size: int = _flag(
+        1024,
+        "Token budget of one forward step. Longer prompts are prefilled in chunks so they never "
+        "stall running decodes.",
+    )
+    context_length: int | None = _flag(
+        None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings."
+    )
+    schedule_policy: str = _flag(
+        "lpm",
+        "Order of the waiting queue: 'lpm' (longest cached prefix first), 'dfs-weight' (walk the "
+        "radix tree so requests sharing a prefix run together) or 'fcfs' (arrival order).",
+        ("lpm", "dfs-weight", "fcfs"),
+    )
+    disable_radix_cache: bool = _flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    new_token_ratio: float = _flag(
+        0.5,
+        "Fraction of a running request's remaining max_new_tokens reserved when admitting new "
+        "requests; lower admits more but retracts more often.",
+    )
+    random_seed: int = _flag(0, "Seed for requests that give no seed of their own.")
+    num_threads: int | None = _flag(None, "torch intra-op threads on CPU. Default: all cores.")
+    log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        if self.chunked_prefill_size < 16:
+            raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            parser.add_argument(
+                flag,
+                type=_cli_type(f.type),
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f"{help_text} (default: {f.default})",
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _cli_type(annotation: Any) -> Any:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str

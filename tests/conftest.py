@@ -1,0 +1,109 @@
+"""Shared fixtures: the embedded default model and tiny random-init Llama / Qwen2 model directories.
+
+The tiny directories are complete Hugging Face checkpoints (config, safetensors, tokenizer with a chat
+template), so both transformers and the runtime can load them in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Without a GPU the Triton kernels run under the interpreter; Triton reads this at import time.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from radixlm_runtime.models.loader import resolve_model_path
+
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("e", "r"),
+    ("a", "n"),
+    ("o", "n"),
+    ("Ġ", "a"),
+]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TINY_MODEL_KWARGS = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+
+def build_tiny_tokenizer():
+    """Byte-level BPE over 256 bytes, a few merges and ChatML specials (ids 0-2, like SmolLM2): ~270 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(TINY_SPECIAL_TOKENS)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    for left, right in TINY_MERGES:
+        vocab[left + right] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=TINY_MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(TINY_SPECIAL_TOKENS)
+    assert len(vocab) <= TINY_MODEL_KWARGS["vocab_size"]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model_dir(out_dir: Path, model_type: str) -> Path:
+    """Saves a seeded random-init tiny model of model_type ("llama" or "qwen2") plus the tiny tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[model_type]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**TINY_MODEL_KWARGS))
+    model.save_pretrained(out_dir)
+    build_tiny_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2 GGUF converted into the normal cache (converted once, then reused)."""
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init LlamaForCausalLM (vocab 300, hidden 64, 2 layers, 4 q / 2 kv heads)."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes as tiny_llama_dir but a Qwen2ForCausalLM, whose q/k/v projections carry biases."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")

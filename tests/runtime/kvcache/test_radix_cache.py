@@ -1,0 +1,340 @@
+"""RadixCache behaviour on hand-built scenarios: matching, splitting, locking and LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm_runtime.kvcache import RadixCache, TokenAllocator, TreeNode
+
+
+def _make(size: int = 64) -> tuple[TokenAllocator, RadixCache]:
+    alloc = TokenAllocator(size)
+    return alloc, RadixCache(alloc)
+
+
+def _insert_new(alloc: TokenAllocator, cache: RadixCache, key: list[int]) -> torch.Tensor:
+    """Caches key the way a finished request does: fresh slots for its uncached suffix."""
+    prefix, _ = cache.match_prefix(key)
+    new = alloc.alloc(len(key) - len(prefix))
+    assert new is not None
+    value = torch.cat([prefix, new])
+    assert cache.insert(key, value) == len(prefix)
+    return value
+
+
+def _check_accounting(alloc: TokenAllocator, cache: RadixCache, outside: int = 0) -> None:
+    assert cache.evictable_size() + cache.protected_size() == cache.total_size()
+    assert alloc.available_size() + cache.total_size() + outside == alloc.size
+
+
+def _nodes(cache: RadixCache) -> list[TreeNode]:
+    out: list[TreeNode] = []
+    stack = list(cache.root_node.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def test_empty_cache_matches_nothing() -> None:
+    alloc, cache = _make()
+    value, node = cache.match_prefix([1, 2, 3])
+    assert value.numel() == 0 and value.dtype == torch.int64
+    assert node is cache.root_node
+    assert cache.total_size() == 0
+    assert cache.root_node.lock_ref == 1
+
+
+def test_empty_key_insert_and_match() -> None:
+    alloc, cache = _make()
+    assert cache.insert([], torch.empty(0, dtype=torch.int64)) == 0
+    value, node = cache.match_prefix([])
+    assert value.numel() == 0 and node is cache.root_node
+    _insert_new(alloc, cache, [1, 2])
+    value, node = cache.match_prefix([])
+    assert value.numel() == 0 and node is cache.root_node
+    assert cache.insert([], torch.empty(0, dtype=torch.int64)) == 0
+    _check_accounting(alloc, cache)
+
+
+def test_insert_then_match_returns_the_inserted_slots() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
+    got, node = cache.match_prefix([1, 2, 3, 4])
+    assert torch.equal(got, value)
+    assert node.key == [1, 2, 3, 4]
+    # A longer query matches the cached part only.
+    got, node = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert torch.equal(got, value)
+    assert node.key == [1, 2, 3, 4]
+    # A query diverging at the first token matches nothing.
+    got, node = cache.match_prefix([2, 2])
+    assert got.numel() == 0 and node is cache.root_node
+    assert cache.total_size() == 4 and cache.evictable_size() == 4
+    _check_accounting(alloc, cache)
+
+
+def test_insert_returns_already_present_prefix_length() -> None:
+    alloc, cache = _make()
+    first = _insert_new(alloc, cache, [1, 2, 3])
+    assert cache.insert([1, 2, 3], first) == 3
+    # Same prefix with fresh duplicate slots: the tree keeps its own, the caller frees the duplicates.
+    dup = alloc.alloc(5)
+    assert dup is not None
+    assert cache.insert([1, 2, 3, 7, 8], dup) == 3
+    alloc.free(dup[:3])
+    got, _ = cache.match_prefix([1, 2, 3, 7, 8])
+    assert torch.equal(got, torch.cat([first, dup[3:]]))
+    assert cache.total_size() == 5
+    _check_accounting(alloc, cache)
+
+
+def test_insert_of_a_prefix_of_a_cached_key_splits_and_reports_full_match() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
+    assert cache.insert([1, 2], value[:2]) == 2
+    assert [n.key for n in _nodes(cache)] in ([[1, 2], [3, 4]], [[3, 4], [1, 2]])
+    assert cache.total_size() == 4
+    _check_accounting(alloc, cache)
+
+
+def test_match_inside_an_edge_splits_the_node() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4, 5])
+    got, node = cache.match_prefix([1, 2, 3, 9])
+    assert torch.equal(got, value[:3])
+    assert node.key == [1, 2, 3]
+    assert torch.equal(node.value, value[:3])
+    assert node.parent is cache.root_node
+    (child,) = node.children.values()
+    assert child.key == [4, 5] and torch.equal(child.value, value[3:])
+    assert child.parent is node
+    # The full key still matches across the split.
+    got, deepest = cache.match_prefix([1, 2, 3, 4, 5])
+    assert torch.equal(got, value) and deepest is child
+    assert cache.total_size() == 5
+    _check_accounting(alloc, cache)
+
+
+def test_match_with_query_ending_inside_an_edge_splits_there() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
+    got, node = cache.match_prefix([1, 2])
+    assert torch.equal(got, value[:2])
+    assert node.key == [1, 2]
+
+
+def test_insert_diverging_mid_edge_creates_branch() -> None:
+    alloc, cache = _make()
+    a = _insert_new(alloc, cache, [1, 2, 3, 4])
+    b = alloc.alloc(4)
+    assert b is not None
+    assert cache.insert([1, 2, 7, 8], b) == 2
+    alloc.free(b[:2])
+    got_a, node_a = cache.match_prefix([1, 2, 3, 4])
+    got_b, node_b = cache.match_prefix([1, 2, 7, 8])
+    assert torch.equal(got_a, a)
+    assert torch.equal(got_b, torch.cat([a[:2], b[2:]]))
+    assert node_a.parent is node_b.parent
+    assert node_a.parent is not None and node_a.parent.key == [1, 2]
+    assert cache.total_size() == 6
+    _check_accounting(alloc, cache)
+
+
+def test_insert_after_match_on_split_path() -> None:
+    alloc, cache = _make()
+    a = _insert_new(alloc, cache, [5, 6, 7, 8])
+    prefix, node = cache.match_prefix([5, 6, 9])
+    assert torch.equal(prefix, a[:2])
+    cache.inc_lock_ref(node)
+    new = alloc.alloc(2)
+    assert new is not None
+    value = torch.cat([prefix, new])
+    assert cache.insert([5, 6, 9, 10], value) == 2
+    cache.dec_lock_ref(node)
+    got, _ = cache.match_prefix([5, 6, 9, 10])
+    assert torch.equal(got, value)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 6
+    _check_accounting(alloc, cache)
+
+
+def test_insert_rejects_mismatched_value_length() -> None:
+    _, cache = _make()
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3], torch.tensor([1, 2]))
+
+
+def test_insert_copies_value() -> None:
+    """Callers pass views of req_to_token rows that are later overwritten."""
+    alloc, cache = _make()
+    slots = alloc.alloc(3)
+    assert slots is not None
+    row = slots.clone()
+    cache.insert([1, 2, 3], row)
+    row.fill_(0)
+    got, _ = cache.match_prefix([1, 2, 3])
+    assert torch.equal(got, slots)
+
+
+def test_lock_moves_tokens_between_counters_along_the_path() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2, 3, 4])
+    _insert_new(alloc, cache, [1, 2, 5])
+    _, node = cache.match_prefix([1, 2, 5])
+    cache.inc_lock_ref(node)
+    assert cache.protected_size() == 3  # [1, 2] and [5]
+    assert cache.evictable_size() == 2  # [3, 4]
+    cache.inc_lock_ref(node)
+    assert cache.protected_size() == 3
+    cache.dec_lock_ref(node)
+    assert cache.protected_size() == 3
+    cache.dec_lock_ref(node)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 5
+    with pytest.raises(RuntimeError):
+        cache.dec_lock_ref(node)
+    assert cache.protected_size() == 0 and cache.evictable_size() == 5
+    _check_accounting(alloc, cache)
+
+
+def test_split_of_locked_node_keeps_lock_ref_and_counters() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2, 3, 4])
+    _, node = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(node)
+    _, upper = cache.match_prefix([1, 2, 9])
+    assert upper.key == [1, 2]
+    assert upper.lock_ref == 1 and node.lock_ref == 1
+    assert cache.protected_size() == 4 and cache.evictable_size() == 0
+    cache.dec_lock_ref(node)
+    assert upper.lock_ref == 0
+    assert cache.protected_size() == 0 and cache.evictable_size() == 4
+    _check_accounting(alloc, cache)
+
+
+def test_evict_frees_least_recently_used_leaf_first() -> None:
+    alloc, cache = _make()
+    old = _insert_new(alloc, cache, [1, 1, 1])
+    new = _insert_new(alloc, cache, [2, 2, 2])
+    assert cache.evict(1) == 3
+    assert cache.match_prefix([1, 1, 1])[0].numel() == 0
+    assert torch.equal(cache.match_prefix([2, 2, 2])[0], new)
+    assert alloc.available_size() == 64 - 3
+    # The freed slots are exactly the evicted node's: they can be allocated again.
+    assert set(old.tolist()) <= set(alloc.alloc(alloc.available_size()).tolist())
+
+
+def test_access_refreshes_lru_order() -> None:
+    alloc, cache = _make()
+    a = _insert_new(alloc, cache, [1, 1])
+    _insert_new(alloc, cache, [2, 2])
+    _insert_new(alloc, cache, [3, 3])
+    cache.match_prefix([1, 1])  # [1, 1] is now the most recently used
+    assert cache.evict(3) == 4
+    assert torch.equal(cache.match_prefix([1, 1])[0], a)
+    assert cache.match_prefix([2, 2])[0].numel() == 0
+    assert cache.match_prefix([3, 3])[0].numel() == 0
+    _check_accounting(alloc, cache)
+
+
+def test_evict_climbs_to_parent_once_its_last_child_goes() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2, 3])
+    _insert_new(alloc, cache, [1, 2, 4])
+    _insert_new(alloc, cache, [9, 9])  # newest, so evicted last
+    assert cache.evict(4) == 4
+    # [3], [4] and then their parent [1, 2] went before the newer [9, 9].
+    assert cache.match_prefix([1])[0].numel() == 0
+    assert cache.match_prefix([9, 9])[0].numel() == 2
+    assert cache.total_size() == 2
+    _check_accounting(alloc, cache)
+
+
+def test_locked_paths_are_never_evicted() -> None:
+    alloc, cache = _make()
+    locked = _insert_new(alloc, cache, [1, 2, 3, 4])
+    _insert_new(alloc, cache, [1, 2, 5, 6])
+    _insert_new(alloc, cache, [7, 8])
+    _, node = cache.match_prefix([1, 2, 3, 4])
+    cache.inc_lock_ref(node)
+    # Ask for everything: only the unlocked branch [5, 6] and [7, 8] can go.
+    assert cache.evict(100) == 4
+    assert torch.equal(cache.match_prefix([1, 2, 3, 4])[0], locked)
+    assert cache.match_prefix([7])[0].numel() == 0
+    assert cache.protected_size() == 4 and cache.evictable_size() == 0
+    assert cache.evict(1) == 0
+    cache.dec_lock_ref(node)
+    # Once unlocked, the leaf [3, 4] goes first and then its now childless parent [1, 2].
+    assert cache.evict(1) == 2
+    assert cache.evict(1) == 2
+    assert cache.total_size() == 0
+    assert alloc.available_size() == 64
+
+
+def test_locked_inner_node_protects_only_its_path() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2, 3, 4])
+    _, inner = cache.match_prefix([1, 2])
+    cache.inc_lock_ref(inner)
+    assert cache.evict(100) == 2
+    assert cache.match_prefix([1, 2, 3])[0].numel() == 2
+    assert cache.total_size() == 2 and cache.protected_size() == 2
+    cache.dec_lock_ref(inner)
+    _check_accounting(alloc, cache)
+
+
+def test_evict_nonpositive_is_noop() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2])
+    assert cache.evict(0) == 0
+    assert cache.total_size() == 2
+
+
+def test_evict_frees_slots_to_allocator_with_exact_accounting() -> None:
+    alloc, cache = _make(16)
+    for key in ([0, 1, 2, 3], [0, 1, 5], [2, 2, 2, 2, 2], [3]):
+        _insert_new(alloc, cache, key)
+    assert cache.total_size() == 11
+    assert alloc.available_size() == 5
+    freed = cache.evict(6)
+    assert freed >= 6
+    assert alloc.available_size() == 5 + freed
+    _check_accounting(alloc, cache)
+
+
+def test_reset_frees_everything() -> None:
+    alloc, cache = _make(16)
+    _insert_new(alloc, cache, [1, 2, 3])
+    _insert_new(alloc, cache, [1, 4])
+    cache.reset()
+    assert cache.total_size() == 0 and cache.evictable_size() == 0
+    assert alloc.available_size() == 16
+    assert cache.match_prefix([1, 2, 3])[0].numel() == 0
+    # The cache is usable again after a reset.
+    _insert_new(alloc, cache, [1, 2, 3])
+    assert cache.total_size() == 3
+    _check_accounting(alloc, cache)
+
+
+def test_reset_refuses_while_locked() -> None:
+    alloc, cache = _make(16)
+    _insert_new(alloc, cache, [1, 2, 3])
+    _, node = cache.match_prefix([1, 2, 3])
+    cache.inc_lock_ref(node)
+    with pytest.raises(RuntimeError):
+        cache.reset()
+    assert cache.total_size() == 3
+    cache.dec_lock_ref(node)
+    cache.reset()
+    assert alloc.available_size() == 16
+
+
+def test_pretty_print_lists_every_node() -> None:
+    alloc, cache = _make()
+    _insert_new(alloc, cache, [1, 2, 3])
+    _insert_new(alloc, cache, [1, 2, 4])
+    text = cache.pretty_print()
+    assert "total=4" in text
+    for key in ("[1, 2]", "[3]", "[4]"):
+        assert f"key={key}" in text
