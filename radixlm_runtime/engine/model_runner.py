@@ -11,6 +11,7 @@ import torch
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.engine.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool, TokenAllocator
+from radixlm_runtime.layers.linear import prepack_linears
 from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama import LlamaForCausalLM
@@ -109,7 +110,9 @@ class ModelRunner:
             model = LlamaForCausalLM(self.config, rotary)
         model = model.to_empty(device=self.device)
         model.load_weights(load_weights(model_dir))
-        return model.to(device=self.device, dtype=self.dtype).eval()
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        prepack_linears(model)
+        return model
 
     def _kv_pool_size(self) -> int:
         if self.args.max_total_tokens is not None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.engine.forward_batch import ForwardBatch
 from radixlm_runtime.layers.activation import SiluAndMul
+from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
 from radixlm_runtime.layers.rotary import RotaryEmbedding
 from radixlm_runtime.models.config import ModelConfig
@@ -38,10 +38,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary = rotary
 
     def forward(
@@ -66,8 +64,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,11 +110,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -130,17 +124,20 @@ class LlamaForCausalLM(nn.Module):
             hidden = hidden.index_select(0, batch.logits_indices)
             residual = residual.index_select(0, batch.logits_indices)
         hidden, _ = self.norm(hidden, residual)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.config.tie_word_embeddings:
+            # Tied here rather than in __init__: materialising meta-device modules unties them.
+            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.keep_weight = True
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
             name = name.removeprefix("model.")
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             packed = next((frag for frag in _PACKED if f".{frag}." in name), None)
             if packed is not None:

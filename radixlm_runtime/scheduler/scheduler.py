@@ -48,6 +48,8 @@ class _Item:
     # scheduling time, before sampling grows fill_ids.
     completes_fill: bool = False
 
+    is_prefill: bool = True
+
     def __post_init__(self) -> None:
         self.completes_fill = self.prefix_len + self.extend_len == len(self.req.fill_ids)
 
@@ -106,7 +108,7 @@ class Scheduler:
             want = min(len(pending.fill_ids) - pending.kv_len, room)
         decode = self._reserve_decode(want)
         budget = self.args.chunked_prefill_size - len(decode)
-        items = [_Item(r, r.kv_len, 1) for r in decode]
+        items = [_Item(r, r.kv_len, 1, is_prefill=False) for r in decode]
         if pending is not None:
             items.append(_Item(pending, pending.kv_len, want))
             budget -= want
@@ -230,8 +232,8 @@ class Scheduler:
             if req.wants_input_logprobs and not req.output_ids and it.num_rows:
                 self._collect_input_logprobs(it, logits)
             if not it.completes_fill:
-                self.cache.cache_unfinished(req)
-            elif req.sampling_params.max_new_tokens == 0:
+                continue
+            if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = {"type": "length", "length": 0}
             else:
                 to_sample.append(it)
@@ -244,7 +246,12 @@ class Scheduler:
             if req.finished:
                 self._finish(req)
                 updated.append(req)
-            elif it.completes_fill:
+                continue
+            if it.is_prefill:
+                # Publish the prefilled tokens right away, so waiting requests sharing them match
+                # them from the next step on instead of recomputing them.
+                self.cache.cache_unfinished(req)
+            if it.completes_fill:
                 if req not in self.running:
                     self.running.append(req)
                 updated.append(req)

@@ -1,0 +1,173 @@
+"""The offline Engine API on a tiny random-init model: outputs, sampling options, validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import radixlm_runtime as rt
+
+PROMPT = "the theater then an answer"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> rt.Engine:
+    return rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, context_length=256, log_level="warning")
+
+
+def test_output_shape(engine: rt.Engine) -> None:
+    out = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    meta = out["meta_info"]
+    assert len(out["output_ids"]) == 12 == meta["completion_tokens"]
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
+
+
+def test_batch_returns_list_in_order(engine: rt.Engine) -> None:
+    prompts = [PROMPT, "abc abc", "interesting"]
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    outs = engine.generate(prompts, greedy)
+    singles = [engine.generate(p, greedy)["output_ids"] for p in prompts]
+    assert [o["output_ids"] for o in outs] == singles
+    per_prompt = engine.generate(prompts, [{**greedy, "max_new_tokens": n} for n in (1, 2, 3)])
+    assert [len(o["output_ids"]) for o in per_prompt] == [1, 2, 3]
+
+
+def test_input_ids_and_cached_tokens(engine: rt.Engine) -> None:
+    ids = engine.tokenizer.encode(PROMPT + " and more words here")
+    first = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+    second = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+    assert second["meta_info"]["cached_tokens"] == len(ids) - 1
+    assert first["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine: rt.Engine) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 16, "seed": 1234, "ignore_eos": True}
+    alone = engine.generate(PROMPT, params)["output_ids"]
+    batch = engine.generate(["abc", PROMPT, "def"], [params | {"seed": 1}, params, params | {"seed": 2}])
+    assert batch[1]["output_ids"] == alone
+    other = engine.generate(PROMPT, params | {"seed": 99})["output_ids"]
+    assert other != alone
+
+
+def test_n_returns_distinct_samples(engine: rt.Engine) -> None:
+    outs = engine.generate(
+        PROMPT, {"temperature": 1.0, "max_new_tokens": 12, "n": 3, "seed": 5, "ignore_eos": True}
+    )
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) == 3
+    assert len({o["meta_info"]["id"] for o in outs}) == 3
+
+
+def test_stop_string_is_trimmed(engine: rt.Engine) -> None:
+    full = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
+    text = full["text"]
+    stop = text[6:9]
+    assert stop and stop in text
+    out = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 24, "stop": stop, "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[: text.index(stop)]
+    kept = engine.generate(
+        PROMPT,
+        {"temperature": 0, "max_new_tokens": 24, "stop": [stop], "no_stop_trim": True, "ignore_eos": True},
+    )
+    assert kept["text"].endswith(stop) or stop in kept["text"]
+
+
+def test_stop_token_ids(engine: rt.Engine) -> None:
+    full = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})["output_ids"]
+    target = full[5]
+    out = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 16, "stop_token_ids": [target]})
+    assert out["output_ids"] == full[: full.index(target) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+
+
+def test_min_new_tokens_blocks_stop_tokens(engine: rt.Engine) -> None:
+    full = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})["output_ids"]
+    first = full[0]
+    out = engine.generate(
+        PROMPT, {"temperature": 0, "max_new_tokens": 16, "stop_token_ids": [first], "min_new_tokens": 4}
+    )
+    assert len(out["output_ids"]) >= 4 and first not in out["output_ids"][:4]
+
+
+def test_output_logprobs(engine: rt.Engine) -> None:
+    out = engine.generate(
+        PROMPT,
+        {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+        return_logprob=True,
+        top_logprobs_num=3,
+        return_text_in_logprobs=True,
+    )
+    meta = out["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert meta["input_token_logprobs"] == []
+    for (lp, tok, text), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=True):
+        # Greedy picks the argmax, so the chosen token is the top-1 entry with the same logprob.
+        assert top[0][1] == tok and abs(top[0][0] - lp) < 1e-5 and lp <= 0
+        assert text == engine.tokenizer.decode([tok])
+        assert [x[0] for x in top] == sorted((x[0] for x in top), reverse=True)
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_and_caches(engine: rt.Engine) -> None:
+    ids = engine.tokenizer.encode("warming the cache with this prompt")
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=2
+    )
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == ids[2:]
+    again = engine.generate(input_ids=ids + [5], sampling_params={"max_new_tokens": 1})
+    assert again["meta_info"]["cached_tokens"] == len(ids)
+
+
+def test_generate_stream_yields_growing_text(engine: rt.Engine) -> None:
+    chunks = list(engine.generate_stream(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}))
+    assert len(chunks) == 6
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]
+    final = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    assert chunks[-1]["output_ids"] == final["output_ids"]
+
+
+BAD_INPUTS = [
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "x" * 400}, "context length"),
+    ({"prompt": PROMPT, "sampling_params": {"max_new_tokens": 300}}, "max_new_tokens"),
+    ({"prompt": PROMPT, "sampling_params": {"max_tokens": 3}}, "unknown field"),
+    ({"prompt": PROMPT, "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"prompt": PROMPT, "sampling_params": {"top_p": 0.0}}, "top_p"),
+    ({"prompt": PROMPT, "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"prompt": PROMPT, "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"prompt": PROMPT, "sampling_params": {"top_k": -2}}, "top_k"),
+    ({"prompt": PROMPT, "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"prompt": PROMPT, "sampling_params": {"regex": "a", "json_schema": "{}"}}, "regex"),
+    ({"input_ids": [1, 2, 10**6]}, "input_ids"),
+    ({"prompt": PROMPT, "input_ids": [1, 2]}, "exactly one"),
+    ({"prompt": [PROMPT, PROMPT], "sampling_params": [{}, {}, {}]}, "sampling_params"),
+    ({"prompt": PROMPT, "logprob_start_len": 99}, "logprob_start_len"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_INPUTS)
+def test_bad_input_raises_before_running(engine: rt.Engine, kwargs: dict, message: str) -> None:
+    before = engine.scheduler.stats.num_requests
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+    assert engine.scheduler.stats.num_requests == before
+    assert not engine.scheduler.has_work()
+
+
+def test_bad_item_in_batch_rejects_whole_batch(engine: rt.Engine) -> None:
+    before = engine.scheduler.stats.num_requests
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate([PROMPT, PROMPT], [{"max_new_tokens": 2}, {"temperature": -1}])
+    assert engine.scheduler.stats.num_requests == before
+    ok = engine.generate(PROMPT, {"max_new_tokens": 2, "temperature": 0})
+    assert len(ok["output_ids"]) == 2
+
+
+def test_unknown_engine_argument(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        rt.Engine(str(tiny_llama_dir), max_totl_tokens=10)

@@ -1,0 +1,182 @@
+"""Scheduler behaviour on a tiny random-init model: continuous batching, chunked prefill,
+retraction under a tiny KV pool, policies and aborts. Greedy outputs must not depend on any of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import radixlm_runtime as rt
+from radixlm_runtime.kvcache.pool import TokenAllocator
+from radixlm_runtime.kvcache.radix_cache import RadixCache
+from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.scheduler.policy import SchedulePolicy
+from radixlm_runtime.scheduler.req import Req
+
+GREEDY = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Prompts sharing 40-56 leading tokens, enough for the scheduler to prefill them once."""
+    shared = [(7 * i) % 250 + 3 for i in range(56)]
+    return [shared[: 40 + (i % 3) * 8] + [(11 * i + j) % 250 + 3 for j in range(6 + i % 5)] for i in range(n)]
+
+
+def _assert_no_leak(engine: rt.Engine) -> None:
+    runner = engine.runner
+    tree = engine.scheduler.cache.tree
+    held = tree.total_size() if tree is not None else 0
+    assert runner.allocator.available_size() + held == runner.max_total_tokens
+    if tree is not None:
+        assert tree.protected_size() == 0
+    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.max_reqs
+    assert not engine.scheduler.has_work()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> list[list[int]]:
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    return [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in _prompts(12)]
+
+
+def test_batched_equals_one_by_one(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    _assert_no_leak(engine)
+
+
+def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    # 12 requests needing up to ~106 tokens each share a 160-token pool: decode must retract.
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=160, log_level="warning")
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert engine.scheduler.stats.num_retractions > 0
+    assert [o["output_ids"] for o in outs] == reference
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    _assert_no_leak(engine)
+
+
+def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = rt.Engine(
+        str(tiny_llama_dir), max_total_tokens=160, disable_radix_cache=True, log_level="warning"
+    )
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert engine.scheduler.stats.num_retractions > 0
+    assert [o["output_ids"] for o in outs] == reference
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+    _assert_no_leak(engine)
+
+
+def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = rt.Engine(
+        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=16, log_level="warning"
+    )
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    _assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+def test_policies_agree(tiny_llama_dir: Path, reference: list[list[int]], policy: str) -> None:
+    engine = rt.Engine(
+        str(tiny_llama_dir), max_total_tokens=8192, schedule_policy=policy, log_level="warning"
+    )
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    _assert_no_leak(engine)
+
+
+def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    """Continuous batching: a request arriving mid-decode joins the next step, and the long
+    prompt's chunks run alongside the decodes without changing anyone's output."""
+    engine = rt.Engine(
+        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=24, log_level="warning"
+    )
+    sched = engine.scheduler
+    prompts = _prompts(12)
+    reqs = [Req(f"r{i}", p, SamplingParams.from_dict(GREEDY)) for i, p in enumerate(prompts)]
+    sched.add_request(reqs[0])
+    steps = 0
+    while len(reqs[0].output_ids) < 2:
+        sched.step()
+        steps += 1
+    # A 46-token prompt under a 24-token budget: two prefill chunks, then one decode.
+    assert steps == 3 and sched.running == [reqs[0]]
+    for r in reqs[1:]:
+        sched.add_request(r)
+    sched.step()
+    # The decode kept going in the same step the newcomers started prefilling.
+    assert len(reqs[0].output_ids) == 3
+    assert any(r.kv_len > 0 for r in reqs[1:])
+    while sched.has_work():
+        sched.step()
+    assert [r.output_ids for r in reqs] == reference
+    _assert_no_leak(engine)
+
+
+def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    sched = engine.scheduler
+    reqs = [Req(f"r{i}", p, SamplingParams.from_dict(GREEDY)) for i, p in enumerate(_prompts(4))]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()
+    sched.step()
+    sched.abort("r1")
+    finished = sched.step()
+    assert reqs[1] in finished and reqs[1].finished_reason["type"] == "abort"
+    while sched.has_work():
+        sched.step()
+    assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == [reference[i] for i in (0, 2, 3)]
+    _assert_no_leak(engine)
+
+
+def test_finished_requests_leave_kv_in_tree(tiny_llama_dir: Path) -> None:
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    prompt = _prompts(1)[0]
+    first = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    again = engine.generate(input_ids=prompt + first["output_ids"][:10], sampling_params=GREEDY)
+    # The prompt and the first generated tokens were all cached by the first request.
+    assert again["meta_info"]["cached_tokens"] == len(prompt) + 9
+    assert engine.flush_cache()
+    assert engine.scheduler.cache.tree.total_size() == 0
+    _assert_no_leak(engine)
+
+
+def _req(rid: str, ids: list[int]) -> Req:
+    return Req(rid, ids, SamplingParams())
+
+
+def test_lpm_orders_by_cached_prefix() -> None:
+    alloc = TokenAllocator(64)
+    tree = RadixCache(alloc)
+    tree.insert([1, 2, 3, 4, 5, 6], alloc.alloc(6))
+    waiting = [_req("none", [9, 9, 9]), _req("short", [1, 2, 7, 7]), _req("long", [1, 2, 3, 4, 5, 8])]
+    ordered = SchedulePolicy("lpm", tree).order(waiting)
+    assert [r.rid for r in ordered] == ["long", "short", "none"]
+    assert [len(r.prefix_indices) for r in ordered] == [5, 2, 0]
+    assert [r.rid for r in SchedulePolicy("fcfs", tree).order(waiting)] == ["none", "short", "long"]
+
+
+def test_dfs_weight_keeps_prefix_groups_together() -> None:
+    alloc = TokenAllocator(64)
+    tree = RadixCache(alloc)
+    tree.insert([1, 1, 1, 1], alloc.alloc(4))
+    tree.insert([2, 2, 2, 2], alloc.alloc(4))
+    waiting = [
+        _req("a1", [1, 1, 1, 1, 5]),
+        _req("b1", [2, 2, 2, 2, 5]),
+        _req("a2", [1, 1, 1, 1, 6]),
+        _req("b2", [2, 2, 2, 2, 6]),
+        _req("a3", [1, 1, 1, 1, 7]),
+    ]
+    ordered = [r.rid for r in SchedulePolicy("dfs-weight", tree).order(waiting)]
+    # The heavier subtree (three "a" requests) comes first, each group contiguous.
+    assert ordered == ["a1", "a2", "a3", "b1", "b2"]
+
+
+def test_unknown_policy_rejected() -> None:
+    with pytest.raises(ValueError, match="schedule_policy"):
+        rt.ServerArgs(schedule_policy="random")
