@@ -62,7 +62,7 @@ class Engine:
             self.scheduler.add_request(req)
         pending = {req.rid for req in reqs}
         while pending:
-            for req in self.scheduler.step():
+            for req in self._step():
                 if req.finished:
                     pending.discard(req.rid)
         outs = [self._output(req, return_text_in_logprobs) for req in reqs]
@@ -81,8 +81,13 @@ class Engine:
         req = reqs[0]
         self.scheduler.add_request(req)
         while not req.finished:
-            if any(r is req for r in self.scheduler.step()):
+            if any(r is req for r in self._step()):
                 yield self._output(req, False)
+
+    def _step(self) -> list[Req]:
+        if not self.scheduler.has_work():
+            raise RuntimeError("scheduler went idle with requests still pending (a runtime bug)")
+        return self.scheduler.step()
 
     def flush_cache(self) -> bool:
         ok = self.scheduler.flush_cache()

@@ -1,0 +1,68 @@
+"""The attention backends behind one interface give the same results through the whole engine.
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (set in tests/conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import radixlm_runtime as rt
+
+PROMPTS = [
+    [(5 * i) % 250 + 3 for i in range(30)] + [7, 8, 9],
+    [(5 * i) % 250 + 3 for i in range(30)] + [11, 12],
+    [40, 41, 42, 43, 44, 45],
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def _run(model_dir: Path, backend: str) -> tuple[list[list[int]], list[float]]:
+    engine = rt.Engine(str(model_dir), max_total_tokens=1024, attention_backend=backend, log_level="warning")
+    outs = engine.generate(
+        input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
+    )
+    logprobs = [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]
+    logprobs += [lp for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+    return [o["output_ids"] for o in outs], logprobs
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_backend_matches_torch(tiny_llama_dir: Path, backend: str) -> None:
+    ref_ids, ref_lp = _run(tiny_llama_dir, "torch")
+    ids, lp = _run(tiny_llama_dir, backend)
+    assert ids == ref_ids
+    assert len(lp) == len(ref_lp)
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+
+
+def test_torch_decode_shared_prefix_groups_match_ungrouped(tiny_llama_dir: Path, monkeypatch) -> None:
+    """Decode attention over a shared cached prefix (gathered once per group, merged by
+    log-sum-exp) equals attending to each request's whole sequence."""
+    from radixlm_runtime.attention import torch_backend
+
+    prompts = [[(3 * i) % 250 + 3 for i in range(48)] + [100 + j] for j in range(4)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+    def run() -> list[list[float]]:
+        engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
+        engine.generate(input_ids=prompts[0][:48], sampling_params={"max_new_tokens": 0})
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        return [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+
+    calls = []
+    original = torch_backend.TorchAttentionBackend._merge_shared_prefix
+
+    def spy(self, *args, **kwargs):
+        calls.append(len(args[3].members))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch_backend.TorchAttentionBackend, "_merge_shared_prefix", spy)
+    grouped = run()
+    assert calls and max(calls) == 4
+    calls.clear()
+    monkeypatch.setattr(torch_backend, "MIN_SHARED_PREFIX", 10**9)
+    ungrouped = run()
+    assert not calls
+    for a, b in zip(grouped, ungrouped, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
