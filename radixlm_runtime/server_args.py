@@ -62,6 +62,24 @@ class ServerArgs:
     num_threads: int | None = _flag(None, "torch intra-op threads on CPU. Default: all cores.")
     log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
 
+    # -- HTTP server (radixlm-server / python -m radixlm_runtime.launch_server) ------------------
+    host: str = _flag("127.0.0.1", "Address the HTTP server binds to. Use 0.0.0.0 to serve other machines.")
+    port: int = _flag(30000, "Port the HTTP server listens on.")
+    api_key: str | None = _flag(
+        None, "When set, every endpoint except /health requires 'Authorization: Bearer <api-key>'."
+    )
+    served_model_name: str | None = _flag(
+        None, "Model name reported by /v1/models and in OpenAI responses. Default: the model directory name."
+    )
+    max_queued_requests: int = _flag(
+        4096,
+        "Most requests (counting each of n samples) admitted but not finished; beyond it the server "
+        "answers 503 with Retry-After instead of queueing without bound.",
+    )
+    max_request_bytes: int = _flag(
+        8 * 1024 * 1024, "Largest accepted request body in bytes; larger bodies get HTTP 413."
+    )
+
     def __post_init__(self) -> None:
         if self.chunked_prefill_size < 16:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
@@ -69,6 +87,12 @@ class ServerArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         for f in dataclasses.fields(self):

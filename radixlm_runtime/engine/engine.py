@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from radixlm_runtime.engine.model_runner import ModelRunner
-from radixlm_runtime.engine.tokenizer import decode_output, eos_token_ids, load_tokenizer
+from radixlm_runtime.engine.tokenizer import decode_output, load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.req import Req
@@ -35,10 +31,9 @@ class Engine:
         t0 = time.perf_counter()
         self.model_dir = resolve_model_path(self.server_args.model_path)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.runner = ModelRunner(self.model_dir, self.server_args)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.runner.config.eos_token_ids)
-        self.scheduler = Scheduler(self.runner, self.server_args, self.tokenizer, self.eos_token_ids)
-        self._seed_counter = itertools.count()
+        self.scheduler = Scheduler.build(self.model_dir, self.server_args, self.tokenizer)
+        self.runner = self.scheduler.runner
+        self.limits = self.scheduler.limits
         logger.info("engine ready in %.2fs (model %s)", time.perf_counter() - t0, self.model_dir)
 
     # -- public API ---------------------------------------------------------------------------
@@ -96,17 +91,7 @@ class Engine:
         return ok
 
     def get_server_info(self) -> dict[str, Any]:
-        stats = self.scheduler.stats
-        tree = self.scheduler.cache.tree
-        return {
-            "model_path": str(self.model_dir),
-            "max_total_tokens": self.runner.max_total_tokens,
-            "context_length": self.runner.context_len,
-            "free_tokens": self.runner.allocator.available_size(),
-            "cached_tokens_in_tree": tree.total_size() if tree is not None else 0,
-            "evictable_tokens": tree.evictable_size() if tree is not None else 0,
-            **vars(stats),
-        }
+        return {"model_path": str(self.model_dir), **self.scheduler.info()}
 
     def shutdown(self) -> None:
         self.scheduler = None  # type: ignore[assignment]
@@ -162,7 +147,7 @@ class Engine:
         for ids, raw, base_rid in zip(id_lists, params_list, rids):
             sp = SamplingParams.from_dict(raw)
             sp.validate(self.runner.config.vocab_size)
-            self._validate_lengths(ids, sp, logprob_start_len)
+            self.limits.check(ids, sp, -1 if logprob_start_len is None else logprob_start_len)
             base = base_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 seed = sp.seed + i if sp.seed is not None else None
@@ -174,40 +159,10 @@ class Engine:
                         return_logprob=return_logprob,
                         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                         top_logprobs_num=top_logprobs_num or 0,
-                        generator=self._generator(seed),
+                        generator=self.scheduler.new_generator(seed),
                     )
                 )
         return reqs, single
-
-    def _validate_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int | None) -> None:
-        vocab = self.runner.config.vocab_size
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"input_ids: token ids must be in [0, {vocab})")
-        ctx = self.runner.context_len
-        if len(ids) >= ctx:
-            raise ValueError(f"prompt is {len(ids)} tokens, longer than the context length {ctx}")
-        if len(ids) + sp.max_new_tokens > ctx:
-            raise ValueError(
-                f"sampling_params.max_new_tokens={sp.max_new_tokens} with a {len(ids)}-token prompt "
-                f"exceeds the context length {ctx}"
-            )
-        pool = self.runner.max_total_tokens
-        if len(ids) + sp.max_new_tokens > pool:
-            raise ValueError(
-                f"sampling_params.max_new_tokens: prompt ({len(ids)}) + max_new_tokens "
-                f"({sp.max_new_tokens}) exceeds the KV cache pool ({pool} tokens)"
-            )
-        if logprob_start_len is not None and not -1 <= logprob_start_len < len(ids):
-            raise ValueError(f"logprob_start_len must be in [-1, {len(ids)}), got {logprob_start_len}")
-
-    def _generator(self, seed: int | None) -> torch.Generator:
-        if seed is None:
-            seed = self.server_args.random_seed * 1_000_003 + next(self._seed_counter)
-        gen = torch.Generator(device=self.runner.device)
-        gen.manual_seed(seed)
-        return gen
 
     # -- outputs ------------------------------------------------------------------------------
     def _output(self, req: Req, text_in_logprobs: bool) -> dict[str, Any]:

@@ -9,14 +9,19 @@ already generated, so nothing is lost or duplicated.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.engine.limits import RequestLimits
 from radixlm_runtime.engine.model_runner import ModelRunner
+from radixlm_runtime.engine.tokenizer import eos_token_ids
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo
 from radixlm_runtime.scheduler.cache import CacheManager
 from radixlm_runtime.scheduler.policy import SchedulePolicy
@@ -57,6 +62,8 @@ class _Item:
 class Scheduler:
     def __init__(self, runner: ModelRunner, args: ServerArgs, tokenizer, eos_token_ids: list[int]) -> None:
         self.runner = runner
+        self.limits = RequestLimits(runner.config.vocab_size, runner.context_len, runner.max_total_tokens)
+        self._seed_counter = itertools.count()
         self.args = args
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -72,7 +79,37 @@ class Scheduler:
         self._aborts: set[str] = set()
         self.stats = SchedulerStats()
 
+    @classmethod
+    def build(cls, model_dir: Path, args: ServerArgs, tokenizer: Any) -> Scheduler:
+        """Loads the model and KV memory and wires a scheduler to them: the whole runtime below
+        the tokenizer, as both the offline Engine and the server's scheduler process run it."""
+        runner = ModelRunner(model_dir, args)
+        return cls(runner, args, tokenizer, eos_token_ids(tokenizer, runner.config.eos_token_ids))
+
     # -- public API ---------------------------------------------------------------------------
+    def new_generator(self, seed: int | None) -> torch.Generator:
+        """A request's own RNG: seeded requests sample the same tokens whatever batch they join."""
+        if seed is None:
+            seed = self.args.random_seed * 1_000_003 + next(self._seed_counter)
+        gen = torch.Generator(device=self.runner.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def info(self) -> dict[str, Any]:
+        """KV memory and counters; when idle, free_tokens + cached_tokens_in_tree == max_total_tokens."""
+        tree = self.cache.tree
+        return {
+            "max_total_tokens": self.runner.max_total_tokens,
+            "context_length": self.context_len,
+            "free_tokens": self.runner.allocator.available_size(),
+            "cached_tokens_in_tree": tree.total_size() if tree is not None else 0,
+            "evictable_tokens": tree.evictable_size() if tree is not None else 0,
+            "protected_tokens": tree.protected_size() if tree is not None else 0,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting) + (self.chunked is not None),
+            **vars(self.stats),
+        }
+
     def add_request(self, req: Req) -> None:
         self.waiting.append(req)
         self.stats.num_requests += 1

@@ -1,0 +1,261 @@
+"""The FastAPI app: SGLang's native endpoints, the OpenAI-compatible ones, auth and error handling."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixlm_runtime.server import http_utils as hu
+from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.openai_api import build_openai_router
+from radixlm_runtime.server.tokenizer_manager import (
+    GenerateInput,
+    RequestState,
+    TokenizerManager,
+    gather_cancelling,
+    merge_streams,
+    new_rid,
+)
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# Endpoints that answer without an API key: load balancers probe them.
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of POST /generate (SGLang's GenerateReqInput). Prompt fields are checked by hand because
+    they take a single prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str
+
+
+class ApiKeyMiddleware:
+    """Requires 'Authorization: Bearer <key>' on every path but PUBLIC_PATHS. Plain ASGI rather than
+    BaseHTTPMiddleware, so streaming responses and client-disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                err = RequestError(
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    status=401,
+                    code="invalid_api_key",
+                )
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
+    args = tm.args
+    app = FastAPI(title="radixlm server", docs_url=None, redoc_url=None, openapi_url=None)
+
+    if args.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(_: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(RequestError(str(err.detail), status=err.status_code).body(), err.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, err: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s", request.url.path)
+        return JSONResponse(RequestError(f"internal error: {err}", status=500).body(), status_code=500)
+
+    # -- health and info ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.dead:
+            return JSONResponse(RequestError("scheduler process died", status=503).body(), status_code=503)
+        await tm.probe()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        inp = GenerateInput(tm.tokenize("Hi"), tm.make_params({"max_new_tokens": 1}), f"health-{new_rid()}")
+        state = await tm.run(inp, 0)
+        if state.finished_reason and state.finished_reason.get("type") == "abort":
+            raise RequestError("health generation was aborted", status=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": str(tm.model_dir), "tokenizer_path": str(tm.model_dir), "is_generation": True}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        info = await tm.server_info()
+        return info | {
+            "served_model_name": model_name,
+            "num_inflight_requests": len(tm.states),
+            "max_queued_requests": args.max_queued_requests,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(tm.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        if not await tm.flush_cache():
+            raise RequestError("cannot flush the cache while requests are running; retry when idle")
+        return {"success": True}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = await hu.parse_body(request, args.max_request_bytes, AbortRequest)
+        return {"success": tm.abort(body.rid)}
+
+    # -- generation ---------------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await hu.parse_body(request, args.max_request_bytes, GenerateRequest)
+        inputs, single = _build_inputs(tm, body)
+        jobs = [(inp, i) for inp in inputs for i in range(inp.params.n)]
+        tm.check_capacity(len(jobs))
+        single = single and len(jobs) == 1
+        fmt = lambda st: native_output(tm, st, body.return_text_in_logprobs)
+        if body.stream:
+            return hu.sse_response(_native_stream(tm, jobs, single, fmt))
+        states = await hu.unless_disconnected(request, gather_cancelling([tm.run(inp, i) for inp, i in jobs]))
+        outs = [fmt(st) for st in states]
+        return JSONResponse(outs[0] if single else outs)
+
+    app.include_router(build_openai_router(tm, model_name))
+    return app
+
+
+def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+    """Validates and tokenizes every prompt of a /generate body before anything is sent."""
+    if (body.text is None) == (body.input_ids is None):
+        raise RequestError("give exactly one of text and input_ids", param="text")
+    if body.text is not None:
+        single = isinstance(body.text, str)
+        texts = [body.text] if single else body.text
+        id_lists = [tm.tokenize(t) for t in texts]  # type: ignore[union-attr]
+        param = "text"
+    else:
+        ids = body.input_ids
+        single = bool(ids) and all(isinstance(t, int) for t in ids)  # type: ignore[arg-type]
+        id_lists = [ids] if single else ids
+        valid = all(
+            isinstance(lst, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in lst)
+            for lst in id_lists  # type: ignore[union-attr]
+        )
+        if not valid:
+            raise RequestError(
+                "input_ids must be a list of token ids or a list of such lists", param="input_ids"
+            )
+        param = "input_ids"
+    if not id_lists:
+        raise RequestError(f"{param}: the batch is empty", param=param)
+    raw_params = body.sampling_params
+    params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(id_lists)
+    if len(params_list) != len(id_lists):
+        raise RequestError(
+            f"sampling_params: got {len(params_list)} entries for {len(id_lists)} prompts",
+            param="sampling_params",
+        )
+    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(id_lists)
+    if len(rids) != len(id_lists):
+        raise RequestError(f"rid: got {len(rids)} ids for {len(id_lists)} prompts", param="rid")
+    if body.top_logprobs_num is not None and body.top_logprobs_num < 0:
+        raise RequestError(
+            f"top_logprobs_num must be >= 0, got {body.top_logprobs_num}", param="top_logprobs_num"
+        )
+    lsl = -1 if body.logprob_start_len is None else body.logprob_start_len
+    inputs = []
+    for ids, raw, rid in zip(id_lists, params_list, rids):
+        sp = tm.make_params(raw)
+        tm.check_lengths(ids, sp, lsl, param)
+        inputs.append(
+            GenerateInput(ids, sp, rid or new_rid(), body.return_logprob, lsl, body.top_logprobs_num or 0)
+        )
+    return inputs, single
+
+
+async def _native_stream(
+    tm: TokenizerManager, jobs: list[tuple[GenerateInput, int]], single: bool, fmt: Any
+) -> AsyncIterator[bytes]:
+    """SSE chunks with the cumulative text of one request (plus "index" when several run)."""
+    done: set[int] = set()
+    try:
+        streams = [tm.generate(inp, i, stream=True) for inp, i in jobs]
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for idx, st in merged:
+                if idx in done:
+                    continue
+                if st.finished:
+                    done.add(idx)
+                out = fmt(st)
+                if not single:
+                    out["index"] = idx
+                yield hu.sse(out)
+    except RequestError as e:
+        yield hu.sse(e.body())
+    yield hu.SSE_DONE
+
+
+def native_output(tm: TokenizerManager, st: RequestState, text_in_logprobs: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": st.rid,
+        "prompt_tokens": st.prompt_tokens or len(st.inp.input_ids),
+        "completion_tokens": len(st.output_ids),
+        "cached_tokens": st.cached_tokens,
+        "finish_reason": st.finished_reason,
+    }
+    if st.inp.return_logprob:
+        meta.update(_logprob_meta(tm, st, text_in_logprobs))
+    return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+
+def _logprob_meta(tm: TokenizerManager, st: RequestState, with_text: bool) -> dict[str, Any]:
+    """SGLang's logprob lists: [logprob, token_id, token text or None] per position."""
+
+    def entry(lp: float | None, tid: int) -> list[Any]:
+        return [hu.logprob(lp), tid, tm.tokenizer.decode([tid]) if with_text else None]
+
+    inp = st.inp
+    prompt = inp.input_ids
+    wants_input = 0 <= inp.logprob_start_len < len(prompt)
+    start = inp.logprob_start_len if wants_input else len(prompt)
+    return {
+        "input_token_logprobs": [entry(lp, t) for lp, t in zip(st.input_token_logprobs, prompt[start:])],
+        "input_top_logprobs": [
+            None if top is None else [entry(lp, t) for lp, t in top] for top in st.input_top_logprobs
+        ],
+        "output_token_logprobs": [entry(lp, t) for lp, t in zip(st.output_token_logprobs, st.output_ids)],
+        "output_top_logprobs": [[entry(lp, t) for lp, t in top] for top in st.output_top_logprobs],
+    }

@@ -1,0 +1,94 @@
+"""Request-body reading and response helpers shared by the native and the OpenAI endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from radixlm_runtime.server.errors import RequestError
+
+T = TypeVar("T")
+
+_AT_FIELD = re.compile(r"at `\$\.?([\w.\[\]]*)`")
+_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+# How often a non-streaming handler checks whether its client went away.
+DISCONNECT_POLL_S = 0.5
+# Stand-in for -inf logprobs: JSON has no infinity.
+MIN_LOGPROB = -9999.0
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Reads the body, refusing it (413) as soon as it exceeds `limit` bytes."""
+    too_big = RequestError(
+        f"request body exceeds the limit of {limit} bytes (--max-request-bytes)",
+        status=413,
+        param="max_request_bytes",
+        code="request_too_large",
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
+    """Decodes a JSON body into a msgspec Struct; type errors and unknown fields become 400s naming it."""
+    body = await read_body(request, limit)
+    if not body.strip():
+        raise RequestError("request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        unknown = _UNKNOWN_FIELD.search(text)
+        at = _AT_FIELD.search(text)
+        param = unknown.group(1) if unknown else at.group(1) if at and at.group(1) else None
+        raise RequestError(f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from None
+
+
+def logprob(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs work, cancelling it (which aborts its requests and frees their KV) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise RequestError("client disconnected", status=499)
+    finally:
+        task.cancel()

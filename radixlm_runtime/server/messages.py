@@ -1,0 +1,115 @@
+"""Everything that crosses the zmq sockets between the HTTP process and the scheduler process.
+
+Messages are msgspec Structs encoded with msgpack: typed, fast, and never pickle, so a peer can
+only ever send data, not code. Requests and replies are tagged unions so one socket carries all kinds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# (logprob, token_id) pairs, as the scheduler records them.
+TopLogprobs = list[tuple[float, int]]
+
+
+# -- HTTP process -> scheduler ------------------------------------------------------------------
+class GenerateReq(msgspec.Struct, tag="generate"):
+    """One tokenized, validated request (one of n samples); the scheduler builds a Req from it."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    seed: int | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag="abort"):
+    rid: str
+
+
+class FlushCacheReq(msgspec.Struct, tag="flush_cache"):
+    call_id: int
+
+
+class ServerInfoReq(msgspec.Struct, tag="server_info"):
+    call_id: int
+
+
+class HealthProbe(msgspec.Struct, tag="health_probe"):
+    """Answered as soon as the loop sees it, proving the scheduler loop is alive, not just its process."""
+
+    call_id: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToScheduler = GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | Shutdown
+
+
+# -- scheduler -> HTTP process ------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded; carries what the HTTP side needs to validate requests."""
+
+    pid: int
+    model_path: str
+    context_length: int
+    max_total_tokens: int
+    vocab_size: int
+
+
+class ReqOutput(msgspec.Struct):
+    """What one request gained in one step. Token and logprob lists hold only the new entries;
+    input logprobs come once, with the request's first output."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[float] = []
+    output_top_logprobs: list[TopLogprobs] = []
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+
+
+class BatchOut(msgspec.Struct, tag="batch"):
+    """All request outputs of one scheduler step plus the queue sizes after it (for /metrics)."""
+
+    outputs: list[ReqOutput]
+    num_running: int
+    num_waiting: int
+
+
+class CallResult(msgspec.Struct, tag="call_result"):
+    """Reply to a FlushCacheReq, ServerInfoReq or HealthProbe with the same call_id."""
+
+    call_id: int
+    ok: bool
+    info: dict[str, Any] = {}
+
+
+FromScheduler = Ready | BatchOut | CallResult
+
+_encoder = msgspec.msgpack.Encoder()
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_from_scheduler = msgspec.msgpack.Decoder(FromScheduler)
+
+
+def encode(msg: ToScheduler | FromScheduler) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_scheduler.decode(data)
+
+
+def decode_from_scheduler(data: bytes) -> FromScheduler:
+    return _from_scheduler.decode(data)

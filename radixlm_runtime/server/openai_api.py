@@ -1,0 +1,435 @@
+"""OpenAI-compatible endpoints (/v1/models, /v1/completions, /v1/chat/completions).
+
+Requests are mapped onto the same GenerateInput the native API uses; only the request and
+response shapes differ, so both APIs validate and schedule identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixlm_runtime.server import http_utils as hu
+from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.tokenizer_manager import (
+    GenerateInput,
+    RequestState,
+    TokenizerManager,
+    check_constraints,
+    gather_cancelling,
+    merge_streams,
+)
+
+# OpenAI caps top_logprobs / completions logprobs at 20.
+MAX_TOP_LOGPROBS = 20
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# OpenAI field -> SamplingParams field, for fields passed through unchanged.
+_PASSTHROUGH = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "n": "n",
+    "stop": "stop",
+    "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "stop_token_ids": "stop_token_ids",
+}
+_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
+    """Sampling fields shared by both endpoints (OpenAI's plus SGLang's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[Any] = ""
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = []
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+
+@dataclass
+class _Job:
+    """One choice: sample `index` of the prompt `inp`; `choice` is its index in the response."""
+
+    inp: GenerateInput
+    index: int
+    choice: int
+    prompt_text: str = ""
+
+
+def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+    limit = tm.args.max_request_bytes
+
+    @router.get("/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "radixlm"}
+        return {"object": "list", "data": [card | {"root": str(tm.model_dir), "max_model_len": _ctx(tm)}]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise RequestError(
+                f"model {model_id!r} not found", status=404, param="model", code="model_not_found"
+            )
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "radixlm"}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        body = await hu.parse_body(request, limit, CompletionRequest)
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs"
+            )
+        id_lists = _completion_prompts(tm, body.prompt)
+        want_lp = body.logprobs is not None
+        jobs: list[_Job] = []
+        for ids in id_lists:
+            max_tokens = 16 if body.max_tokens is None else body.max_tokens
+            inp = _make_input(tm, body, ids, max_tokens, want_lp, body.logprobs or 0, body.echo and want_lp)
+            prompt_text = tm.tokenizer.decode(ids) if body.echo else ""
+            jobs.extend(_Job(inp, i, len(jobs), prompt_text) for i in range(inp.params.n))
+        tm.check_capacity(len(jobs))
+        resp_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": resp_id, "object": "text_completion", "created": created, "model": model_name}
+        fmt_lp = lambda job, st, start: _completion_logprobs(tm, job, st, start)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return hu.sse_response(_stream(tm, jobs, base, include_usage, _completion_chunk(fmt_lp, want_lp)))
+        states = await _run_all(request, tm, jobs)
+        choices = [
+            {
+                "index": job.choice,
+                "text": job.prompt_text + st.text,
+                "logprobs": fmt_lp(job, st, 0) if want_lp else None,
+                "finish_reason": _finish_reason(st),
+            }
+            for job, st in zip(jobs, states)
+        ]
+        return JSONResponse(base | {"choices": choices, "usage": _usage(jobs, states)})
+
+    @router.post("/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await hu.parse_body(request, limit, ChatRequest)
+        ids = tm.render_chat(_chat_messages(body.messages))
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise RequestError(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
+                    param="top_logprobs",
+                )
+        _check_response_format(body.response_format)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
+            assert tm.ready is not None
+            max_tokens = max(min(tm.ready.context_length, tm.ready.max_total_tokens) - len(ids), 0)
+        inp = _make_input(tm, body, ids, max_tokens, body.logprobs, body.top_logprobs or 0, False, "messages")
+        jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
+        tm.check_capacity(len(jobs))
+        resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": resp_id, "object": "chat.completion", "created": created, "model": model_name}
+        fmt_lp = lambda st, start: _chat_logprobs(tm, st, start)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunk_base = base | {"object": "chat.completion.chunk"}
+            return hu.sse_response(
+                _stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, body.logprobs))
+            )
+        states = await _run_all(request, tm, jobs)
+        choices = [
+            {
+                "index": job.choice,
+                "message": {"role": "assistant", "content": st.text},
+                "logprobs": fmt_lp(st, 0) if body.logprobs else None,
+                "finish_reason": _finish_reason(st),
+            }
+            for job, st in zip(jobs, states)
+        ]
+        return JSONResponse(base | {"choices": choices, "usage": _usage(jobs, states)})
+
+    return router
+
+
+# -- request mapping --------------------------------------------------------------------------
+def _ctx(tm: TokenizerManager) -> int:
+    assert tm.ready is not None
+    return tm.ready.context_length
+
+
+def _completion_prompts(tm: TokenizerManager, prompt: str | list[Any]) -> list[list[int]]:
+    """OpenAI's four prompt forms: a string, strings, token ids, or lists of token ids."""
+    is_id = lambda t: isinstance(t, int) and not isinstance(t, bool)
+    if isinstance(prompt, str):
+        lists = [tm.tokenize(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        lists = [tm.tokenize(p) for p in prompt]
+    elif prompt and all(is_id(t) for t in prompt):
+        lists = [list(prompt)]
+    elif prompt and all(isinstance(p, list) and all(is_id(t) for t in p) for p in prompt):
+        lists = [list(p) for p in prompt]
+    else:
+        raise RequestError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+            param="prompt",
+        )
+    return lists
+
+
+def _make_input(
+    tm: TokenizerManager,
+    body: _SamplingFields,
+    ids: list[int],
+    max_tokens: int,
+    return_logprob: bool,
+    top_logprobs: int,
+    prompt_logprobs: bool,
+    prompt_param: str = "prompt",
+) -> GenerateInput:
+    raw = {"max_new_tokens": max_tokens}
+    for src, dst in _PASSTHROUGH.items():
+        value = getattr(body, src)
+        if value is not None:
+            raw[dst] = value
+    if body.regex is not None:
+        check_constraints(body.regex, None, prefix="")
+    try:
+        sp = tm.make_params(raw)
+        tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
+    except RequestError as e:
+        raise _openai_names(e) from None
+    return GenerateInput(
+        ids, sp, uuid.uuid4().hex, return_logprob, 0 if prompt_logprobs else -1, top_logprobs
+    )
+
+
+def _openai_names(err: RequestError) -> RequestError:
+    """Rewrites the native field names in a validation error into the OpenAI request's names."""
+    param = (err.param or "").removeprefix("sampling_params.")
+    param = _RENAMED.get(param, param)
+    message = err.message.replace("sampling_params.", "")
+    for native, openai in _RENAMED.items():
+        message = message.replace(native, openai)
+    return RequestError(message, err.status, param or None, err.code, err.headers)
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise RequestError(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}", param=f"messages[{i}].role"
+            )
+        content = m.content or ""
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                raise RequestError(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                )
+            content = "".join(part["text"] for part in content)
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def _check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is None or fmt.type == "text":
+        return
+    if fmt.type == "json_schema":
+        spec = fmt.json_schema or {}
+        if not isinstance(spec.get("schema"), dict):
+            raise RequestError(
+                "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+            )
+        check_constraints(None, json.dumps(spec["schema"]), prefix="response_format.")
+    raise RequestError(
+        f"response_format {fmt.type!r}: constrained decoding is not available yet in this server",
+        param="response_format",
+        code="not_implemented",
+    )
+
+
+# -- running ----------------------------------------------------------------------------------
+async def _run_all(request: Request, tm: TokenizerManager, jobs: list[_Job]) -> list[RequestState]:
+    return await hu.unless_disconnected(request, gather_cancelling([tm.run(j.inp, j.index) for j in jobs]))
+
+
+ChunkFn = Callable[[_Job, RequestState, int, int], dict[str, Any]]
+
+
+async def _stream(
+    tm: TokenizerManager, jobs: list[_Job], base: dict[str, Any], include_usage: bool, make_choice: ChunkFn
+) -> AsyncIterator[bytes]:
+    """SSE chunks carrying each choice's new text (a delta, as OpenAI streams), then usage and [DONE]."""
+    sent_text = [0] * len(jobs)
+    sent_tokens = [0] * len(jobs)
+    finals: dict[int, RequestState] = {}
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        streams = [tm.generate(j.inp, j.index, stream=True) for j in jobs]
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for i, st in merged:
+                if i in finals or (not st.finished and len(st.output_ids) == sent_tokens[i]):
+                    continue
+                choice = make_choice(jobs[i], st, sent_text[i], sent_tokens[i])
+                sent_text[i], sent_tokens[i] = len(st.text), len(st.output_ids)
+                if st.finished:
+                    finals[i] = st
+                yield hu.sse(base | {"choices": [choice]} | usage_field)
+        if include_usage:
+            states = [finals[i] for i in range(len(jobs))]
+            yield hu.sse(base | {"choices": [], "usage": _usage(jobs, states)})
+    except RequestError as e:
+        yield hu.sse(e.body())
+    yield hu.SSE_DONE
+
+
+def _completion_chunk(fmt_lp: Callable[[_Job, RequestState, int], dict[str, Any]], want_lp: bool) -> ChunkFn:
+    def make(job: _Job, st: RequestState, text_from: int, tokens_from: int) -> dict[str, Any]:
+        echo = job.prompt_text if tokens_from == 0 and text_from == 0 else ""
+        return {
+            "index": job.choice,
+            "text": echo + st.text[text_from:],
+            "logprobs": fmt_lp(job, st, tokens_from) if want_lp else None,
+            "finish_reason": _finish_reason(st) if st.finished else None,
+        }
+
+    return make
+
+
+def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: bool) -> ChunkFn:
+    def make(job: _Job, st: RequestState, text_from: int, tokens_from: int) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": st.text[text_from:]}
+        if tokens_from == 0 and text_from == 0:
+            delta = {"role": "assistant"} | delta
+        return {
+            "index": job.choice,
+            "delta": delta,
+            "logprobs": fmt_lp(st, tokens_from) if want_lp else None,
+            "finish_reason": _finish_reason(st) if st.finished else None,
+        }
+
+    return make
+
+
+# -- response pieces --------------------------------------------------------------------------
+def _finish_reason(st: RequestState) -> str | None:
+    return (st.finished_reason or {}).get("type")
+
+
+def _usage(jobs: list[_Job], states: list[RequestState]) -> dict[str, Any]:
+    """Prompt (and cached) tokens count once per prompt, completion tokens once per choice."""
+    firsts = [st for job, st in zip(jobs, states) if job.index == 0]
+    prompt = sum(st.prompt_tokens for st in firsts)
+    completion = sum(len(st.output_ids) for st in states)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(st.cached_tokens for st in firsts)},
+    }
+
+
+def _token_text(tm: TokenizerManager, tid: int) -> str:
+    return tm.tokenizer.decode([tid])
+
+
+def _completion_logprobs(tm: TokenizerManager, job: _Job, st: RequestState, start: int) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs (tokens / token_logprobs / top_logprobs / text_offset),
+    for output tokens from `start` on, preceded by the prompt's when echoing."""
+    entries: list[tuple[int, float | None, list[tuple[float, int]] | None]] = []
+    if job.prompt_text:
+        tops = st.input_top_logprobs or [None] * len(job.inp.input_ids)
+        entries.extend(zip(job.inp.input_ids, st.input_token_logprobs, tops))
+    first = len(entries) + start if start else 0
+    out_tops = st.output_top_logprobs or [None] * len(st.output_ids)
+    entries.extend(zip(st.output_ids, st.output_token_logprobs, out_tops))
+    tokens = [_token_text(tm, tid) for tid, _, _ in entries]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
+    entries, tokens, offsets = entries[first:], tokens[first:], offsets[first:]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [hu.logprob(lp) for _, lp, _ in entries],
+        "top_logprobs": [
+            None if top is None else {_token_text(tm, t): hu.logprob(lp) for lp, t in top}
+            for _, _, top in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tm: TokenizerManager, st: RequestState, start: int) -> dict[str, Any]:
+    def item(tid: int, lp: float) -> dict[str, Any]:
+        text = _token_text(tm, tid)
+        return {"token": text, "logprob": hu.logprob(lp), "bytes": list(text.encode())}
+
+    tops = st.output_top_logprobs or [[] for _ in st.output_ids]
+    content = [
+        item(tid, lp) | {"top_logprobs": [item(t, tlp) for tlp, t in top]}
+        for tid, lp, top in list(zip(st.output_ids, st.output_token_logprobs, tops))[start:]
+    ]
+    return {"content": content}

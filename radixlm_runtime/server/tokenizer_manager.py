@@ -1,0 +1,497 @@
+"""The HTTP process's side of the runtime: validate and tokenize requests, hand them to the
+scheduler process, and turn its per-step token outputs back into (streamed) text.
+
+Every request gets an asyncio queue that the one receive loop wakes whenever the scheduler reports
+progress, so thousands of concurrent requests cost one socket reader, not one thread each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import multiprocessing as mp
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import zmq
+import zmq.asyncio
+
+from radixlm_runtime.engine.limits import InvalidRequest, RequestLimits
+from radixlm_runtime.engine.tokenizer import decode_output
+from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.server import messages as msg
+from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.metrics import ServerMetrics
+from radixlm_runtime.server.scheduler_process import run_scheduler_process
+from radixlm_runtime.server_args import ServerArgs
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# How often the watchdog checks that the scheduler process is alive.
+WATCHDOG_INTERVAL_S = 0.5
+# How long the server keeps answering (503) after the scheduler died, before it exits.
+DEATH_EXIT_DELAY_S = 1.0
+# How long a control call (flush, server info) may wait for the scheduler to finish its step.
+CALL_TIMEOUT_S = 60.0
+# A scheduler loop that does not answer a probe within this long (one step at most) is hung.
+HEALTH_PROBE_TIMEOUT_S = 10.0
+# Suggested client back-off when the queue is full.
+RETRY_AFTER_S = 1
+
+
+class SchedulerDied(RuntimeError):
+    pass
+
+
+@dataclass
+class GenerateInput:
+    """One validated prompt; n samples of it become n scheduler requests."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list into text a chunk at a time. Each decode starts a few tokens back
+    so merges and multi-byte characters spanning tokens render as in a full decode, and text ending in
+    an incomplete character (U+FFFD) is held back until the next token completes it."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def update(self, ids: list[int]) -> str:
+        decode = lambda part: self.tokenizer.decode(part, skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(ids[self.prefix_offset : self.read_offset])
+        new_text = decode(ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+        return self.text
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that may still grow into a stop string: streaming it
+    now would show text that the final, stop-trimmed answer no longer has."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A request's accumulated outputs, updated by the receive loop, read by its handler."""
+
+    rid: str
+    base_rid: str
+    inp: GenerateInput
+    stream: bool
+    detok: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    wake: asyncio.Queue[Exception | None] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[msg.TopLogprobs | None] = field(default_factory=list)
+    output_token_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[msg.TopLogprobs] = field(default_factory=list)
+    text: str = ""  # streamed so far; the final, stop-trimmed text once finished
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, model_dir: Path, tokenizer: Any) -> None:
+        self.args = server_args
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.metrics = ServerMetrics()
+        self.states: dict[str, RequestState] = {}
+        self.ready: msg.Ready | None = None
+        self.dead = False
+        self._calls: dict[int, asyncio.Future[msg.CallResult]] = {}
+        self._call_ids = itertools.count()
+        self._ipc_dir = tempfile.mkdtemp(prefix="radixlm-")
+        to_sched = f"ipc://{self._ipc_dir}/to_scheduler"
+        from_sched = f"ipc://{self._ipc_dir}/from_scheduler"
+        # Sends use a plain socket so that an abort can go out from a cancelled handler's `finally`
+        # without awaiting; receives use the asyncio socket.
+        self._ctx = zmq.Context()
+        self._send_sock = self._ctx.socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.SNDHWM, 0)
+        self._send_sock.bind(to_sched)
+        self._actx = zmq.asyncio.Context()
+        self._recv_sock = self._actx.socket(zmq.PULL)
+        self._recv_sock.bind(from_sched)
+        self.proc = mp.get_context("spawn").Process(
+            target=run_scheduler_process,
+            args=(server_args, model_dir, to_sched, from_sched),
+            name="radixlm-scheduler",
+            daemon=False,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start_scheduler(self, timeout_s: float = 600.0) -> msg.Ready:
+        """Starts the scheduler process and blocks until it reports the model loaded."""
+        self.proc.start()
+        sync_recv = zmq.Socket.shadow(self._recv_sock.underlying)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sync_recv.poll(200):
+                ready = msg.decode_from_scheduler(sync_recv.recv())
+                if not isinstance(ready, msg.Ready):
+                    raise RuntimeError(f"scheduler sent {type(ready).__name__} before Ready")
+                self.ready = ready
+                return ready
+            if not self.proc.is_alive():
+                raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} while loading")
+        raise TimeoutError(f"scheduler not ready after {timeout_s:.0f}s")
+
+    def start_background(self, on_scheduler_death: Callable[[], None]) -> None:
+        """Starts the receive loop and the watchdog; must run inside the server's event loop."""
+        self._tasks = [
+            asyncio.create_task(self._recv_loop()),
+            asyncio.create_task(self._watchdog(on_scheduler_death)),
+        ]
+
+    def shutdown(self) -> None:
+        """Stops the scheduler process (politely, then by force) and releases the sockets."""
+        for task in self._tasks:
+            task.cancel()
+        if self.proc.is_alive():
+            self._send(msg.Shutdown())
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self._send_sock.close(linger=0)
+        self._recv_sock.close(linger=0)
+        self._ctx.term()
+        self._actx.term()
+        for name in ("to_scheduler", "from_scheduler"):
+            Path(self._ipc_dir, name).unlink(missing_ok=True)
+        os.rmdir(self._ipc_dir)
+
+    def _send(self, message: msg.ToScheduler) -> None:
+        self._send_sock.send(msg.encode(message))
+
+    async def _watchdog(self, on_death: Callable[[], None]) -> None:
+        while self.proc.is_alive():
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+        self.dead = True
+        logger.error("scheduler process died (exit code %s); failing in-flight requests", self.proc.exitcode)
+        err = SchedulerDied("the scheduler process died")
+        for state in list(self.states.values()):
+            state.wake.put_nowait(err)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        # Keep answering a moment longer: in-flight handlers deliver their errors and health probes
+        # see 503 before the listening socket closes.
+        await asyncio.sleep(DEATH_EXIT_DELAY_S)
+        on_death()
+
+    async def _recv_loop(self) -> None:
+        while True:
+            out = msg.decode_from_scheduler(await self._recv_sock.recv())
+            if isinstance(out, msg.BatchOut):
+                self.metrics.num_running = out.num_running
+                self.metrics.num_waiting = out.num_waiting
+                now = time.monotonic()
+                for o in out.outputs:
+                    state = self.states.get(o.rid)
+                    if state is not None:
+                        self._apply(state, o, now)
+            elif isinstance(out, msg.CallResult):
+                fut = self._calls.pop(out.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(out)
+
+    def _apply(self, state: RequestState, o: msg.ReqOutput, now: float) -> None:
+        m = self.metrics
+        if o.new_token_ids:
+            if state.last_token_time is None:
+                m.ttft.observe(now - state.arrival)
+            else:
+                m.itl.observe((now - state.last_token_time) / len(o.new_token_ids))
+            state.last_token_time = now
+        state.output_ids.extend(o.new_token_ids)
+        m.generation_tokens_total += len(o.new_token_ids)
+        state.prompt_tokens = o.prompt_tokens
+        state.cached_tokens = o.cached_tokens
+        state.output_token_logprobs.extend(o.output_token_logprobs)
+        state.output_top_logprobs.extend(o.output_top_logprobs)
+        if o.input_token_logprobs is not None:
+            state.input_token_logprobs = o.input_token_logprobs
+            state.input_top_logprobs = o.input_top_logprobs or []
+        if o.finished_reason is not None:
+            state.finished_reason = o.finished_reason
+            kind = o.finished_reason.get("type", "unknown")
+            m.requests_finished[kind] = m.requests_finished.get(kind, 0) + 1
+            m.prompt_tokens_total += o.prompt_tokens
+            m.cached_tokens_total += o.cached_tokens
+            m.e2e.observe(now - state.arrival)
+        state.wake.put_nowait(None)
+
+    # -- validation and tokenization ----------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text) if text else []
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise RequestError("this model's tokenizer has no chat template", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template itself rejects the conversation (e.g. role order)
+            raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_params(self, raw: dict[str, Any] | None) -> SamplingParams:
+        """SamplingParams from a user dict; every error names its field."""
+        assert self.ready is not None
+        try:
+            sp = SamplingParams.from_dict(raw)
+            sp.validate(self.ready.vocab_size)
+        except ValueError as e:
+            raise RequestError.from_value_error(e) from None
+        check_constraints(sp.regex, sp.json_schema)
+        return sp
+
+    def check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int, param: str) -> None:
+        """The engine's own limits, so the server refuses exactly what the engine refuses."""
+        assert self.ready is not None
+        limits = RequestLimits(self.ready.vocab_size, self.ready.context_length, self.ready.max_total_tokens)
+        try:
+            limits.check(ids, sp, logprob_start_len, field=param)
+        except InvalidRequest as e:
+            raise RequestError(str(e), param=e.param) from None
+
+    def check_capacity(self, num_requests: int) -> None:
+        if self.dead:
+            raise RequestError("the scheduler process died; the server is shutting down", status=503)
+        if len(self.states) + num_requests > self.args.max_queued_requests:
+            self.metrics.requests_rejected_total += 1
+            raise RequestError(
+                f"server busy: {len(self.states)} requests in flight (max_queued_requests="
+                f"{self.args.max_queued_requests}); retry later",
+                status=503,
+                code="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+
+    async def generate(self, inp: GenerateInput, index: int, stream: bool) -> AsyncIterator[RequestState]:
+        """Runs sample `index` of inp. When streaming, yields the state whenever new text is out
+        (state.text is cumulative); always yields the finished state last. Leaving the iteration
+        early (client gone, cancellation) aborts the request so its KV is freed."""
+        sp = inp.params
+        rid = inp.rid if sp.n == 1 else f"{inp.rid}-{index}"
+        if rid in self.states:
+            raise RequestError(f"rid {rid!r} is already in flight", param="rid")
+        self.check_capacity(1)
+        state = RequestState(
+            rid, inp.rid, inp, stream, IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+        )
+        self.states[rid] = state
+        self.metrics.requests_total += 1
+        self.metrics.num_inflight = len(self.states)
+        seed = sp.seed + index if sp.seed is not None else None
+        self._send(
+            msg.GenerateReq(
+                rid=rid,
+                input_ids=inp.input_ids,
+                sampling_params=dataclasses.asdict(sp) | {"n": 1},
+                seed=seed,
+                return_logprob=inp.return_logprob,
+                logprob_start_len=inp.logprob_start_len,
+                top_logprobs_num=inp.top_logprobs_num,
+                stream=stream,
+            )
+        )
+        try:
+            while True:
+                err = await state.wake.get()
+                while err is None and not state.wake.empty():
+                    err = state.wake.get_nowait()
+                if err is not None:
+                    raise RequestError(f"request {rid} failed: {err}", status=503)
+                if state.finished:
+                    self._forget(rid)
+                    state.text = decode_output(
+                        self.tokenizer,
+                        state.output_ids,
+                        state.finished_reason,
+                        sp.skip_special_tokens,
+                        sp.no_stop_trim,
+                    )
+                    yield state
+                    return
+                if stream:
+                    full = state.detok.update(state.output_ids)
+                    text = full[: len(full) - _stop_holdback(full, sp.stop)]
+                    if len(text) > len(state.text):
+                        state.text = text
+                        yield state
+        finally:
+            self._forget(rid)
+            if not state.finished and not self.dead:
+                self._send(msg.AbortReq(rid))
+
+    def _forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+        self.metrics.num_inflight = len(self.states)
+
+    async def run(self, inp: GenerateInput, index: int) -> RequestState:
+        """Runs one sample to completion."""
+        async with contextlib.aclosing(self.generate(inp, index, stream=False)) as states:
+            async for state in states:
+                return state
+        raise AssertionError("generate ended without a final state")
+
+    def abort(self, rid: str) -> bool:
+        """Aborts rid, or all n samples sent under rid; False when nothing by that id is in flight."""
+        hits = [s.rid for s in self.states.values() if rid in (s.rid, s.base_rid)]
+        for r in hits:
+            self._send(msg.AbortReq(r))
+        return bool(hits)
+
+    async def call(
+        self, make: Callable[[int], msg.ToScheduler], timeout_s: float = CALL_TIMEOUT_S
+    ) -> msg.CallResult:
+        """Sends a control message and waits for the scheduler's reply to it."""
+        if self.dead:
+            raise RequestError("the scheduler process died", status=503)
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[msg.CallResult] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._send(make(call_id))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except SchedulerDied as e:
+            raise RequestError(str(e), status=503) from None
+        except asyncio.TimeoutError:
+            raise RequestError("the scheduler did not answer in time", status=503) from None
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def probe(self) -> None:
+        """Raises (503) unless the scheduler loop itself answers, not merely its process exists."""
+        await self.call(lambda i: msg.HealthProbe(i), HEALTH_PROBE_TIMEOUT_S)
+
+    async def server_info(self) -> dict[str, Any]:
+        return (await self.call(lambda i: msg.ServerInfoReq(i))).info
+
+    async def flush_cache(self) -> bool:
+        return (await self.call(lambda i: msg.FlushCacheReq(i))).ok
+
+
+def check_constraints(regex: str | None, json_schema: str | None, prefix: str = "sampling_params.") -> None:
+    """Validates a regex / JSON schema (naming the field when invalid), then refuses it: constrained
+    decoding is not implemented yet, and silently ignoring the constraint would return wrong output."""
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise RequestError(
+                f"{prefix}regex is not a valid regular expression: {e}", param="regex"
+            ) from None
+        field_name = "regex"
+    elif json_schema is not None:
+        try:
+            schema = json.loads(json_schema)
+        except ValueError as e:
+            raise RequestError(f"{prefix}json_schema is not valid JSON: {e}", param="json_schema") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{prefix}json_schema must be a JSON object", param="json_schema")
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise RequestError(
+                f"{prefix}json_schema is not a valid JSON Schema: {e.message}", param="json_schema"
+            ) from None
+        field_name = "json_schema"
+    else:
+        return
+    raise RequestError(
+        f"{prefix}{field_name}: constrained decoding is not available yet in this server",
+        param=field_name,
+        code="not_implemented",
+    )
+
+
+async def gather_cancelling(awaitables: list[Awaitable[Any]]) -> list[Any]:
+    """asyncio.gather that cancels the siblings when one fails (or when the caller is cancelled),
+    so no sub-request keeps running without a consumer."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestState]],
+) -> AsyncIterator[tuple[int, RequestState]]:
+    """Interleaves several request streams as (stream index, state), in arrival order."""
+    queue: asyncio.Queue[tuple[int, RequestState | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[RequestState]) -> None:
+        try:
+            async with contextlib.aclosing(it) as states:  # type: ignore[type-var]
+                async for state in states:
+                    await queue.put((i, state))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
