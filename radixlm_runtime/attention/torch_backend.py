@@ -32,8 +32,10 @@ class _ExtendItem:
 
 @dataclass
 class _PrefixGroup:
-    members: torch.Tensor  # positions among the decode requests
+    members: torch.Tensor | None  # positions among the decode requests; None when it is all of them
     slots: torch.Tensor  # [P] the shared prefix's KV slots
+    # When the slots are one ascending run (a prefix prefilled in one piece), K/V are read as a view.
+    slot_range: tuple[int, int] | None
 
 
 @dataclass
@@ -94,7 +96,16 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             for i in members:
                 prefix_lens[i] = shared
-            groups.append(_PrefixGroup(torch.tensor(members), rows[members[0]][:shared]))
+            slots = rows[members[0]][:shared]
+            first, last = int(slots[0]), int(slots[-1])
+            contiguous = last - first == shared - 1 and bool((slots.diff() == 1).all())
+            groups.append(
+                _PrefixGroup(
+                    None if len(members) == len(rows) else torch.tensor(members),
+                    slots,
+                    (first, last + 1) if contiguous else None,
+                )
+            )
         suffix_len = max(len(r) - p for r, p in zip(rows, prefix_lens))
         suffix_slots = torch.zeros(len(rows), suffix_len, dtype=torch.int64, device=rows[0].device)
         suffix_mask = torch.full(
@@ -171,16 +182,24 @@ class TorchAttentionBackend(AttentionBackend):
         the members' query rows stacked) and folds the result into the per-request attention."""
         _, num_kv_heads, g, head_dim = qg.shape
         m = group.members
-        qm = qg.index_select(0, m).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-        kp = k_buf.index_select(0, group.slots).transpose(0, 1)[None]  # [1, Hkv, P, D]
-        vp = v_buf.index_select(0, group.slots).transpose(0, 1)[None]
-        p_out, p_lse = _flash(qm, kp, vp, None, self.scale)
-        p_out = p_out.view(num_kv_heads, len(m), g, head_dim).transpose(0, 1)
-        p_lse = p_lse.view(num_kv_heads, len(m), g).transpose(0, 1)
-        s_out, s_lse = out.index_select(0, m), lse.index_select(0, m)
+        qm = qg if m is None else qg.index_select(0, m)
+        n = qm.shape[0]
+        qm = qm.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+        if group.slot_range is not None:
+            start, end = group.slot_range
+            kp, vp = k_buf[start:end], v_buf[start:end]
+        else:
+            kp, vp = k_buf.index_select(0, group.slots), v_buf.index_select(0, group.slots)
+        p_out, p_lse = _flash(qm, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, self.scale)
+        p_out = p_out.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
+        p_lse = p_lse.view(num_kv_heads, n, g).transpose(0, 1)
+        s_out, s_lse = (out, lse) if m is None else (out.index_select(0, m), lse.index_select(0, m))
         new_lse = torch.logaddexp(s_lse, p_lse)
         merged = s_out * torch.exp(s_lse - new_lse)[..., None] + p_out * torch.exp(p_lse - new_lse)[..., None]
-        out.index_copy_(0, m, merged)
+        if m is None:
+            out.copy_(merged)
+        else:
+            out.index_copy_(0, m, merged)
 
 
 def _flash(
