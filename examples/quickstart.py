@@ -1,6 +1,6 @@
 """Runs the offline engine on the embedded default model (SmolLM2-135M-Instruct).
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 import time

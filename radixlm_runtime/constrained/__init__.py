@@ -1,6 +1,11 @@
 """Constrained decoding: regex / JSON Schema → character DFA → token-level index → per-request guide."""
 
-from radixlm_runtime.constrained.compiler import ConstraintCompiler, IndexCache, default_cache_dir
+from radixlm_runtime.constrained.compiler import (
+    ConstraintCompiler,
+    IndexCache,
+    default_cache_dir,
+    validate_constraint,
+)
 from radixlm_runtime.constrained.grammar import RegexGuide, build_vocab_mask
 from radixlm_runtime.constrained.json_schema import (
     REGEX_BOOL,
@@ -28,4 +33,5 @@ __all__ = [
     "build_vocab_mask",
     "default_cache_dir",
     "regex_for_dtype",
+    "validate_constraint",
 ]

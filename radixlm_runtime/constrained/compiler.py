@@ -6,16 +6,19 @@ pattern and the vocabulary fingerprint, so a corrupted or foreign file can never
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 
 from radixlm_runtime.constrained.json_schema import build_regex_from_schema
@@ -26,9 +29,57 @@ from radixlm_runtime.constrained.regex_fsm import (
     TokenIndex,
     TokenVocab,
     build_token_index,
+    compile_char_dfa,
 )
 
 _FORMAT_VERSION = 1
+# Validation runs on the caller's thread before a request is queued, so it gets a tighter budget
+# than the background compile; a pattern past it would stall the compile pool anyway.
+VALIDATE_TIME_LIMIT_S = 5.0
+
+
+def constraint_pattern(
+    regex: str | None = None, json_schema: str | dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """(pattern, field name) of a request's constraint, exactly one of regex / json_schema; a schema
+    that cannot be converted raises ValueError naming json_schema."""
+    if (regex is None) == (json_schema is None):
+        raise ValueError("exactly one of regex and json_schema must be given")
+    if regex is not None:
+        return regex, "regex"
+    return build_regex_from_schema(json_schema), "json_schema"
+
+
+def validate_constraint(regex: str | None = None, json_schema: str | dict[str, Any] | None = None) -> None:
+    """Raises ValueError (naming the field) for an invalid, unsupported, oversize or unsatisfiable
+    constraint. Builds only the character DFA, not the token index, so it is cheap enough to run
+    synchronously and refuse a bad request before anything is queued."""
+    if json_schema is not None:
+        json_schema = _checked_schema(json_schema)
+    _check_pattern(*constraint_pattern(regex, json_schema))
+
+
+def _checked_schema(json_schema: str | dict[str, Any]) -> dict[str, Any] | bool:
+    """The parsed schema, checked against its metaschema: the converter trusts keyword types."""
+    schema = json_schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"json_schema: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema: must be a JSON object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"json_schema: not a valid JSON Schema: {e.message}") from None
+    return schema
+
+
+@functools.lru_cache(maxsize=256)
+def _check_pattern(pattern: str, field_name: str) -> None:
+    """Cached on success: clients repeat their constraints, and a generic JSON object takes ~1 s."""
+    compile_char_dfa(pattern, DEFAULT_MAX_STATES, time.monotonic() + VALIDATE_TIME_LIMIT_S, field_name)
 
 
 def default_cache_dir() -> Path:
@@ -196,15 +247,13 @@ class ConstraintCompiler:
         """A request's constraint (exactly one of regex / json_schema); schema errors come via the future."""
         if (regex is None) == (json_schema is None):
             raise ValueError("exactly one of regex and json_schema must be given")
-        if regex is not None:
-            return self.submit(regex, "regex")
         try:
-            pattern = build_regex_from_schema(json_schema)
+            pattern, field_name = constraint_pattern(regex, json_schema)
         except ValueError as e:
             failed: Future[TokenIndex] = Future()
             failed.set_exception(e)
             return failed
-        return self.submit(pattern, "json_schema")
+        return self.submit(pattern, field_name)
 
     def _forget(self, pattern: str) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from radixlm_runtime.constrained import validate_constraint
 from radixlm_runtime.engine.tokenizer import decode_output, load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
@@ -147,6 +148,11 @@ class Engine:
         for ids, raw, base_rid in zip(id_lists, params_list, rids):
             sp = SamplingParams.from_dict(raw)
             sp.validate(self.runner.config.vocab_size)
+            if sp.regex is not None or sp.json_schema is not None:
+                try:
+                    validate_constraint(sp.regex, sp.json_schema)
+                except ValueError as e:
+                    raise ValueError(f"sampling_params.{e}") from None
             self.limits.check(ids, sp, -1 if logprob_start_len is None else logprob_start_len)
             base = base_rid or uuid.uuid4().hex
             for i in range(sp.n):

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from radixlm_runtime.constrained.grammar import RegexGuide
 from radixlm_runtime.kvcache.radix_cache import TreeNode
 from radixlm_runtime.sampling.params import SamplingParams
 
@@ -30,6 +31,9 @@ class Req:
     # Prompt tokens served from the radix cache at first admission (what users are billed as cached).
     cached_tokens: int = -1
     num_retractions: int = 0
+    # Constrained decoding state (regex / json_schema); its state follows output_ids, so it survives
+    # retraction unchanged.
+    guide: RegexGuide | None = None
 
     # KV state while the request holds resources.
     req_pool_idx: int | None = None
@@ -50,6 +54,10 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Tokens whose KV the request needs: the prompt plus everything generated so far."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.sampling_params.regex is not None or self.sampling_params.json_schema is not None
 
     @property
     def prompt_len(self) -> int:

@@ -12,12 +12,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from radixlm_runtime.constrained import (
+    ConstraintCompiler,
+    RegexGuide,
+    TokenIndex,
+    TokenVocab,
+    build_vocab_mask,
+)
 from radixlm_runtime.engine.forward_batch import ForwardBatch
 from radixlm_runtime.engine.limits import RequestLimits
 from radixlm_runtime.engine.model_runner import ModelRunner
@@ -39,6 +47,9 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 IN_BATCH_PREFIX_CHECK = 32
 # A chunked prefill always advances by at least this many tokens, however many requests decode.
 MIN_CHUNK = 16
+# How long a step with nothing to run waits for a constraint compile: long enough not to spin,
+# short enough that the server loop keeps reading new requests.
+COMPILE_POLL_S = 0.01
 
 
 @dataclass
@@ -78,6 +89,10 @@ class Scheduler:
         self.new_token_ratio = args.new_token_ratio
         self._aborts: set[str] = set()
         self.stats = SchedulerStats()
+        # Built on the first constrained request, so unconstrained use pays nothing at start-up.
+        self.compiler: ConstraintCompiler | None = None
+        # Constrained requests whose compile is in flight; they join `waiting` once it is done.
+        self.compiling: list[tuple[Req, Future[TokenIndex]]] = []
 
     @classmethod
     def build(cls, model_dir: Path, args: ServerArgs, tokenizer: Any) -> Scheduler:
@@ -106,19 +121,26 @@ class Scheduler:
             "evictable_tokens": tree.evictable_size() if tree is not None else 0,
             "protected_tokens": tree.protected_size() if tree is not None else 0,
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting) + (self.chunked is not None),
+            "num_waiting": len(self.waiting) + len(self.compiling) + (self.chunked is not None),
             **vars(self.stats),
         }
 
     def add_request(self, req: Req) -> None:
-        self.waiting.append(req)
+        """Queues req; a constrained one first compiles in the background while others keep running."""
         self.stats.num_requests += 1
+        if req.is_constrained and req.guide is None:
+            sp = req.sampling_params
+            self.compiling.append(
+                (req, self._constraint_compiler().submit_constraint(sp.regex, sp.json_schema))
+            )
+        else:
+            self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.compiling)
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -127,13 +149,44 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Runs one forward step; returns the requests that got a token or finished in it."""
-        done = self._apply_aborts()
+        done = self._apply_aborts() + self._collect_compiled()
         items = self._schedule()
         if not items:
+            if self.compiling and not done:
+                wait([f for _, f in self.compiling], timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
             return done
         batch = self._prepare(items)
         logits = self.runner.forward(batch)
         return done + self._process(items, logits)
+
+    # -- constraints --------------------------------------------------------------------------
+    def _constraint_compiler(self) -> ConstraintCompiler:
+        if self.compiler is None:
+            vocab = TokenVocab.from_tokenizer(self.tokenizer, eos_ids=sorted(self.eos_token_ids))
+            self.compiler = ConstraintCompiler(vocab)
+        return self.compiler
+
+    def _collect_compiled(self) -> list[Req]:
+        """Moves requests whose compile is done to the queue, each with its own guide; fails (and
+        returns) those whose constraint did not compile."""
+        if not any(f.done() for _, f in self.compiling):
+            return []
+        failed: list[Req] = []
+        pending: list[tuple[Req, Future[TokenIndex]]] = []
+        for req, future in self.compiling:
+            if not future.done():
+                pending.append((req, future))
+            elif (exc := future.exception()) is not None:
+                field_name = "regex" if req.sampling_params.regex is not None else "json_schema"
+                message = str(exc) if str(exc).startswith(field_name) else f"{field_name}: {exc}"
+                req.finished_reason = {"type": "abort", "message": message}
+                self._finish(req)
+                failed.append(req)
+            else:
+                req.guide = RegexGuide(future.result())
+                self.waiting.append(req)
+        self.compiling = pending
+        return failed
 
     # -- scheduling ---------------------------------------------------------------------------
     def _schedule(self) -> list[_Item]:
@@ -311,6 +364,7 @@ class Scheduler:
             logits.device,
             banned_token_ids=banned if any(banned) else None,
         )
+        info.vocab_mask = build_vocab_mask([r.guide for r in reqs], self.vocab_size, logits.device)
         want_lp = any(r.return_logprob for r in reqs)
         top_n = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         out = self.sampler(logits.index_select(0, rows), info, return_logprob=want_lp, top_logprobs_num=top_n)
@@ -318,6 +372,8 @@ class Scheduler:
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(tok)
+            if req.guide is not None:
+                req.guide.advance(tok)
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -364,6 +420,9 @@ class Scheduler:
             req.finished_reason = {"type": "stop", "matched": tok}
         elif sp.stop and (matched := self._match_stop_str(req)) is not None:
             req.finished_reason = {"type": "stop", "matched": matched}
+        elif req.guide is not None and req.guide.is_finished():
+            # The output is a complete match that no token can extend (or took EOS under ignore_eos).
+            req.finished_reason = {"type": "stop", "matched": None}
         elif len(req.output_ids) >= sp.max_new_tokens:
             req.finished_reason = {"type": "length", "length": sp.max_new_tokens}
         elif len(req.fill_ids) >= self.context_len:
@@ -389,7 +448,8 @@ class Scheduler:
         if not self._aborts:
             return []
         aborted: list[Req] = []
-        for req in [*self.waiting, *self.running, *([self.chunked] if self.chunked else [])]:
+        compiling = [r for r, _ in self.compiling]
+        for req in [*self.waiting, *compiling, *self.running, *([self.chunked] if self.chunked else [])]:
             if req.rid in self._aborts:
                 req.finished_reason = {"type": "abort", "message": "aborted by request"}
                 aborted.append(req)
@@ -400,6 +460,7 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             self._finish(req)
+        self.compiling = [(r, f) for r, f in self.compiling if not r.finished]
         return aborted
 
 

@@ -50,7 +50,10 @@ _PASSTHROUGH = {
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
     "stop_token_ids": "stop_token_ids",
+    "regex": "regex",  # SGLang's extension
 }
+# response_format {"type": "json_object"}: any JSON object, as a schema for the json_schema constraint.
+JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
@@ -182,12 +185,14 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
                     f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                     param="top_logprobs",
                 )
-        _check_response_format(body.response_format)
+        json_schema = _response_format_schema(body.response_format)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
             assert tm.ready is not None
             max_tokens = max(min(tm.ready.context_length, tm.ready.max_total_tokens) - len(ids), 0)
-        inp = _make_input(tm, body, ids, max_tokens, body.logprobs, body.top_logprobs or 0, False, "messages")
+        inp = _make_input(
+            tm, body, ids, max_tokens, body.logprobs, body.top_logprobs or 0, False, "messages", json_schema
+        )
         jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
         tm.check_capacity(len(jobs))
         resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -248,14 +253,15 @@ def _make_input(
     top_logprobs: int,
     prompt_logprobs: bool,
     prompt_param: str = "prompt",
+    json_schema: str | None = None,
 ) -> GenerateInput:
-    raw = {"max_new_tokens": max_tokens}
+    raw: dict[str, Any] = {"max_new_tokens": max_tokens}
     for src, dst in _PASSTHROUGH.items():
         value = getattr(body, src)
         if value is not None:
             raw[dst] = value
-    if body.regex is not None:
-        check_constraints(body.regex, None, prefix="")
+    if json_schema is not None:
+        raw["json_schema"] = json_schema
     try:
         sp = tm.make_params(raw)
         tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
@@ -296,21 +302,21 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _check_response_format(fmt: ResponseFormat | None) -> None:
+def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
+    """The json_schema constraint that response_format asks for (None for plain text), checked here
+    so that errors name response_format."""
     if fmt is None or fmt.type == "text":
-        return
-    if fmt.type == "json_schema":
-        spec = fmt.json_schema or {}
-        if not isinstance(spec.get("schema"), dict):
-            raise RequestError(
-                "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
-            )
-        check_constraints(None, json.dumps(spec["schema"]), prefix="response_format.")
-    raise RequestError(
-        f"response_format {fmt.type!r}: constrained decoding is not available yet in this server",
-        param="response_format",
-        code="not_implemented",
-    )
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    spec = fmt.json_schema or {}
+    if not isinstance(spec.get("schema"), dict):
+        raise RequestError(
+            "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+        )
+    schema = json.dumps(spec["schema"])
+    check_constraints(None, schema, prefix="response_format.")
+    return schema
 
 
 # -- running ----------------------------------------------------------------------------------

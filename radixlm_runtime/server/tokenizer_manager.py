@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import multiprocessing as mp
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -23,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import zmq
 import zmq.asyncio
 
+from radixlm_runtime.constrained import validate_constraint
 from radixlm_runtime.engine.limits import InvalidRequest, RequestLimits
 from radixlm_runtime.engine.tokenizer import decode_output
 from radixlm_runtime.sampling.params import SamplingParams
@@ -418,37 +416,14 @@ class TokenizerManager:
 
 
 def check_constraints(regex: str | None, json_schema: str | None, prefix: str = "sampling_params.") -> None:
-    """Validates a regex / JSON schema (naming the field when invalid), then refuses it: constrained
-    decoding is not implemented yet, and silently ignoring the constraint would return wrong output."""
-    if regex is not None:
-        try:
-            re.compile(regex)
-        except re.error as e:
-            raise RequestError(
-                f"{prefix}regex is not a valid regular expression: {e}", param="regex"
-            ) from None
-        field_name = "regex"
-    elif json_schema is not None:
-        try:
-            schema = json.loads(json_schema)
-        except ValueError as e:
-            raise RequestError(f"{prefix}json_schema is not valid JSON: {e}", param="json_schema") from None
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(f"{prefix}json_schema must be a JSON object", param="json_schema")
-        try:
-            jsonschema.validators.validator_for(schema).check_schema(schema)
-        except jsonschema.SchemaError as e:
-            raise RequestError(
-                f"{prefix}json_schema is not a valid JSON Schema: {e.message}", param="json_schema"
-            ) from None
-        field_name = "json_schema"
-    else:
+    """Refuses (400, naming the field) a regex / JSON schema the engine could not compile, with the
+    engine's own check, before the request reaches the scheduler."""
+    if regex is None and json_schema is None:
         return
-    raise RequestError(
-        f"{prefix}{field_name}: constrained decoding is not available yet in this server",
-        param=field_name,
-        code="not_implemented",
-    )
+    try:
+        validate_constraint(regex, json_schema)
+    except ValueError as e:
+        raise RequestError(f"{prefix}{e}", param="regex" if regex is not None else "json_schema") from None
 
 
 async def gather_cancelling(awaitables: list[Awaitable[Any]]) -> list[Any]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
+import jsonschema
 import pytest
 import requests
 from server_harness import HEADERS, Server, assert_no_leak, wait_idle
@@ -221,3 +223,32 @@ def test_abort_request_ends_a_long_stream(server: Server) -> None:
 def test_health_generate(url: str) -> None:
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
     assert requests.get(f"{url}/health_generate", headers=HEADERS, timeout=60).status_code == 200
+
+
+def test_generate_with_regex_and_json_schema(url: str) -> None:
+    ip = r"(\d{1,3}\.){3}\d{1,3}"
+    out = generate(
+        url,
+        {
+            "text": "The IP address of the local host is ",
+            "sampling_params": GREEDY | {"regex": ip, "max_new_tokens": 30},
+        },
+    )
+    assert re.fullmatch(ip, out["text"]) and out["meta_info"]["finish_reason"]["type"] == "stop"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    body = {
+        "text": PROMPT,
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": 30,
+            "json_schema": json.dumps(schema),
+            "n": 2,
+        },
+    }
+    outs = generate(url, body)
+    for o in outs:
+        jsonschema.validate(json.loads(o["text"]), schema)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 import requests
@@ -136,14 +140,43 @@ def test_chat_logprobs(client: openai.OpenAI, model: str) -> None:
         assert bytes(item.bytes).decode(errors="replace") == item.token
 
 
-def test_constrained_decoding_is_refused_clearly(client: openai.OpenAI, model: str) -> None:
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="not available yet"):
-        client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, response_format=schema)
-    with pytest.raises(openai.BadRequestError, match="regex"):
-        client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=4, extra_body={"regex": "[0-9]+"}
-        )
+def test_constrained_chat_completions(client: openai.OpenAI, model: str) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}, "unit": {"type": "string", "maxLength": 10}},
+        "required": ["answer", "unit"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=60, temperature=0, response_format=fmt
+    )
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, extra_body={"regex": "[0-9]+"}
+    )
+    assert re.fullmatch("[0-9]+", out.choices[0].message.content)
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"regex": "(Paris|Lyon)"}
+    )
+    assert out.choices[0].text in ("Paris", "Lyon") and out.choices[0].finish_reason == "stop"
+
+
+def test_json_object_response_format(client: openai.OpenAI, model: str) -> None:
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=40, temperature=0, response_format={"type": "json_object"}
+    )
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:  # cut at max_tokens: still a valid prefix of an object
+        assert out.choices[0].message.content.startswith("{")
+
+
+def test_bad_response_format_names_the_field(client: openai.OpenAI, model: str) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, response_format=fmt)
 
 
 def test_openai_errors_have_openai_shape(url: str) -> None:

@@ -1,0 +1,144 @@
+"""Constrained decoding through the offline Engine: outputs match their regex / JSON schema, other
+requests in the batch are unaffected, and bad constraints fail before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+import radixlm_runtime as rt
+
+PROMPT = "the theater then an answer"
+IP = r"(\d{1,3}\.){3}\d{1,3}"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 20},
+        "member": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "member"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> rt.Engine:
+    return rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, context_length=256, log_level="warning")
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [IP, "(yes|no)", r"-?[1-9][0-9]{0,5}", r"[a-z]{3,8}"],
+    ids=["ip", "yes-no", "integer", "word"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_output_fullmatches(engine: rt.Engine, pattern: str, temperature: float) -> None:
+    params = {"regex": pattern, "temperature": temperature, "max_new_tokens": 40, "seed": 3}
+    out = engine.generate(PROMPT, params)
+    assert re.fullmatch(pattern, out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_parallel_samples_each_follow_the_regex(engine: rt.Engine) -> None:
+    outs = engine.generate(PROMPT, {"regex": r"[a-z]{2,6}", "temperature": 1.0, "n": 4, "max_new_tokens": 20})
+    assert len(outs) == 4
+    for out in outs:
+        assert re.fullmatch(r"[a-z]{2,6}", out["text"]), out["text"]
+
+
+def test_json_schema_on_tiny_model(engine: rt.Engine) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = engine.generate(PROMPT, {"json_schema": json.dumps(schema), "temperature": 0, "max_new_tokens": 40})
+    jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_unconstrained_neighbour_is_unaffected(engine: rt.Engine) -> None:
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    alone = engine.generate("abc abc", greedy)["output_ids"]
+    constrained = {"temperature": 0, "max_new_tokens": 40, "regex": IP}
+    outs = engine.generate([PROMPT, "abc abc"], [constrained, greedy])
+    assert re.fullmatch(IP, outs[0]["text"])
+    assert outs[1]["output_ids"] == alone
+
+
+def test_constraint_survives_retraction(tiny_llama_dir: Path) -> None:
+    """A KV pool too small for the batch forces retraction; the guide keeps its place in the output."""
+    small = rt.Engine(str(tiny_llama_dir), max_total_tokens=160, context_length=128, log_level="warning")
+    pattern = r"[a-z ]{40,60}"
+    outs = small.generate(
+        [PROMPT] * 4, {"regex": pattern, "temperature": 1.0, "max_new_tokens": 70, "seed": 1}
+    )
+    assert small.get_server_info()["num_retractions"] > 0
+    for out in outs:
+        assert re.fullmatch(pattern, out["text"]), out["text"]
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"regex": "([a-z"}, "regex"),
+        ({"regex": "a(?=b)"}, "regex"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": '{"type": 12}'}, "json_schema"),
+        ({"json_schema": '{"type": "string", "minLength": "x"}'}, "json_schema"),
+        ({"json_schema": "false"}, "json_schema"),
+        ({"regex": "a", "json_schema": "{}"}, "regex and json_schema"),
+    ],
+)
+def test_bad_constraint_raises_before_running(engine: rt.Engine, params: dict, field: str) -> None:
+    before = engine.get_server_info()["num_requests"]
+    with pytest.raises(ValueError, match=re.escape(field)):
+        engine.generate([PROMPT, "abc"], [{"max_new_tokens": 4}, params])
+    assert engine.get_server_info()["num_requests"] == before
+    assert not engine.scheduler.has_work()
+
+
+def test_constraint_the_vocabulary_cannot_spell_is_aborted(engine: rt.Engine) -> None:
+    """The tiny vocabulary has no token for this character: only the token-level compile can tell,
+    so the request finishes with an abort naming the field while its batch-mate completes."""
+    outs = engine.generate(
+        [PROMPT, PROMPT], [{"regex": "\u4e2d+", "max_new_tokens": 4}, {"max_new_tokens": 4}]
+    )
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["message"].startswith("regex"), reason
+    assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+
+
+@pytest.mark.slow
+class TestDefaultModel:
+    @pytest.fixture(scope="class")
+    def smol(self) -> rt.Engine:
+        return rt.Engine(log_level="warning")
+
+    def test_regexes(self, smol: rt.Engine) -> None:
+        cases = [
+            ("The IP address of the local host is ", IP),
+            ("Is the sky blue? Answer yes or no: ", "(yes|no)"),
+            ("The year the Eiffel Tower was finished: ", r"[0-9]{1,4}"),
+        ]
+        outs = smol.generate([p for p, _ in cases], [{"regex": r, "temperature": 0} for _, r in cases])
+        for out, (_, pattern) in zip(outs, cases):
+            assert re.fullmatch(pattern, out["text"]), out["text"]
+
+    def test_json_schema(self, smol: rt.Engine) -> None:
+        prompt = "Describe a fictional person as JSON with name, age, city and member fields.\n"
+        params = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 120}
+        out = smol.generate(prompt, params)
+        jsonschema.validate(json.loads(out["text"]), PERSON)
+        sampled = smol.generate(prompt, {**params, "temperature": 0.8, "seed": 5, "n": 2})
+        for o in sampled:
+            jsonschema.validate(json.loads(o["text"]), PERSON)
+
+    def test_unconstrained_neighbour_is_unaffected(self, smol: rt.Engine) -> None:
+        greedy = {"temperature": 0, "max_new_tokens": 16}
+        prompt = "def fibonacci(n):"
+        alone = smol.generate(prompt, greedy)["output_ids"]
+        outs = smol.generate(["My IP is ", prompt], [{**greedy, "regex": IP, "max_new_tokens": 40}, greedy])
+        assert re.fullmatch(IP, outs[0]["text"])
+        assert outs[1]["output_ids"] == alone
