@@ -110,12 +110,13 @@ def test_constraint_the_vocabulary_cannot_spell_is_aborted(engine: rt.Engine) ->
     assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
 
 
+@pytest.fixture(scope="module")
+def smol() -> rt.Engine:
+    return rt.Engine(log_level="warning")
+
+
 @pytest.mark.slow
 class TestDefaultModel:
-    @pytest.fixture(scope="class")
-    def smol(self) -> rt.Engine:
-        return rt.Engine(log_level="warning")
-
     def test_regexes(self, smol: rt.Engine) -> None:
         cases = [
             ("The IP address of the local host is ", IP),
