@@ -373,7 +373,11 @@ class Scheduler:
         for i, (req, tok) in enumerate(zip(reqs, next_ids)):
             req.output_ids.append(tok)
             if req.guide is not None:
-                req.guide.advance(tok)
+                try:
+                    req.guide.advance(tok)
+                except ValueError as e:
+                    # A constraint out of step with its own mask fails this request, not the loop.
+                    req.finished_reason = {"type": "abort", "message": f"constraint error: {e}"}
             self.stats.generated_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -383,7 +387,8 @@ class Scheduler:
                     vals, ids = out.top_logprobs
                     k = req.top_logprobs_num
                     req.output_top_logprobs.append(list(zip(vals[i, :k].tolist(), ids[i, :k].tolist())))
-            self._check_finish(req)
+            if not req.finished:
+                self._check_finish(req)
 
     def _banned_ids(self, req: Req) -> list[int]:
         sp = req.sampling_params

@@ -110,6 +110,22 @@ def test_constraint_the_vocabulary_cannot_spell_is_aborted(engine: rt.Engine) ->
     assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
 
 
+def test_guide_out_of_step_fails_only_its_request(engine: rt.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixlm_runtime.constrained.grammar import RegexGuide
+
+    def broken(self: RegexGuide, token_id: int) -> None:
+        raise ValueError(f"token {token_id} is not allowed")
+
+    monkeypatch.setattr(RegexGuide, "advance", broken)
+    outs = engine.generate(
+        ["abc", "abc"], [{"regex": "(yes|no)", "temperature": 0}, {"temperature": 0, "max_new_tokens": 4}]
+    )
+    reason = outs[0]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "constraint error" in reason["message"]
+    assert len(outs[1]["output_ids"]) == 4
+    assert not engine.scheduler.has_work()
+
+
 @pytest.fixture(scope="module")
 def smol() -> rt.Engine:
     return rt.Engine(log_level="warning")
