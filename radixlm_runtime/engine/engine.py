@@ -146,8 +146,7 @@ class Engine:
 
         reqs: list[Req] = []
         for ids, raw, base_rid in zip(id_lists, params_list, rids):
-            sp = SamplingParams.from_dict(raw)
-            sp.validate(self.runner.config.vocab_size)
+            sp = SamplingParams.from_dict(raw, self.runner.config.vocab_size)
             if sp.regex is not None or sp.json_schema is not None:
                 try:
                     validate_constraint(sp.regex, sp.json_schema)

@@ -43,7 +43,9 @@ class SamplingParams:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    def from_dict(
+        cls, params: dict[str, Any] | SamplingParams | None, vocab_size: int | None = None
+    ) -> SamplingParams:
         """Builds params from a user dict, naming the offending field on any error."""
         if params is None:
             return cls()
@@ -61,7 +63,7 @@ class SamplingParams:
                 continue
             kwargs[key] = _coerce(key, value)
         sp = cls(**kwargs)
-        sp.validate()
+        sp.validate(vocab_size)
         return sp
 
     def validate(self, vocab_size: int | None = None) -> None:

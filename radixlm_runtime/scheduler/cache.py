@@ -84,6 +84,7 @@ class CacheManager:
         req.req_pool_idx = None
         req.last_node = None
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.kv_len = 0
 
     def _insert(self, req: Req, ids: list[int], slots: torch.Tensor) -> None:
         """Inserts ids -> slots; where the tree already held some of these tokens (another request

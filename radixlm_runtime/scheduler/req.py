@@ -30,7 +30,6 @@ class Req:
     finished_reason: dict[str, Any] | None = None
     # Prompt tokens served from the radix cache at first admission (what users are billed as cached).
     cached_tokens: int = -1
-    num_retractions: int = 0
     # Constrained decoding state (regex / json_schema); its state follows output_ids, so it survives
     # retraction unchanged.
     guide: RegexGuide | None = None
@@ -82,10 +81,3 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)
-
-    def reset_for_retract(self) -> None:
-        self.req_pool_idx = None
-        self.prefix_indices = torch.empty(0, dtype=torch.int64)
-        self.last_node = None
-        self.kv_len = 0
-        self.num_retractions += 1

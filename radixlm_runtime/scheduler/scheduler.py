@@ -216,7 +216,6 @@ class Scheduler:
             victim = max(self.running, key=lambda r: (r.arrival_time, r.rid))
             self.running.remove(victim)
             self.cache.release(victim)
-            victim.reset_for_retract()
             self.waiting.appendleft(victim)
             self.new_token_ratio = 1.0
             self.stats.num_retractions += 1

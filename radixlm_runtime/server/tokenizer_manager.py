@@ -281,8 +281,7 @@ class TokenizerManager:
         """SamplingParams from a user dict; every error names its field."""
         assert self.ready is not None
         try:
-            sp = SamplingParams.from_dict(raw)
-            sp.validate(self.ready.vocab_size)
+            sp = SamplingParams.from_dict(raw, self.ready.vocab_size)
         except ValueError as e:
             raise RequestError.from_value_error(e) from None
         check_constraints(sp.regex, sp.json_schema)
