@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install demo test lint
+.PHONY: install demo test lint bench
 
 install:
 	bash scripts/install.sh
@@ -11,6 +11,11 @@ demo: install
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# Regenerates benchmarks/results/, benchmarks/figures/ and the tables in benchmarks/README.md.
+# Bigger workloads: make bench BENCH_ARGS="--scale 4".
+bench: install
+	$(PYTHON) benchmarks/run_all.py $(BENCH_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -1,150 +1,247 @@
-"""Few-shot GSM8K through the offline engine, side by side with its baselines.
+"""Few-shot GSM8K and MMLU through the offline engine, side by side with its baselines.
 
-Every question sits behind the same k-shot prefix; all prompts are submitted together. Runs, in one
-process on the same weights: radixlm (radix cache on), radixlm with the radix cache disabled, and a
-plain `transformers` `model.generate` loop (greedy, left-padded batches). Prints each figure and the
-ratios, and writes them as JSON.
+Every question sits behind a few-shot prefix it shares with the others (one for GSM8K, one per subject
+for MMLU). Systems, run one after another in this process on the same weights and the same token ids:
+radixlm; radixlm with the radix cache disabled; a plain `transformers` loop (left-padded batches); and
+llama.cpp through llama-cpp-python on the same GGUF file with its prompt cache on (skipped when the
+optional `llamacpp` extra is not installed).
 
-    python benchmarks/bench_fewshot_engine.py                 # 32 questions, 5 shots
-    python benchmarks/bench_fewshot_engine.py --num-questions 8 --max-new-tokens 16   # quick
+GSM8K is greedy generation graded on the final number. MMLU picks the answer letter whose continuation
+(" A" .. " D") has the highest logprob after the prompt; every system scores the same continuations.
+
+    python benchmarks/bench_fewshot_engine.py            # 16 GSM8K + 16 MMLU questions, 5 shots
+    python benchmarks/bench_fewshot_engine.py --tiny     # a few questions, seconds per system
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
-import time
+import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
+from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from systems import GenRun, LlamaCppSystem, RadixlmSystem, ScoreRun, SystemUnavailable, TransformersSystem
+from workloads import ChoiceTask, GenTask, gsm8k_correct, gsm8k_task, mmlu_task
 
-import radixlm_runtime as rt
-from radixlm.eval.data import extract_gsm8k_number, gsm8k_fewshot_prefix, gsm8k_question_suffix, load_gsm8k
+from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.models.loader import default_model_path, resolve_model_path
+
+NAME = "fewshot_engine"
+SIZES = {
+    "gsm8k_questions": Size(16, 2, "GSM8K test questions"),
+    "mmlu_subjects": Size(2, 1, "MMLU subjects, in name order (8 are shipped)", scales=False),
+    "mmlu_per_subject": Size(8, 2, "MMLU test questions per subject"),
+    "max_new_tokens": Size(48, 4, "GSM8K tokens generated per question", scales=False),
+    "num_shots": Size(5, 1, "solved examples in every prompt's shared prefix", scales=False),
+}
+SYSTEMS = ("radixlm", "radixlm_no_cache", "transformers", "llama_cpp")
+BASELINES = SYSTEMS[1:]
+LABELS = {
+    "radixlm": "radixlm",
+    "radixlm_no_cache": "radixlm, radix cache disabled",
+    "transformers": "transformers, batched",
+    "llama_cpp": "llama.cpp, prompt cache on",
+}
 
 
-def run_radixlm(prompts: list[str], max_new_tokens: int, disable_radix_cache: bool) -> dict:
-    engine = rt.Engine(disable_radix_cache=disable_radix_cache, log_level="warning")
-    params = {"temperature": 0, "max_new_tokens": max_new_tokens}
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    prompt_tokens = sum(o["meta_info"]["prompt_tokens"] for o in outs)
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
-    completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    engine.shutdown()
+def gsm8k_metrics(run: GenRun, task: GenTask) -> dict[str, Any]:
+    correct = [gsm8k_correct(text, label) for text, label in zip(run.texts, task.labels)]
     return {
-        "wall_s": wall,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "cache_hit_rate": cached / prompt_tokens,
-        "completion_tokens": completion,
-        "output_tok_per_s": completion / wall,
-        "texts": [o["text"] for o in outs],
-        "output_ids": [o["output_ids"] for o in outs],
+        **_common_metrics(run, len(task.prompts), correct),
+        "completion_tokens": run.completion_tokens,
+        "output_tok_per_s": run.completion_tokens / run.wall_s,
+        "output_ids": run.output_ids,
     }
 
 
-def run_transformers(model_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    texts: list[str] = []
-    completion = 0
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        enc = tok(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            out = model.generate(
-                **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-            )
-        for row in out[:, enc["input_ids"].shape[1] :]:
-            ids = row.tolist()
-            if tok.eos_token_id in ids:
-                ids = ids[: ids.index(tok.eos_token_id)]
-            completion += len(ids)
-            texts.append(tok.decode(ids, skip_special_tokens=True))
-    wall = time.perf_counter() - t0
+def mmlu_metrics(run: ScoreRun, task: ChoiceTask) -> dict[str, Any]:
+    answers = [max(range(len(lps)), key=lps.__getitem__) for lps in run.logprobs]
     return {
-        "wall_s": wall,
-        "completion_tokens": completion,
-        "output_tok_per_s": completion / wall,
-        "texts": texts,
+        **_common_metrics(run, len(task.prompts), [a == label for a, label in zip(answers, task.labels)]),
+        "answers": answers,
+        "logprobs": run.logprobs,
     }
 
 
-def accuracy(texts: list[str], labels: list[str]) -> float:
-    hits = 0
-    for text, label in zip(texts, labels):
-        answer = text.split("Question:")[0]
-        hits += extract_gsm8k_number(answer) == label
-    return hits / len(labels)
+def _common_metrics(run: GenRun | ScoreRun, n: int, correct: list[bool]) -> dict[str, Any]:
+    hit = None if run.cached_tokens is None else run.cached_tokens / run.prompt_tokens
+    return {
+        "wall_s": run.wall_s,
+        "questions_per_s": n / run.wall_s,
+        "prompt_tokens": run.prompt_tokens,
+        "cached_tokens": run.cached_tokens,
+        "cache_hit_rate": hit,
+        "correct": sum(correct),
+        "accuracy": sum(correct) / n,
+    }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-questions", type=int, default=32)
-    ap.add_argument("--num-shots", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--hf-batch-size", type=int, default=8)
-    ap.add_argument("--skip-transformers", action="store_true", help="Skip the transformers baseline.")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fewshot_engine.json"))
-    args = ap.parse_args()
-
-    prefix = gsm8k_fewshot_prefix(args.num_shots)
-    items = load_gsm8k("test", args.num_questions)
-    prompts = [prefix + gsm8k_question_suffix(it.question) for it in items]
-    labels = [it.label for it in items]
-
-    results: dict[str, dict] = {}
-    results["radixlm"] = run_radixlm(prompts, args.max_new_tokens, disable_radix_cache=False)
-    gc.collect()
-    results["radixlm_no_cache"] = run_radixlm(prompts, args.max_new_tokens, disable_radix_cache=True)
-    gc.collect()
-    if not args.skip_transformers:
-        from radixlm_runtime.models.loader import resolve_model_path
-
-        results["transformers"] = run_transformers(
-            resolve_model_path(None), prompts, args.max_new_tokens, args.hf_batch_size
+def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Ratios against each baseline, and the agreement checks: radixlm must give the same outputs with
+    the cache on and off, and within one question per hundred the accuracy of transformers."""
+    key = "output_ids" if task_name == "gsm8k" else "answers"
+    on = runs["radixlm"]
+    out: dict[str, Any] = {"num_questions": n}
+    for base in BASELINES:
+        if base in runs:
+            out[f"speedup_vs_{base}"] = runs[base]["wall_s"] / on["wall_s"]
+            if runs[base][key] is not None:
+                out[f"same_outputs_vs_{base}"] = sum(a == b for a, b in zip(on[key], runs[base][key])) / n
+    if "radixlm_no_cache" in runs and task_name == "mmlu":
+        out["max_logprob_diff_cache_on_vs_off"] = max(
+            abs(a - b)
+            for row_on, row_off in zip(on["logprobs"], runs["radixlm_no_cache"]["logprobs"])
+            for a, b in zip(row_on, row_off)
         )
+    if "transformers" in runs:
+        out["accuracy_gap_vs_transformers_questions"] = abs(on["correct"] - runs["transformers"]["correct"])
+        out["accuracy_gap_allowed_questions"] = math.ceil(n / 100)
+    return out
 
-    on, off = results["radixlm"], results["radixlm_no_cache"]
-    same = sum(a == b for a, b in zip(on["output_ids"], off["output_ids"]))
-    summary = {
-        "num_questions": len(prompts),
-        "num_shots": args.num_shots,
-        "max_new_tokens": args.max_new_tokens,
-        "threads": torch.get_num_threads(),
-        "cache_hit_rate": on["cache_hit_rate"],
-        "identical_outputs_cache_on_vs_off": same / len(prompts),
-        "speedup_vs_no_cache": off["wall_s"] / on["wall_s"],
+
+def make_system(name: str, model_dir: Path, hf_batch_size: int) -> Any:
+    makers: dict[str, Callable[[], Any]] = {
+        "radixlm": lambda: RadixlmSystem(disable_radix_cache=False),
+        "radixlm_no_cache": lambda: RadixlmSystem(disable_radix_cache=True),
+        "transformers": lambda: TransformersSystem(model_dir, hf_batch_size),
+        "llama_cpp": lambda: LlamaCppSystem(Path(default_model_path())),
     }
-    if "transformers" in results:
-        summary["speedup_vs_transformers"] = results["transformers"]["wall_s"] / on["wall_s"]
-    for r in results.values():
-        r["accuracy"] = accuracy(r["texts"], labels)
+    return makers[name]()
 
-    print(
-        f"\nfew-shot GSM8K: {len(prompts)} questions x {args.num_shots} shots, "
-        f"greedy, max_new_tokens={args.max_new_tokens}, {torch.get_num_threads()} threads"
+
+def plot(path: Path, tasks: dict[str, dict[str, dict[str, Any]]], shots: int) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, (task_name, runs) in zip(axes[0], tasks.items()):
+        names = list(runs)
+        values = [runs[s]["questions_per_s"] for s in names]
+        bars = ax.bar(range(len(names)), values, color=["C0", "C1", "C2", "C3"][: len(names)])
+        for bar, s in zip(bars, names):
+            hit = runs[s]["cache_hit_rate"]
+            label = f"{values[names.index(s)]:.2f}/s" + ("" if hit is None else f"\nhit {hit:.0%}")
+            ax.annotate(
+                label,
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_xticks(range(len(names)), [LABELS[s].replace(", ", ",\n") for s in names], fontsize=8)
+        ax.set_ylabel("questions / s (higher is better)")
+        ax.set_title(f"{task_name.upper()} {shots}-shot, {runs['radixlm']['num_questions']} questions")
+        ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(task_name: str, runs: dict[str, dict[str, Any]], shots: int) -> Table:
+    gen = task_name == "gsm8k"
+    headers = ["system", "wall s", "questions/s"] + (["output tok/s"] if gen else [])
+    headers += ["prompt tokens from cache", "accuracy", "radixlm speed-up"]
+    rows = []
+    for name, r in runs.items():
+        row = [LABELS[name], fmt(r["wall_s"], ".1f"), fmt(r["questions_per_s"], ".2f")]
+        if gen:
+            row.append(fmt(r["output_tok_per_s"], ".1f"))
+        hit = r["cache_hit_rate"]
+        speedup = r["wall_s"] / runs["radixlm"]["wall_s"]
+        row += [fmt(None if hit is None else 100 * hit, ".1f", "%"), f"{r['correct']}/{r['num_questions']}"]
+        row.append(f"**{speedup:.2f}x**" if name != "radixlm" else "1x")
+        rows.append(row)
+    return Table(f"{task_name.upper()} {shots}-shot", headers, rows)
+
+
+def notes_for(task_name: str, summary: dict[str, Any]) -> list[str]:
+    n = summary["num_questions"]
+    label = task_name.upper()
+    notes = [
+        f"{label}: radixlm vs {LABELS[b]}: **{summary[f'speedup_vs_{b}']:.2f}x**"
+        for b in BASELINES
+        if f"speedup_vs_{b}" in summary
+    ]
+    what = "outputs" if task_name == "gsm8k" else "answers"
+    for base in ("radixlm_no_cache", "transformers", "llama_cpp"):
+        if f"same_outputs_vs_{base}" in summary:
+            same = round(summary[f"same_outputs_vs_{base}"] * n)
+            notes.append(f"{label}: {what} identical to {LABELS[base]} for {same}/{n} questions")
+    if "accuracy_gap_vs_transformers_questions" in summary:
+        gap, allowed = (summary[f"accuracy_gap_{k}_questions"] for k in ("vs_transformers", "allowed"))
+        notes.append(f"{label}: accuracy gap radixlm vs transformers: {gap} question(s) (allowed: {allowed})")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, SIZES)
+    ap.add_argument("--tasks", default="gsm8k,mmlu", help="Comma-separated: gsm8k, mmlu.")
+    ap.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}."
     )
-    print(f"{'system':<20}{'wall s':>10}{'out tok/s':>12}{'hit rate':>10}{'accuracy':>10}")
-    for name, r in results.items():
-        hit = f"{r['cache_hit_rate']:.3f}" if "cache_hit_rate" in r else "-"
-        print(f"{name:<20}{r['wall_s']:>10.2f}{r['output_tok_per_s']:>12.1f}{hit:>10}{r['accuracy']:>10.3f}")
-    for key, value in summary.items():
-        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    args = ap.parse_args(argv)
+    sizes = resolve_sizes(args, SIZES)
+    systems = args.systems.split(",")
+    if systems[0] != "radixlm" or not set(systems) <= set(SYSTEMS):
+        ap.error(f"--systems must start with radixlm and name only {SYSTEMS}")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    slim = {
-        name: {k: v for k, v in r.items() if k not in ("texts", "output_ids")} for name, r in results.items()
-    }
-    args.out.write_text(json.dumps({"summary": summary, "systems": slim}, indent=2))
-    print(f"wrote {args.out}")
+    model_dir = resolve_model_path(None)
+    tokenizer = load_tokenizer(model_dir)
+    workloads: dict[str, GenTask | ChoiceTask] = {}
+    for task_name in args.tasks.split(","):
+        if task_name == "gsm8k":
+            workloads[task_name] = gsm8k_task(tokenizer, sizes["gsm8k_questions"], sizes["num_shots"])
+        elif task_name == "mmlu":
+            workloads[task_name] = mmlu_task(
+                tokenizer, sizes["mmlu_subjects"], sizes["mmlu_per_subject"], sizes["num_shots"]
+            )
+        else:
+            ap.error(f"unknown task {task_name!r}")
+
+    runs: dict[str, dict[str, dict[str, Any]]] = {t: {} for t in workloads}
+    skipped: dict[str, str] = {}
+    for name in systems:
+        try:
+            system = make_system(name, model_dir, args.hf_batch_size)
+        except SystemUnavailable as e:
+            print(f"skipping {name}: {e}")
+            skipped[name] = str(e)
+            continue
+        for task_name, task in workloads.items():
+            if isinstance(task, GenTask):
+                metrics = gsm8k_metrics(system.generate(task.prompts, sizes["max_new_tokens"]), task)
+            else:
+                metrics = mmlu_metrics(system.score(task.prompts, task.choices), task)
+            runs[task_name][name] = {"num_questions": len(task.prompts), **metrics}
+            print(f"{name} {task_name}: {metrics['wall_s']:.1f} s, accuracy {metrics['accuracy']:.3f}")
+        system.close()
+        gc.collect()
+
+    summaries = {t: compare(t, len(workloads[t].prompts), r) for t, r in runs.items()}
+    figure = f"{NAME}.png"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot(args.out_dir / figure, runs, sizes["num_shots"])
+    bulky = ("output_ids", "logprobs")
+    save_result(
+        args.out_dir,
+        NAME,
+        {
+            "skipped": skipped,
+            "summary": summaries,
+            "systems": {
+                t: {s: {k: v for k, v in r.items() if k not in bulky} for s, r in rs.items()}
+                for t, rs in runs.items()
+            },
+        },
+        tables=[table(t, r, sizes["num_shots"]) for t, r in runs.items()],
+        notes=[note for t, s in summaries.items() for note in notes_for(t, s)]
+        + [f"{LABELS[s]} skipped: {why}" for s, why in skipped.items()],
+        figures=[figure],
+        sizes=sizes,
+    )
 
 
 if __name__ == "__main__":

@@ -53,12 +53,29 @@ class ServerArgs:
         ("lpm", "dfs-weight", "fcfs"),
     )
     disable_radix_cache: bool = _flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    disable_jump_forward: bool = _flag(
+        False,
+        "Decode the text a regex / json_schema constraint forces (keys, punctuation, literals) token by "
+        "token instead of appending it without decode steps (for ablations). Requests that return "
+        "logprobs never jump, so every output token has its logprob.",
+    )
     new_token_ratio: float = _flag(
         0.5,
         "Fraction of a running request's remaining max_new_tokens reserved when admitting new "
         "requests; lower admits more but retracts more often.",
     )
     random_seed: int = _flag(0, "Seed for requests that give no seed of their own.")
+    session_timeout_s: float = _flag(
+        60.0,
+        "Seconds a program session (requests sharing a session_id) may stay idle before it is closed "
+        "and the KV of its history, pinned between its calls, is released.",
+    )
+    session_pin_fraction: float = _flag(
+        0.5,
+        "Share of the KV pool that idle sessions' pinned histories keep when requests need the "
+        "memory; beyond it they are unpinned, least recently used first. Pins never stall the "
+        "queue: when nothing else can run, any pin gives way.",
+    )
     num_threads: int | None = _flag(None, "torch intra-op threads on CPU. Default: all cores.")
     log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
 
@@ -93,6 +110,10 @@ class ServerArgs:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not self.session_timeout_s > 0:
+            raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
+        if not 0.0 <= self.session_pin_fraction <= 1.0:
+            raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         for f in dataclasses.fields(self):

@@ -1,4 +1,6 @@
-"""Shared fixtures: the embedded default model and tiny random-init Llama / Qwen2 model directories.
+"""Shared fixtures: the embedded default model, tiny random-init Llama / Qwen2 model directories, and
+one radixlm server (started through the language's own `Runtime`) for the language, backend and
+example tests.
 
 The tiny directories are complete Hugging Face checkpoints (config, safetensors, tokenizer with a chat
 template), so both transformers and the runtime can load them in well under a second.
@@ -7,6 +9,7 @@ template), so both transformers and the runtime can load them in well under a se
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # Without a GPU the Triton kernels run under the interpreter; Triton reads this at import time.
@@ -16,6 +19,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
 import pytest
 import torch
 
+import radixlm as sgl
 from radixlm_runtime.models.loader import resolve_model_path
 
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -107,3 +111,16 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shapes as tiny_llama_dir but a Qwen2ForCausalLM, whose q/k/v projections carry biases."""
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def runtime() -> Iterator[sgl.Runtime]:
+    """A real server on the default model, on a free loopback port."""
+    rt = sgl.Runtime(max_total_tokens=20000, log_level="warning")
+    yield rt
+    rt.shutdown()
+
+
+@pytest.fixture
+def backend(runtime: sgl.Runtime) -> sgl.RuntimeEndpoint:
+    return runtime.endpoint

@@ -1,7 +1,8 @@
 """Attention in plain torch, tuned for CPU.
 
 Prefill chunks run one scaled-dot-product call per request over its KV gathered through the
-request-to-token table. Decode tokens are batched, and requests whose KV starts with the same pool
+request-to-token table. Decode tokens are batched (and so are short extends, such as the tokens a
+jump-forward appended, one query row per token), and requests whose KV starts with the same pool
 slots (a shared few-shot prefix or system prompt, found through the radix cache) attend to that
 prefix together: its K/V is gathered once per group instead of once per request, and the partial
 results are merged with their log-sum-exp. On CPU the gather is the dominant cost of decode, so this
@@ -20,6 +21,9 @@ from radixlm_runtime.engine.forward_batch import ForwardBatch
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
+# Extends up to this long run with the decode tokens, each token as a query row over the keys up to
+# its own position: cheaper than one attention call per request, which gathers all its KV again.
+MAX_BATCHED_EXTEND = 16
 
 
 @dataclass
@@ -40,7 +44,7 @@ class _PrefixGroup:
 
 @dataclass
 class _DecodeMeta:
-    token_rows: torch.Tensor | None  # rows of q holding decode tokens; None when all are decodes
+    token_rows: torch.Tensor | None  # rows of q run here; None when it is all of them, in order
     suffix_slots: torch.Tensor  # [Bd, S] KV slots past each request's group prefix, padded with 0
     suffix_mask: torch.Tensor  # [Bd, 1, 1, S] additive: 0 for real keys, -inf for padding
     groups: list[_PrefixGroup]
@@ -57,27 +61,27 @@ class TorchAttentionBackend(AttentionBackend):
         req_rows = batch.req_pool_indices.tolist()
         starts = batch.extend_start_loc.tolist()
         extends: list[_ExtendItem] = []
-        decode_idx: list[int] = []
+        # Rows of q batched like decode tokens, and the KV slots each of them attends to.
+        q_rows: list[int] = []
+        kv_rows: list[torch.Tensor] = []
         for b, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
-            if ext == 1:
-                decode_idx.append(b)
-                continue
             slots = self.req_to_token[req_rows[b], :seq_len]
             prefix = seq_len - ext
+            if ext <= MAX_BATCHED_EXTEND:
+                q_rows.extend(range(starts[b], starts[b] + ext))
+                kv_rows.extend(slots[: prefix + j + 1] for j in range(ext))
+                continue
             mask = None
             if prefix > 0:
                 q_pos = torch.arange(prefix, seq_len, device=slots.device)[:, None]
                 mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos
             extends.append(_ExtendItem(starts[b], ext, slots, mask))
-        decode = None
-        if decode_idx:
-            decode = self._decode_metadata(batch, decode_idx, req_rows, starts)
+        decode = self._decode_metadata(batch, q_rows, kv_rows) if q_rows else None
         batch.attn_metadata = _TorchMeta(extends, decode)
 
     def _decode_metadata(
-        self, batch: ForwardBatch, decode_idx: list[int], req_rows: list[int], starts: list[int]
+        self, batch: ForwardBatch, q_rows: list[int], rows: list[torch.Tensor]
     ) -> _DecodeMeta:
-        rows = [self.req_to_token[req_rows[b], : batch.seq_lens_cpu[b]] for b in decode_idx]
         prefix_lens = [0] * len(rows)
         groups: list[_PrefixGroup] = []
         by_first: dict[int, list[int]] = {}
@@ -86,7 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
         for members in by_first.values():
             if len(members) < 2:
                 continue
-            # The last token of every request is its own, so the shared part stops before it.
+            # The last key of every row is its own token, so the shared part stops before it.
             limit = min(len(rows[i]) for i in members) - 1
             if limit < MIN_SHARED_PREFIX:
                 continue
@@ -115,8 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
             suffix_slots[i, : len(r) - p] = r[p:]
             suffix_mask[i, ..., : len(r) - p] = 0.0
         token_rows = None
-        if len(decode_idx) != batch.batch_size:
-            token_rows = torch.tensor([starts[b] for b in decode_idx], device=rows[0].device)
+        if len(q_rows) != batch.num_tokens:
+            token_rows = torch.tensor(q_rows, device=rows[0].device)
         return _DecodeMeta(token_rows, suffix_slots, suffix_mask, groups)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:

@@ -15,6 +15,7 @@ from radixlm_runtime.constrained.json_schema import (
     build_regex_from_schema,
     regex_for_dtype,
 )
+from radixlm_runtime.constrained.jump_forward import Jump, plan_jump
 from radixlm_runtime.constrained.regex_fsm import CharDFA, TokenIndex, TokenVocab, build_token_index
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CharDFA",
     "ConstraintCompiler",
     "IndexCache",
+    "Jump",
     "RegexGuide",
     "TokenIndex",
     "TokenVocab",
@@ -32,6 +34,7 @@ __all__ = [
     "build_token_index",
     "build_vocab_mask",
     "default_cache_dir",
+    "plan_jump",
     "regex_for_dtype",
     "validate_constraint",
 ]

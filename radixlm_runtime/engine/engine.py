@@ -13,6 +13,7 @@ from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.scheduler import Scheduler
+from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger, setup_logging
 
@@ -48,11 +49,22 @@ class Engine:
         top_logprobs_num: int | None = None,
         return_text_in_logprobs: bool = False,
         rid: str | list[str] | None = None,
+        session_id: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict, or a list of n dicts when n > 1) or a batch
-        (returns a list, n outputs per prompt in order). Everything is validated before anything runs."""
+        (returns a list, n outputs per prompt in order). Everything is validated before anything runs.
+
+        With session_id, the KV of each finished sequence stays pinned for the session's next call
+        (a program whose prompts extend each other) until close_session or the session timeout."""
         reqs, single = self._build_requests(
-            prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, rid
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            rid,
+            session_id,
         )
         for req in reqs:
             self.scheduler.add_request(req)
@@ -69,9 +81,12 @@ class Engine:
         prompt: str | None = None,
         sampling_params: dict[str, Any] | None = None,
         input_ids: list[int] | None = None,
+        session_id: str | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Yields {"text": cumulative text, "output_ids", "meta_info"} after every new token."""
-        reqs, _ = self._build_requests(prompt, sampling_params, input_ids, False, None, None, None)
+        reqs, _ = self._build_requests(
+            prompt, sampling_params, input_ids, False, None, None, None, session_id
+        )
         if len(reqs) != 1:
             raise ValueError("generate_stream takes one prompt with n == 1")
         req = reqs[0]
@@ -90,6 +105,12 @@ class Engine:
         if not ok:
             logger.warning("flush_cache refused: requests are still running")
         return ok
+
+    def close_session(self, session_id: str) -> bool:
+        """Releases the session's pinned KV; False when no such session is open (never opened,
+        closed already, or expired)."""
+        check_session_id(session_id)
+        return self.scheduler.cache.sessions.close(session_id)
 
     def get_server_info(self) -> dict[str, Any]:
         return {"model_path": str(self.model_dir), **self.scheduler.info()}
@@ -114,7 +135,10 @@ class Engine:
         logprob_start_len: int | None,
         top_logprobs_num: int | None,
         rid: str | list[str] | None,
+        session_id: str | None,
     ) -> tuple[list[Req], bool]:
+        if session_id is not None:
+            check_session_id(session_id)
         if (prompt is None) == (input_ids is None):
             raise ValueError("exactly one of prompt (text) and input_ids must be given")
         if prompt is not None:
@@ -165,6 +189,7 @@ class Engine:
                         logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                         top_logprobs_num=top_logprobs_num or 0,
                         generator=self.scheduler.new_generator(seed),
+                        session_id=session_id,
                     )
                 )
         return reqs, single

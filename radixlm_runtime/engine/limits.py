@@ -45,7 +45,8 @@ class RequestLimits:
                 f"({sp.max_new_tokens}) exceeds the KV cache pool ({self.pool_size} tokens)",
                 "max_new_tokens",
             )
-        if not -1 <= logprob_start_len < len(ids):
+        # As in SGLang, a start at the prompt's end is valid and asks for no prompt logprobs.
+        if not -1 <= logprob_start_len <= len(ids):
             raise InvalidRequest(
-                f"logprob_start_len must be in [-1, {len(ids)}), got {logprob_start_len}", "logprob_start_len"
+                f"logprob_start_len must be in [-1, {len(ids)}], got {logprob_start_len}", "logprob_start_len"
             )

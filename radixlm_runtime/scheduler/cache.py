@@ -1,24 +1,32 @@
-"""Glue between requests and the KV memory: the radix tree, the slot allocator and the
-request-to-token table. Every slot a request touches is accounted for here, so that when a request
-finishes, is retracted or is aborted its slots either join the tree or return to the free list."""
+"""Glue between requests and the KV memory: the radix tree, the slot allocator, the
+request-to-token table and the program sessions pinning KV. Every slot a request touches is
+accounted for here, so that when a request finishes, is retracted or is aborted its slots either
+join the tree or return to the free list."""
 
 from __future__ import annotations
 
 import torch
 
 from radixlm_runtime.kvcache.pool import ReqToTokenPool, TokenAllocator
-from radixlm_runtime.kvcache.radix_cache import RadixCache
+from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.scheduler.session import SessionTable
 
 
 class CacheManager:
     def __init__(
-        self, allocator: TokenAllocator, req_to_token_pool: ReqToTokenPool, disable_radix_cache: bool
+        self,
+        allocator: TokenAllocator,
+        req_to_token_pool: ReqToTokenPool,
+        disable_radix_cache: bool,
+        session_timeout_s: float = 60.0,
+        session_pin_fraction: float = 0.5,
     ) -> None:
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.tree = None if disable_radix_cache else RadixCache(allocator)
+        self.sessions = SessionTable(self.tree, session_timeout_s, int(session_pin_fraction * allocator.size))
 
     # -- capacity -----------------------------------------------------------------------------
     def available_tokens(self) -> int:
@@ -68,16 +76,32 @@ class CacheManager:
         req.last_node = new_node
         req.prefix_indices = new_indices
 
-    def release(self, req: Req) -> None:
+    def finish(self, req: Req) -> None:
+        """Releases a finished (or aborted) req; when it belongs to an open session, the whole
+        sequence it computed stays pinned for the session's next call."""
+        sid = req.session_id
+        node = self.release(req, pin=self.sessions.is_open(sid))
+        if sid is not None:
+            self.sessions.finish(sid, req.rid, node)
+
+    def release(self, req: Req, pin: bool = False) -> TreeNode | None:
         """Ends req's hold on KV memory (finish, retraction or abort): the computed tokens join the
-        tree for later reuse (or are freed when the cache is disabled) and the lock is dropped."""
+        tree for later reuse (or are freed when the cache is disabled) and the lock is dropped.
+        With pin, returns the node ending those tokens locked once more for the caller to hold
+        (None when req computed nothing)."""
         if req.req_pool_idx is None:
-            return
+            return None
         slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        pinned: TreeNode | None = None
         if self.tree is None:
             self.allocator.free(slots)
         else:
-            self._insert(req, req.fill_ids[: req.kv_len], slots)
+            ids = req.fill_ids[: req.kv_len]
+            self._insert(req, ids, slots)
+            if pin and ids:
+                # Locked before req's own lock goes, so the path is never evictable in between.
+                _, pinned = self.tree.match_prefix(ids)
+                self.tree.inc_lock_ref(pinned)
             if req.last_node is not None:
                 self.tree.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -85,6 +109,7 @@ class CacheManager:
         req.last_node = None
         req.prefix_indices = torch.empty(0, dtype=torch.int64)
         req.kv_len = 0
+        return pinned
 
     def _insert(self, req: Req, ids: list[int], slots: torch.Tensor) -> None:
         """Inserts ids -> slots; where the tree already held some of these tokens (another request
@@ -96,9 +121,11 @@ class CacheManager:
             self.allocator.free(slots[own_from:already])
 
     def flush(self) -> bool:
-        """Drops every cached prefix; refused while requests hold KV."""
+        """Drops every cached prefix, session pins included (the sessions stay open); refused while
+        requests hold KV."""
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.max_reqs:
             return False
+        self.sessions.unpin_all()
         if self.tree is not None:
             self.tree.reset()
         return True

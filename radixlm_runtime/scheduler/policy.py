@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Set
 
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
@@ -19,12 +20,24 @@ class SchedulePolicy:
         self.policy = policy if tree is not None else "fcfs"
         self.tree = tree
 
-    def order(self, waiting: list[Req]) -> list[Req]:
-        """Returns the queue in admission order, with each request's prefix match refreshed."""
+    def order(self, waiting: list[Req], pinned_sessions: Set[str] = frozenset()) -> list[Req]:
+        """Returns the queue in admission order, with each request's prefix match refreshed.
+
+        Requests of a session holding pinned KV (a program run in flight) go before all others,
+        each group keeping the policy's order: a program already under way finishes, and its pin
+        stops taking memory, before new programs start and pin more.
+        """
         if self.tree is not None:
             for req in waiting:
                 key = req.fill_ids[: req.max_prefix_len()]
                 req.prefix_indices, req.last_node = self.tree.match_prefix(key)
+        ordered = self._policy_order(waiting)
+        if not pinned_sessions:
+            return ordered
+        first = [r for r in ordered if r.session_id in pinned_sessions]
+        return first + [r for r in ordered if r.session_id not in pinned_sessions]
+
+    def _policy_order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
             return list(waiting)
         if self.policy == "lpm":

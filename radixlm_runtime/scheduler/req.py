@@ -25,6 +25,8 @@ class Req:
     top_logprobs_num: int = 0
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Program session whose pin this request's whole sequence becomes when it ends (session.py).
+    session_id: str | None = None
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -53,6 +55,12 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Tokens whose KV the request needs: the prompt plus everything generated so far."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens of fill_ids without KV yet: 1 for a decode, more after a jump-forward appended
+        forced tokens (they are computed in the next step as one extend)."""
+        return self.prompt_len + len(self.output_ids) - self.kv_len
 
     @property
     def is_constrained(self) -> bool:

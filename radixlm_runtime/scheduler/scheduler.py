@@ -25,6 +25,7 @@ from radixlm_runtime.constrained import (
     TokenIndex,
     TokenVocab,
     build_vocab_mask,
+    plan_jump,
 )
 from radixlm_runtime.engine.forward_batch import ForwardBatch
 from radixlm_runtime.engine.limits import RequestLimits
@@ -80,7 +81,13 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.context_len = runner.context_len
         self.vocab_size = runner.config.vocab_size
-        self.cache = CacheManager(runner.allocator, runner.req_to_token_pool, args.disable_radix_cache)
+        self.cache = CacheManager(
+            runner.allocator,
+            runner.req_to_token_pool,
+            args.disable_radix_cache,
+            args.session_timeout_s,
+            args.session_pin_fraction,
+        )
         self.policy = SchedulePolicy(args.schedule_policy, self.cache.tree)
         self.sampler = Sampler()
         self.waiting: deque[Req] = deque()
@@ -112,6 +119,7 @@ class Scheduler:
 
     def info(self) -> dict[str, Any]:
         """KV memory and counters; when idle, free_tokens + cached_tokens_in_tree == max_total_tokens."""
+        self.cache.sessions.expire()  # expiry is lazy: settle it before reading the counters
         tree = self.cache.tree
         return {
             "max_total_tokens": self.runner.max_total_tokens,
@@ -122,12 +130,16 @@ class Scheduler:
             "protected_tokens": tree.protected_size() if tree is not None else 0,
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + len(self.compiling) + (self.chunked is not None),
+            "num_sessions": len(self.cache.sessions),
+            "pinned_tokens": self.cache.sessions.pinned_tokens(),
             **vars(self.stats),
         }
 
     def add_request(self, req: Req) -> None:
         """Queues req; a constrained one first compiles in the background while others keep running."""
         self.stats.num_requests += 1
+        if req.session_id is not None:
+            self.cache.sessions.open(req.session_id, req.rid)
         if req.is_constrained and req.guide is None:
             sp = req.sampling_params
             self.compiling.append(
@@ -157,6 +169,7 @@ class Scheduler:
             return done
         batch = self._prepare(items)
         logits = self.runner.forward(batch)
+        self.stats.forward_passes += 1
         return done + self._process(items, logits)
 
     # -- constraints --------------------------------------------------------------------------
@@ -167,11 +180,12 @@ class Scheduler:
         return self.compiler
 
     def _collect_compiled(self) -> list[Req]:
-        """Moves requests whose compile is done to the queue, each with its own guide; fails (and
-        returns) those whose constraint did not compile."""
+        """Moves requests whose compile is done to the queue, each with its own guide and the text its
+        constraint forces from the start already appended; finishes (and returns) those whose
+        constraint did not compile or forced the whole output."""
         if not any(f.done() for _, f in self.compiling):
             return []
-        failed: list[Req] = []
+        ended: list[Req] = []
         pending: list[tuple[Req, Future[TokenIndex]]] = []
         for req, future in self.compiling:
             if not future.done():
@@ -181,12 +195,18 @@ class Scheduler:
                 message = str(exc) if str(exc).startswith(field_name) else f"{field_name}: {exc}"
                 req.finished_reason = {"type": "abort", "message": message}
                 self._finish(req)
-                failed.append(req)
+                ended.append(req)
             else:
                 req.guide = RegexGuide(future.result())
-                self.waiting.append(req)
+                if self._jump_forward(req, tail=0):
+                    self._check_finish(req)
+                if req.finished:
+                    self._finish(req)
+                    ended.append(req)
+                else:
+                    self.waiting.append(req)
         self.compiling = pending
-        return failed
+        return ended
 
     # -- scheduling ---------------------------------------------------------------------------
     def _schedule(self) -> list[_Item]:
@@ -194,25 +214,29 @@ class Scheduler:
         pending = self.chunked
         want = 0
         if pending is not None:
-            room = max(self.args.chunked_prefill_size - len(self.running), MIN_CHUNK)
+            room = max(self.args.chunked_prefill_size - self._pending_tokens(), MIN_CHUNK)
             want = min(len(pending.fill_ids) - pending.kv_len, room)
         decode = self._reserve_decode(want)
-        budget = self.args.chunked_prefill_size - len(decode)
-        items = [_Item(r, r.kv_len, 1, is_prefill=False) for r in decode]
+        # A running request computes its sampled token, plus any tokens jump-forward appended.
+        items = [_Item(r, r.kv_len, r.pending_len, is_prefill=False) for r in decode]
+        decode_tokens = sum(it.extend_len for it in items)
+        budget = self.args.chunked_prefill_size - decode_tokens
         if pending is not None:
             items.append(_Item(pending, pending.kv_len, want))
             budget -= want
             if pending.kv_len + want == len(pending.fill_ids):
                 self.chunked = None
         if budget > 0 and self.chunked is None and self.waiting:
-            items.extend(self._admit(budget, len(decode)))
+            items.extend(self._admit(budget, decode_tokens))
         return items
 
     def _reserve_decode(self, extra: int) -> list[Req]:
-        """Makes sure every running request can store one more token (and the chunked prefill in
+        """Makes sure every running request can store its pending tokens (and the chunked prefill in
         progress its next `extra` tokens), retracting the newest requests when the pool (free plus
-        evictable) is too small."""
-        while self.running and self.cache.available_tokens() < len(self.running) + extra:
+        evictable) is too small. Idle sessions' pins beyond their share go first."""
+        while self.running and self.cache.available_tokens() < self._pending_tokens() + extra:
+            if self.cache.sessions.give_way(stalled=False):
+                continue
             victim = max(self.running, key=lambda r: (r.arrival_time, r.rid))
             self.running.remove(victim)
             self.cache.release(victim)
@@ -222,10 +246,14 @@ class Scheduler:
             logger.debug("retracted %s (%d tokens generated)", victim.rid, len(victim.output_ids))
         return list(self.running)
 
-    def _admit(self, budget: int, num_decode: int) -> list[_Item]:
-        ordered = self.policy.order(list(self.waiting))
+    def _pending_tokens(self) -> int:
+        """Tokens the running requests compute next step: one each, more after a jump-forward."""
+        return sum(r.pending_len for r in self.running)
+
+    def _admit(self, budget: int, decode_tokens: int) -> list[_Item]:
+        ordered = self.policy.order(list(self.waiting), self.cache.sessions.pinned_ids())
         reserved = (
-            sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + num_decode
+            sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + decode_tokens
         )
         items: list[_Item] = []
         seen_prefixes: set[tuple[int, ...]] = set()
@@ -240,7 +268,7 @@ class Scheduler:
                 continue
             ext = min(len(fill) - prefix_len, budget)
             need = len(fill) - prefix_len + int(req.remaining_new_tokens() * self.new_token_ratio)
-            if need + reserved > self.cache.available_tokens() - self._pinned_by_admission(req):
+            if not self._fits(need + reserved, req, admitted_any=bool(items)):
                 break
             if not self.cache.admit(req):
                 break
@@ -255,6 +283,16 @@ class Scheduler:
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return items
+
+    def _fits(self, need: int, req: Req, admitted_any: bool) -> bool:
+        """Whether req's KV needs fit, once session pins gave way as far as they must (see
+        SessionTable.give_way): when nothing runs nor was admitted this step, waiting would stall
+        the queue for good."""
+        while need > self.cache.available_tokens() - self._pinned_by_admission(req):
+            stalled = not self.running and not admitted_any
+            if not self.cache.sessions.give_way(stalled, spare=req.session_id):
+                return False
+        return True
 
     def _pinned_by_admission(self, req: Req) -> int:
         """Tokens of req's prefix that are evictable now but become pinned once it is admitted."""
@@ -388,6 +426,8 @@ class Scheduler:
                     req.output_top_logprobs.append(list(zip(vals[i, :k].tolist(), ids[i, :k].tolist())))
             if not req.finished:
                 self._check_finish(req)
+            if not req.finished and self._jump_forward(req, tail=1):
+                self._check_finish(req)
 
     def _banned_ids(self, req: Req) -> list[int]:
         sp = req.sampling_params
@@ -417,6 +457,46 @@ class Scheduler:
             vals, ids = logprobs[idx].topk(req.top_logprobs_num, dim=-1)
             req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(vals.tolist(), ids.tolist()))
 
+    def _jump_forward(self, req: Req, tail: int) -> bool:
+        """Appends the text req's constraint forces, tokenized together with the last `tail` output
+        tokens (the token sampled this step, not yet computed nor reported, so rewriting it changes
+        no KV and nothing a client has seen). Returns whether it jumped.
+
+        Forced tokens count as output tokens (bounded by max_new_tokens) but were not sampled, so
+        requests returning logprobs never jump; nor does a jump ever cross a stop token or string.
+        """
+        if self.args.disable_jump_forward or req.guide is None or req.return_logprob:
+            return False
+        kept = len(req.output_ids) - tail
+        room = min(req.sampling_params.max_new_tokens, self.context_len - req.prompt_len) - kept
+        jump = plan_jump(
+            req.guide,
+            req.output_ids[kept:],
+            self._constraint_compiler().vocab.texts,
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            min(room, self.args.chunked_prefill_size),
+        )
+        if jump is None or self._crosses_stop(req, kept, jump.ids):
+            return False
+        del req.output_ids[kept:]
+        req.output_ids.extend(jump.ids)
+        req.guide.advance_text(jump.text)
+        self.stats.jump_forwards += 1
+        self.stats.jump_forward_tokens += len(jump.ids) - tail
+        return True
+
+    def _crosses_stop(self, req: Req, kept: int, ids: list[int]) -> bool:
+        """Whether appending ids after output_ids[:kept] would complete a stop token or string, which
+        must end the request where decoding token by token would."""
+        sp = req.sampling_params
+        if sp.stop_token_ids and not set(ids).isdisjoint(sp.stop_token_ids):
+            return True
+        if not sp.stop:
+            return False
+        longest = max(len(s) for s in sp.stop)
+        text = self.tokenizer.decode(req.output_ids[max(kept - longest, 0) : kept] + ids)
+        return any(s in text for s in sp.stop)
+
     def _check_finish(self, req: Req) -> None:
         sp = req.sampling_params
         tok = req.output_ids[-1]
@@ -443,7 +523,7 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
-        self.cache.release(req)
+        self.cache.finish(req)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_tokens += max(req.cached_tokens, 0)
         self.stats.finished_requests += 1
@@ -477,3 +557,7 @@ class SchedulerStats:
     generated_tokens: int = 0
     cached_tokens: int = 0
     num_retractions: int = 0
+    forward_passes: int = 0
+    # Jump-forward: jumps made, and output tokens they added without a decode step.
+    jump_forwards: int = 0
+    jump_forward_tokens: int = 0

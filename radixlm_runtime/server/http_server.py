@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.openai_api import build_openai_router
@@ -45,10 +46,16 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    # A program session: the KV of each finished sequence stays pinned for the session's next call.
+    session_id: str | None = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str
+
+
+class CloseSessionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    session_id: str
 
 
 class ApiKeyMiddleware:
@@ -103,15 +110,22 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        inp = GenerateInput(tm.tokenize("Hi"), tm.make_params({"max_new_tokens": 1}), f"health-{new_rid()}")
+        params = await tm.make_params({"max_new_tokens": 1})
+        inp = GenerateInput(tm.tokenize("Hi"), params, f"health-{new_rid()}")
         state = await tm.run(inp, 0)
         if state.finished_reason and state.finished_reason.get("type") == "abort":
             raise RequestError("health generation was aborted", status=503)
         return Response(status_code=200)
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:
-        return {"model_path": str(tm.model_dir), "tokenizer_path": str(tm.model_dir), "is_generation": True}
+        return {
+            "model_path": str(tm.model_dir),
+            "tokenizer_path": str(tm.model_dir),
+            "served_model_name": model_name,
+            "is_generation": True,
+        }
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -138,11 +152,19 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
         body = await hu.parse_body(request, args.max_request_bytes, AbortRequest)
         return {"success": tm.abort(body.rid)}
 
+    @app.post("/close_session")
+    async def close_session(request: Request) -> dict[str, Any]:
+        """Releases a session's pinned KV. Like /abort_request, an unknown (or already closed or
+        expired) session_id is no error: the answer is {"success": false}."""
+        body = await hu.parse_body(request, args.max_request_bytes, CloseSessionRequest)
+        _check_session_id(body.session_id)
+        return {"success": await tm.close_session(body.session_id)}
+
     # -- generation ---------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await hu.parse_body(request, args.max_request_bytes, GenerateRequest)
-        inputs, single = _build_inputs(tm, body)
+        inputs, single = await _build_inputs(tm, body)
         jobs = [(inp, i) for inp in inputs for i in range(inp.params.n)]
         tm.check_capacity(len(jobs))
         single = single and len(jobs) == 1
@@ -157,8 +179,17 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
     return app
 
 
-def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
+def _check_session_id(session_id: str) -> None:
+    try:
+        check_session_id(session_id)
+    except ValueError as e:
+        raise RequestError(str(e), param="session_id") from None
+
+
+async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
     """Validates and tokenizes every prompt of a /generate body before anything is sent."""
+    if body.session_id is not None:
+        _check_session_id(body.session_id)
     if (body.text is None) == (body.input_ids is None):
         raise RequestError("give exactly one of text and input_ids", param="text")
     if body.text is not None:
@@ -198,10 +229,18 @@ def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[Gen
     lsl = -1 if body.logprob_start_len is None else body.logprob_start_len
     inputs = []
     for ids, raw, rid in zip(id_lists, params_list, rids):
-        sp = tm.make_params(raw)
+        sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, lsl, param)
         inputs.append(
-            GenerateInput(ids, sp, rid or new_rid(), body.return_logprob, lsl, body.top_logprobs_num or 0)
+            GenerateInput(
+                ids,
+                sp,
+                rid or new_rid(),
+                body.return_logprob,
+                lsl,
+                body.top_logprobs_num or 0,
+                body.session_id,
+            )
         )
     return inputs, single
 

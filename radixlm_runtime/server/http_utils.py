@@ -18,7 +18,7 @@ from radixlm_runtime.server.errors import RequestError
 T = TypeVar("T")
 
 _AT_FIELD = re.compile(r"at `\$\.?([\w.\[\]]*)`")
-_UNKNOWN_FIELD = re.compile(r"unknown field `([^`]+)`")
+_NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
 # How often a non-streaming handler checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
 # Stand-in for -inf logprobs: JSON has no infinity.
@@ -47,7 +47,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
-    """Decodes a JSON body into a msgspec Struct; type errors and unknown fields become 400s naming it."""
+    """Decodes a JSON body into a msgspec Struct; type errors and unknown or missing fields become
+    400s naming the field."""
     body = await read_body(request, limit)
     if not body.strip():
         raise RequestError("request body is empty; expected a JSON object")
@@ -55,9 +56,9 @@ async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
-        unknown = _UNKNOWN_FIELD.search(text)
+        named = _NAMED_FIELD.search(text)
         at = _AT_FIELD.search(text)
-        param = unknown.group(1) if unknown else at.group(1) if at and at.group(1) else None
+        param = named.group(1) if named else at.group(1) if at and at.group(1) else None
         raise RequestError(f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as e:
         raise RequestError(f"request body is not valid JSON: {e}") from None

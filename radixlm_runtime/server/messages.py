@@ -26,6 +26,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    session_id: str | None = None
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -40,6 +41,13 @@ class ServerInfoReq(msgspec.Struct, tag="server_info"):
     call_id: int
 
 
+class CloseSessionReq(msgspec.Struct, tag="close_session"):
+    """Answered with ok=False when no such session is open."""
+
+    call_id: int
+    session_id: str
+
+
 class HealthProbe(msgspec.Struct, tag="health_probe"):
     """Answered as soon as the loop sees it, proving the scheduler loop is alive, not just its process."""
 
@@ -50,7 +58,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToScheduler = GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | HealthProbe | Shutdown
+ToScheduler = (
+    GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | CloseSessionReq | HealthProbe | Shutdown
+)
 
 
 # -- scheduler -> HTTP process ------------------------------------------------------------------
@@ -89,7 +99,7 @@ class BatchOut(msgspec.Struct, tag="batch"):
 
 
 class CallResult(msgspec.Struct, tag="call_result"):
-    """Reply to a FlushCacheReq, ServerInfoReq or HealthProbe with the same call_id."""
+    """Reply to a FlushCacheReq, ServerInfoReq, CloseSessionReq or HealthProbe with the same call_id."""
 
     call_id: int
     ok: bool

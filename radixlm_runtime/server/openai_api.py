@@ -151,7 +151,9 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         jobs: list[_Job] = []
         for ids in id_lists:
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            inp = _make_input(tm, body, ids, max_tokens, want_lp, body.logprobs or 0, body.echo and want_lp)
+            inp = await _make_input(
+                tm, body, ids, max_tokens, want_lp, body.logprobs or 0, body.echo and want_lp
+            )
             prompt_text = tm.tokenizer.decode(ids) if body.echo else ""
             jobs.extend(_Job(inp, i, len(jobs), prompt_text) for i in range(inp.params.n))
         tm.check_capacity(len(jobs))
@@ -185,12 +187,12 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
                     f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
                     param="top_logprobs",
                 )
-        json_schema = _response_format_schema(body.response_format)
+        json_schema = await _response_format_schema(body.response_format)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
             assert tm.ready is not None
             max_tokens = max(min(tm.ready.context_length, tm.ready.max_total_tokens) - len(ids), 0)
-        inp = _make_input(
+        inp = await _make_input(
             tm, body, ids, max_tokens, body.logprobs, body.top_logprobs or 0, False, "messages", json_schema
         )
         jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
@@ -244,7 +246,7 @@ def _completion_prompts(tm: TokenizerManager, prompt: str | list[Any]) -> list[l
     return lists
 
 
-def _make_input(
+async def _make_input(
     tm: TokenizerManager,
     body: _SamplingFields,
     ids: list[int],
@@ -263,7 +265,7 @@ def _make_input(
     if json_schema is not None:
         raw["json_schema"] = json_schema
     try:
-        sp = tm.make_params(raw)
+        sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
     except RequestError as e:
         raise _openai_names(e) from None
@@ -302,7 +304,7 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
+async def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
     """The json_schema constraint that response_format asks for (None for plain text), checked here
     so that errors name response_format."""
     if fmt is None or fmt.type == "text":
@@ -315,7 +317,7 @@ def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
             "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
         )
     schema = json.dumps(spec["schema"])
-    check_constraints(None, schema, prefix="response_format.")
+    await check_constraints(None, schema, prefix="response_format.")
     return schema
 
 

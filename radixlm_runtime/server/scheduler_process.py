@@ -97,6 +97,8 @@ class SchedulerProcess:
             self.send(msg.CallResult(m.call_id, self.scheduler.flush_cache()))
         elif isinstance(m, msg.ServerInfoReq):
             self.send(msg.CallResult(m.call_id, True, self.server_info()))
+        elif isinstance(m, msg.CloseSessionReq):
+            self.send(msg.CallResult(m.call_id, self.scheduler.cache.sessions.close(m.session_id)))
         elif isinstance(m, msg.HealthProbe):
             self.send(msg.CallResult(m.call_id, True))
         elif isinstance(m, msg.Shutdown):
@@ -113,6 +115,7 @@ class SchedulerProcess:
                 logprob_start_len=m.logprob_start_len,
                 top_logprobs_num=m.top_logprobs_num,
                 generator=self.scheduler.new_generator(m.seed),
+                session_id=m.session_id,
             )
         except Exception as e:  # a bad request fails alone; the loop goes on
             logger.exception("rejecting request %s", m.rid)

@@ -63,6 +63,7 @@ class GenerateInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    session_id: str | None = None
 
 
 class IncrementalDetokenizer:
@@ -187,7 +188,7 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         if self.proc.is_alive():
-            self._send(msg.Shutdown())
+            self._send(msg.Shutdown(), quiet=True)
             self.proc.join(5)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -203,8 +204,14 @@ class TokenizerManager:
             Path(self._ipc_dir, name).unlink(missing_ok=True)
         os.rmdir(self._ipc_dir)
 
-    def _send(self, message: msg.ToScheduler) -> None:
-        self._send_sock.send(msg.encode(message))
+    def _send(self, message: msg.ToScheduler, quiet: bool = False) -> None:
+        """Never blocks: a PUSH socket with no connected peer (the scheduler died, or has not
+        connected) would block the event loop, and with it the watchdog that notices the death."""
+        try:
+            self._send_sock.send(msg.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            if not quiet:
+                raise RequestError("the scheduler process is not accepting requests", status=503) from None
 
     async def _watchdog(self, on_death: Callable[[], None]) -> None:
         while self.proc.is_alive():
@@ -277,14 +284,15 @@ class TokenizerManager:
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def make_params(self, raw: dict[str, Any] | None) -> SamplingParams:
+    async def make_params(self, raw: dict[str, Any] | None) -> SamplingParams:
         """SamplingParams from a user dict; every error names its field."""
         assert self.ready is not None
+        raw = _drop_empty_stop_regex(raw)
         try:
             sp = SamplingParams.from_dict(raw, self.ready.vocab_size)
         except ValueError as e:
             raise RequestError.from_value_error(e) from None
-        check_constraints(sp.regex, sp.json_schema)
+        await check_constraints(sp.regex, sp.json_schema)
         return sp
 
     def check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int, param: str) -> None:
@@ -325,19 +333,20 @@ class TokenizerManager:
         self.metrics.requests_total += 1
         self.metrics.num_inflight = len(self.states)
         seed = sp.seed + index if sp.seed is not None else None
-        self._send(
-            msg.GenerateReq(
-                rid=rid,
-                input_ids=inp.input_ids,
-                sampling_params=dataclasses.asdict(sp) | {"n": 1},
-                seed=seed,
-                return_logprob=inp.return_logprob,
-                logprob_start_len=inp.logprob_start_len,
-                top_logprobs_num=inp.top_logprobs_num,
-                stream=stream,
-            )
-        )
         try:
+            self._send(
+                msg.GenerateReq(
+                    rid=rid,
+                    input_ids=inp.input_ids,
+                    sampling_params=dataclasses.asdict(sp) | {"n": 1},
+                    seed=seed,
+                    return_logprob=inp.return_logprob,
+                    logprob_start_len=inp.logprob_start_len,
+                    top_logprobs_num=inp.top_logprobs_num,
+                    stream=stream,
+                    session_id=inp.session_id,
+                )
+            )
             while True:
                 err = await state.wake.get()
                 while err is None and not state.wake.empty():
@@ -364,7 +373,7 @@ class TokenizerManager:
         finally:
             self._forget(rid)
             if not state.finished and not self.dead:
-                self._send(msg.AbortReq(rid))
+                self._send(msg.AbortReq(rid), quiet=True)
 
     def _forget(self, rid: str) -> None:
         self.states.pop(rid, None)
@@ -381,7 +390,7 @@ class TokenizerManager:
         """Aborts rid, or all n samples sent under rid; False when nothing by that id is in flight."""
         hits = [s.rid for s in self.states.values() if rid in (s.rid, s.base_rid)]
         for r in hits:
-            self._send(msg.AbortReq(r))
+            self._send(msg.AbortReq(r), quiet=True)
         return bool(hits)
 
     async def call(
@@ -393,8 +402,8 @@ class TokenizerManager:
         call_id = next(self._call_ids)
         fut: asyncio.Future[msg.CallResult] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send(make(call_id))
         try:
+            self._send(make(call_id))
             return await asyncio.wait_for(fut, timeout_s)
         except SchedulerDied as e:
             raise RequestError(str(e), status=503) from None
@@ -413,14 +422,37 @@ class TokenizerManager:
     async def flush_cache(self) -> bool:
         return (await self.call(lambda i: msg.FlushCacheReq(i))).ok
 
+    async def close_session(self, session_id: str) -> bool:
+        """Releases the session's pinned KV; False when no such session is open."""
+        return (await self.call(lambda i: msg.CloseSessionReq(i, session_id))).ok
 
-def check_constraints(regex: str | None, json_schema: str | None, prefix: str = "sampling_params.") -> None:
+
+def _drop_empty_stop_regex(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    """SGLang's stop_regex is not implemented here. SGLang's frontend client sends it, empty, with
+    every call, so an empty one is accepted (it asks for nothing); a set one is refused rather than
+    silently ignored."""
+    if not isinstance(raw, dict) or "stop_regex" not in raw:
+        return raw
+    if raw["stop_regex"]:
+        raise RequestError(
+            "sampling_params.stop_regex is not supported by this server; use stop strings or a regex "
+            "constraint",
+            param="sampling_params.stop_regex",
+        )
+    return {k: v for k, v in raw.items() if k != "stop_regex"}
+
+
+async def check_constraints(
+    regex: str | None, json_schema: str | None, prefix: str = "sampling_params."
+) -> None:
     """Refuses (400, naming the field) a regex / JSON schema the engine could not compile, with the
-    engine's own check, before the request reaches the scheduler."""
+    engine's own check, before the request reaches the scheduler. The check builds a character DFA
+    (about a second for a first generic JSON object), so it runs in a worker thread: on the event
+    loop it would stall every other request meanwhile."""
     if regex is None and json_schema is None:
         return
     try:
-        validate_constraint(regex, json_schema)
+        await asyncio.to_thread(validate_constraint, regex, json_schema)
     except ValueError as e:
         raise RequestError(f"{prefix}{e}", param="regex" if regex is not None else "json_schema") from None
 

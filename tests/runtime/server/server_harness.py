@@ -125,4 +125,5 @@ def wait_idle(server: Server, timeout_s: float = 60.0) -> dict:
 def assert_no_leak(info: dict) -> None:
     assert info["num_running"] == 0 and info["num_waiting"] == 0, info
     assert info["protected_tokens"] == 0, info
+    assert info["num_sessions"] == 0 and info["pinned_tokens"] == 0, info
     assert info["free_tokens"] + info["cached_tokens_in_tree"] == info["max_total_tokens"], info

@@ -1,0 +1,3 @@
+from radixlm.eval.cli import main
+
+main()

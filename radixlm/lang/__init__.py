@@ -1,0 +1,1 @@
+"""The radixlm language: primitives (ir, api), the interpreter, the tracer, chat templates."""

@@ -1,0 +1,164 @@
+"""The primitives programs are written with; names and signatures follow SGLang's frontend."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from radixlm.lang import ir
+from radixlm.lang.choices import ChoicesMethod, token_length_normalized
+from radixlm.lang.function import Function, resolve_backend
+
+
+def function(func: Callable[..., Any] | None = None, *, num_api_spec_tokens: int | None = None) -> Any:
+    """Decorator: `@function` or `@function(num_api_spec_tokens=N)`."""
+    if num_api_spec_tokens is not None and (
+        not isinstance(num_api_spec_tokens, int) or num_api_spec_tokens < 1
+    ):
+        raise ValueError(f"function: num_api_spec_tokens must be a positive int, got {num_api_spec_tokens!r}")
+    if func is not None:
+        return Function(func, num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens)
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: type | str | None = None,
+    choices: list[str] | None = None,
+    choices_method: ChoicesMethod | None = None,
+    regex: str | None = None,
+    json_schema: str | dict[str, Any] | None = None,
+) -> ir.Expr:
+    """Generates text into variable `name`. With `choices`, it is a select."""
+    if choices is not None:
+        if regex is not None or json_schema is not None or dtype is not None:
+            raise ValueError(f"gen({name!r}): choices cannot be combined with regex, json_schema or dtype")
+        return select(name, choices, 0.0 if temperature is None else temperature, choices_method)
+    constraints = [
+        k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None
+    ]
+    if len(constraints) > 1:
+        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, dtype; got {constraints}")
+    ir.check_regex(regex)
+    if dtype is not None:
+        ir.dtype_regex(dtype)
+    if isinstance(json_schema, dict):
+        json_schema = json.dumps(json_schema)
+    return ir.Gen(
+        name,
+        ir.GenParams(
+            max_new_tokens=max_tokens,
+            min_new_tokens=min_tokens,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            ignore_eos=ignore_eos,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+            dtype=dtype,
+            regex=regex,
+            json_schema=json_schema,
+        ),
+    )
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
+    return gen(name, max_tokens, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
+    return gen(name, max_tokens, dtype=str, **kwargs)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesMethod | None = None,
+) -> ir.Select:
+    """Appends the choice the model scores highest (by prompt logprobs of each choice)."""
+    choices = ir.check_choices(name, choices, "select")
+    if temperature < 0:
+        raise ValueError(f"select({name!r}): temperature must be >= 0, got {temperature}")
+    return ir.Select(name, choices, temperature, choices_method or token_length_normalized)
+
+
+def image(path: str) -> ir.Expr:
+    raise ValueError("image inputs are not supported by this model: radixlm serves text-only models")
+
+
+def video(path: str, num_frames: int) -> ir.Expr:
+    raise ValueError("video inputs are not supported: radixlm's models are text-only")
+
+
+def _role(role: str, expr: Any = None) -> ir.ExprList:
+    if expr is None:
+        return ir.ExprList([ir.RoleBegin(role), ir.RoleEnd(role)])
+    return ir.ExprList([ir.RoleBegin(role), ir.to_expr(expr), ir.RoleEnd(role)])
+
+
+def system(expr: Any = None) -> ir.ExprList:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> ir.ExprList:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> ir.ExprList:
+    return _role("assistant", expr)
+
+
+def system_begin() -> ir.RoleBegin:
+    return ir.RoleBegin("system")
+
+
+def system_end() -> ir.RoleEnd:
+    return ir.RoleEnd("system")
+
+
+def user_begin() -> ir.RoleBegin:
+    return ir.RoleBegin("user")
+
+
+def user_end() -> ir.RoleEnd:
+    return ir.RoleEnd("user")
+
+
+def assistant_begin() -> ir.RoleBegin:
+    return ir.RoleBegin("assistant")
+
+
+def assistant_end() -> ir.RoleEnd:
+    return ir.RoleEnd("assistant")
+
+
+def flush_cache(backend: Any = None) -> bool:
+    return resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    return resolve_backend(backend).get_server_info()

@@ -1,0 +1,449 @@
+"""Runs programs. The @function body runs in the caller's thread and only *submits* expressions;
+each program state has a worker thread that executes them in order against the backend. So a body
+runs ahead until it reads a variable, fork branches generate in parallel, and run_batch overlaps
+many programs in one server batch."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixlm.backend.base import BaseBackend, Prompt
+from radixlm.lang import ir
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class ProgramError(RuntimeError):
+    """A program failed; the message says which program and which step."""
+
+
+def describe(expr: ir.Expr) -> str:
+    if isinstance(expr, ir.Gen):
+        return f"gen({expr.name!r})"
+    if isinstance(expr, ir.Select):
+        return f"select({expr.name!r}, choices={expr.choices!r})"
+    if isinstance(expr, ir.ConstantText):
+        return f"text {expr.text[:40]!r}"
+    return type(expr).__name__
+
+
+@dataclass
+class ProgramRun:
+    """What the states of one run share: the backend, the body's thread, every forked executor
+    (so the run's end can release all their sessions)."""
+
+    name: str
+    backend: BaseBackend
+    defaults: ir.GenParams
+    stream: bool
+    body_thread: int | None = None
+    body_done: bool = False
+    executors: list[StreamExecutor] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish_body(self) -> None:
+        with self.lock:
+            executors = list(self.executors)
+        for executor in executors:
+            with executor._cond:
+                self.body_done = True
+                executor._cond.notify_all()
+
+
+_STOP = object()
+
+
+class StreamExecutor:
+    def __init__(self, run: ProgramRun, arguments: dict[str, Any]) -> None:
+        self.run = run
+        self.arguments = arguments
+        self.text_ = ""
+        self.messages_: list[dict[str, str]] = []
+        self.variables: dict[str, Any] = {}
+        self.meta_info: dict[str, Any] = {}
+        self.cur_role: str | None = None
+        self.cur_role_begin = 0
+        self.var_scopes: dict[str, int] = {}
+        self.fork_start = 0
+        self.session_id = f"{run.name}-{uuid.uuid4().hex[:16]}"
+        self.used_session = False
+        self.error: ProgramError | None = None
+        self.finished = False
+        # (variable name or None, text) pieces, in order, for text_iter.
+        self.chunks: list[tuple[str | None, str]] = []
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        with run.lock:
+            run.executors.append(self)
+        threading.Thread(target=self._worker, daemon=True, name=f"radixlm-{run.name}").start()
+
+    # -- submission and waiting -----------------------------------------------------------------
+    def submit(self, expr: ir.Expr) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(expr)
+
+    def _idle(self) -> bool:
+        return self._pending == 0 and (self.run.body_done or threading.get_ident() == self.run.body_thread)
+
+    def sync(self) -> None:
+        """Waits until everything submitted ran, and (outside the body) until the body is done."""
+        with self._cond:
+            self._cond.wait_for(self._idle)
+        self.raise_error()
+
+    def drain(self) -> None:
+        """Waits for what was submitted so far only: for workers, which must not wait on the body."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def get_var(self, name: str) -> Any:
+        """Waits until name is set, or until nothing left to run could set it."""
+        with self._cond:
+            self._cond.wait_for(lambda: name in self.variables or self.error is not None or self._idle())
+        if name in self.variables:
+            return self.variables[name]
+        self.raise_error()
+        raise ProgramError(
+            f"program {self.run.name!r}: variable {name!r} is not defined; "
+            f"defined variables: {sorted(self.variables)}"
+        )
+
+    def set_var(self, name: str, value: Any) -> None:
+        with self._cond:
+            self.variables[name] = value
+            self._cond.notify_all()
+
+    def prompt(self) -> Prompt:
+        self.used_session = True
+        role_text = self.text_[self.cur_role_begin :] if self.cur_role else ""
+        return Prompt(self.text_, list(self.messages_), self.cur_role, role_text, self.session_id)
+
+    # -- execution --------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            expr = self._queue.get()
+            if expr is _STOP:
+                return
+            try:
+                if self.error is None:
+                    self._execute(expr)
+            except Exception as e:  # the program's error, reported where the program reads it
+                err = ProgramError(f"program {self.run.name!r} failed at {describe(expr)}: {e}")
+                err.__cause__ = e
+                self.error = err
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _append(self, text: str, var: str | None = None) -> None:
+        with self._cond:
+            self.text_ += text
+            self.chunks.append((var, text))
+            self._cond.notify_all()
+
+    def _execute(self, expr: ir.Expr) -> None:
+        backend = self.run.backend
+        if isinstance(expr, ir.ConstantText):
+            self._append(expr.text)
+        elif isinstance(expr, ir.Gen):
+            self._execute_gen(expr)
+        elif isinstance(expr, ir.Select):
+            decision = backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
+            self._append(decision.decision, expr.name)
+            self._record(expr.name, decision.decision, decision.meta_info)
+        elif isinstance(expr, ir.RoleBegin):
+            if self.cur_role is not None:
+                raise ValueError(f"role {expr.role!r} begins inside role {self.cur_role!r}")
+            self._append(backend.chat_template.begin(expr.role))
+            self.cur_role, self.cur_role_begin = expr.role, len(self.text_)
+        elif isinstance(expr, ir.RoleEnd):
+            if self.cur_role != expr.role:
+                raise ValueError(f"role {expr.role!r} ends but the current role is {self.cur_role!r}")
+            self.messages_.append({"role": expr.role, "content": self.text_[self.cur_role_begin :]})
+            self._append(backend.chat_template.end(expr.role))
+            self.cur_role = None
+        elif isinstance(expr, ir.VarScopeBegin):
+            self.var_scopes[expr.name] = len(self.text_)
+        elif isinstance(expr, ir.VarScopeEnd):
+            self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name) :])
+        elif isinstance(expr, ir.ConcateAndAppend):
+            for state in expr.states:
+                branch = state.executor
+                branch.drain()
+                self._append(branch.text_[branch.fork_start :])
+        elif isinstance(expr, ir.CommitLazy):
+            if self.text_:
+                backend.commit_lazy(self.prompt())
+        elif isinstance(expr, ir.EndProgram):
+            self._end_program()
+        else:
+            raise TypeError(f"cannot execute {type(expr).__name__}")
+
+    def _execute_gen(self, expr: ir.Gen) -> None:
+        params = expr.params.merged_over(self.run.defaults)
+        if self.run.stream:
+            text, meta = "", {}
+            for piece, piece_meta in self.run.backend.generate_stream(self.prompt(), params):
+                text += piece
+                meta = piece_meta
+                self._append(piece, expr.name)
+        else:
+            text, meta = self.run.backend.generate(self.prompt(), params)
+            self._append(text, expr.name)
+        self._record(expr.name, text, meta)
+
+    def _record(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
+        if name is not None:
+            self.meta_info[name] = meta
+            self.set_var(name, value)
+
+    def _end_program(self) -> None:
+        """Waits for fork branches, releases every pinned session of the run, stops the workers."""
+        others = [e for e in self.run.executors if e is not self]
+        for branch in others:
+            with branch._cond:
+                branch._cond.wait_for(lambda b=branch: b._pending == 0)
+        for executor in self.run.executors:
+            if executor.used_session:
+                try:
+                    self.run.backend.end_session(executor.session_id)
+                except Exception as e:  # pins also expire on the server; never fail a finished run
+                    logger.warning("could not release session %s: %s", executor.session_id, e)
+        for executor in self.run.executors:
+            with executor._cond:
+                executor.finished = True
+                executor._cond.notify_all()
+            executor._queue.put(_STOP)
+
+    def fork(self, size: int) -> list[StreamExecutor]:
+        if size > 1:
+            self.submit(ir.CommitLazy())
+        self.sync()
+        branches = []
+        for _ in range(size):
+            branch = StreamExecutor(self.run, self.arguments)
+            branch.text_ = self.text_
+            branch.messages_ = list(self.messages_)
+            branch.variables = dict(self.variables)
+            branch.meta_info = dict(self.meta_info)
+            branch.cur_role, branch.cur_role_begin = self.cur_role, self.cur_role_begin
+            branch.fork_start = len(self.text_)
+            branches.append(branch)
+        return branches
+
+
+class ProgramState:
+    """The `s` of a program: append with +=, read variables with s["name"]."""
+
+    def __init__(self, executor: StreamExecutor) -> None:
+        self.executor = executor
+        self.ret_value: Any = None
+
+    def __iadd__(self, other: Any) -> ProgramState:
+        if isinstance(other, ProgramState):
+            raise TypeError("cannot append a program state; append its text with s += other.text()")
+        for expr in ir.flatten(ir.to_expr(other)):
+            self.executor.submit(expr)
+        return self
+
+    def __getitem__(self, name: str) -> Any:
+        return self.executor.get_var(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.executor.set_var(name, value)
+
+    def get_var(self, name: str) -> Any:
+        return self.executor.get_var(name)
+
+    def set_var(self, name: str, value: Any) -> None:
+        self.executor.set_var(name, value)
+
+    def get_meta_info(self, name: str) -> dict[str, Any]:
+        self.executor.get_var(name)
+        return self.executor.meta_info.get(name, {})
+
+    def text(self) -> str:
+        self.executor.sync()
+        return self.executor.text_
+
+    def messages(self) -> list[dict[str, str]]:
+        self.executor.sync()
+        return list(self.executor.messages_)
+
+    def sync(self) -> ProgramState:
+        self.executor.sync()
+        return self
+
+    def error(self) -> ProgramError | None:
+        return self.executor.error
+
+    def fork(self, size: int = 1) -> ProgramStateGroup:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork: size must be a positive int, got {size!r}")
+        return ProgramStateGroup([ProgramState(e) for e in self.executor.fork(size)], self)
+
+    # -- roles ------------------------------------------------------------------------------------
+    def _role(self, role: str, expr: Any = None) -> Any:
+        if expr is not None:
+            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
+            return None
+        return self._role_scope(role)
+
+    @contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self.executor.submit(ir.RoleBegin(role))
+        yield
+        self.executor.submit(ir.RoleEnd(role))
+
+    def system(self, expr: Any = None) -> Any:
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        return self._role("assistant", expr)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """Captures the text appended inside the block as variable `name`."""
+        self.executor.submit(ir.VarScopeBegin(name))
+        yield
+        self.executor.submit(ir.VarScopeEnd(name))
+
+    # -- streaming --------------------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """Yields text as it is generated (run with stream=True); with var_name, only that
+        variable's text, until it is complete."""
+        executor = self.executor
+        if not executor.run.stream:
+            yield self.get_var(var_name) if var_name else self.text()
+            return
+        sent = 0
+        while True:
+            with executor._cond:
+                executor._cond.wait_for(
+                    lambda n=sent: len(executor.chunks) > n or executor.finished or executor.error is not None
+                )
+                new = executor.chunks[sent:]
+                sent += len(new)
+                done = (
+                    executor.finished
+                    or executor.error is not None
+                    or (var_name is not None and var_name in executor.variables)
+                ) and sent == len(executor.chunks)
+            for var, text in new:
+                if text and (var_name is None or var == var_name):
+                    yield text
+            if done:
+                executor.raise_error()
+                if var_name is not None and var_name not in executor.variables:
+                    executor.get_var(var_name)
+                return
+
+    def __repr__(self) -> str:
+        return f"ProgramState({self.text()!r})"
+
+
+class ProgramStateGroup:
+    """The branches of s.fork(n); `forks += lambda i: ...` appends to each branch by index."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+        self.states = states
+        self.parent = parent
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __setitem__(self, i: int, state: ProgramState) -> None:
+        """Completes `forks[i] += ...` (which appends in place, then assigns back)."""
+        if state is not self.states[i]:
+            raise TypeError("fork branches cannot be replaced; append to them with forks[i] += ...")
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        for i, state in enumerate(self.states):
+            if isinstance(other, list):
+                state += other[i]
+            elif callable(other) and not isinstance(other, ir.Expr):
+                state += other(i)
+            else:
+                state += other
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """gather_variable: each variable set in the branches becomes a list on the parent.
+        concate_and_append: the branches' texts are appended to the parent, in order."""
+        if mode == "gather_variable":
+            for state in self.states:
+                state.executor.sync()
+            parent = self.parent.executor
+            names: list[str] = []
+            for state in self.states:
+                branch = state.executor
+                changed = [k for k, v in branch.variables.items() if parent.variables.get(k, _STOP) is not v]
+                names += [k for k in changed if k not in names]
+            for name in names:
+                parent.set_var(name, [s.executor.variables.get(name) for s in self.states])
+        elif mode == "concate_and_append":
+            self.parent += ir.ConcateAndAppend(self.states)
+        else:
+            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+
+
+def run_program(
+    name: str,
+    func: Callable[..., Any],
+    backend: BaseBackend,
+    arguments: dict[str, Any],
+    defaults: ir.GenParams,
+    stream: bool = False,
+    sync: bool = False,
+) -> ProgramState:
+    run = ProgramRun(name, backend, defaults, stream)
+    state = ProgramState(StreamExecutor(run, arguments))
+
+    def body() -> None:
+        run.body_thread = threading.get_ident()
+        try:
+            state.ret_value = func(state, **arguments)
+        finally:
+            state.executor.submit(ir.EndProgram())
+            run.finish_body()
+
+    if stream:
+
+        def body_in_thread() -> None:
+            try:
+                body()
+            except Exception as e:  # surfaced by text_iter / text() in the reading thread
+                err = ProgramError(f"program {name!r} failed: {e}")
+                err.__cause__ = e
+                state.executor.error = err
+
+        threading.Thread(target=body_in_thread, daemon=True, name=f"radixlm-body-{name}").start()
+        return state
+    body()
+    if sync:
+        state.sync()
+    return state

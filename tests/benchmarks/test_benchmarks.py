@@ -1,0 +1,163 @@
+"""Runs every benchmark script at its --tiny size, as `run_all.py` would, so none of them rots; checks
+the structure and sanity of the JSON each writes (agreement between systems, rates in range), never
+wall-clock figures. Then renders a copy of the README from those results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run(args: list[str], timeout: float = 600) -> None:
+    path = os.environ.get("PYTHONPATH")
+    env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{args} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+
+
+def run_tiny(script: str, out_dir: Path, name: str) -> dict[str, Any]:
+    run([str(BENCH / script), "--tiny", "--out-dir", str(out_dir)])
+    result = json.loads((out_dir / f"{name}.json").read_text())
+    assert result["name"] == name
+    assert result["command"].startswith(f"python benchmarks/{script} --tiny")
+    assert {"cpu", "logical_cores", "torch_threads", "model", "dtype"} <= set(result["machine"])
+    assert result["tables"] and result["figures"]
+    for table in result["tables"]:
+        assert table["rows"] and all(len(row) == len(table["headers"]) for row in table["rows"])
+    for figure in result["figures"]:
+        assert (out_dir / figure).read_bytes()[:8] == PNG_MAGIC
+    return result
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("bench_results")
+
+
+@pytest.fixture(scope="module")
+def fewshot(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_fewshot_engine.py", out_dir, "fewshot_engine")
+
+
+@pytest.fixture(scope="module")
+def serving(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_serving.py", out_dir, "serving")
+
+
+@pytest.fixture(scope="module")
+def startup(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_startup.py", out_dir, "startup")
+
+
+@pytest.fixture(scope="module")
+def constrained_compile(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_constrained_compile.py", out_dir, "constrained_compile")
+
+
+def test_fewshot_engine(fewshot: dict[str, Any]) -> None:
+    assert set(fewshot["systems"]) == {"gsm8k", "mmlu"}
+    for task, systems in fewshot["systems"].items():
+        expected = {"radixlm", "radixlm_no_cache", "transformers"}
+        assert expected <= set(systems), task
+        assert "llama_cpp" in systems or "llama_cpp" in fewshot["skipped"]
+        for name, r in systems.items():
+            assert r["num_questions"] == fewshot["summary"][task]["num_questions"] > 0
+            assert 0 <= r["correct"] <= r["num_questions"]
+            assert r["wall_s"] > 0 and r["questions_per_s"] > 0
+            hit = r["cache_hit_rate"]
+            if name == "transformers":
+                assert hit is None
+            else:
+                assert 0.0 <= hit <= 1.0, (task, name, hit)
+        # The shared few-shot prefix is served from the cache, and only when the cache is on.
+        assert systems["radixlm"]["cache_hit_rate"] > 0
+        assert systems["radixlm_no_cache"]["cache_hit_rate"] == 0
+        summary = fewshot["summary"][task]
+        assert summary["same_outputs_vs_radixlm_no_cache"] == 1.0, task
+        assert summary["accuracy_gap_vs_transformers_questions"] <= summary["accuracy_gap_allowed_questions"]
+    assert fewshot["summary"]["mmlu"]["max_logprob_diff_cache_on_vs_off"] < 1e-3
+
+
+def test_serving(serving: dict[str, Any]) -> None:
+    assert set(serving["servers"]) == {"radixlm", "radixlm_no_cache"}
+    assert serving["workload"]["fewshot_requests"] > 0 and serving["workload"]["chat_requests"] > 0
+    for name, points in serving["servers"].items():
+        assert [p["rate"] for p in points] == serving["rates"]
+        for p in points:
+            assert p["num_requests"] == serving["sizes"]["num_requests"]
+            assert p["completion_tokens"] == p["num_requests"] * serving["sizes"]["max_new_tokens"]
+            for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+                q = p[key]
+                assert 0 < q["p50"] <= q["p90"] <= q["p99"], (name, key, q)
+            assert 0.0 <= p["cache_hit_rate"] <= 1.0
+            if name == "radixlm_no_cache":
+                assert p["cache_hit_rate"] == 0
+
+
+def test_startup(startup: dict[str, Any]) -> None:
+    assert len(startup["times_s"]) == startup["sizes"]["runs"] == 1
+    assert all(t > 0 for t in startup["times_s"])
+
+
+def test_constrained_compile(constrained_compile: dict[str, Any]) -> None:
+    assert constrained_compile["vocab_size"] > 1000
+    assert constrained_compile["dfa_states"] > 1 and constrained_compile["index_edges"] > 0
+    assert all(t >= 0 for t in constrained_compile["seconds"].values())
+
+
+def test_run_all_renders_readme(
+    out_dir: Path,
+    tmp_path: Path,
+    fewshot: dict[str, Any],
+    serving: dict[str, Any],
+    startup: dict[str, Any],
+    constrained_compile: dict[str, Any],
+) -> None:
+    """Rewrites the sections between markers, appends a missing one, keeps the prose, copies figures."""
+    original = (BENCH / "README.md").read_text()
+    readme = tmp_path / "README.md"
+    cut_begin, cut_end = (
+        original.index("<!-- results:startup -->"),
+        original.index("<!-- /results:startup -->"),
+    )
+    readme.write_text(original[:cut_begin] + original[cut_end + len("<!-- /results:startup -->") :])
+    figures = tmp_path / "figures"
+    run(
+        [
+            str(BENCH / "run_all.py"),
+            "--readme-only",
+            "--results-dir",
+            str(out_dir),
+            "--readme",
+            str(readme),
+            "--figures-dir",
+            str(figures),
+        ]
+    )
+    text = readme.read_text()
+    assert text.startswith(original[: original.index("<!-- results:")])
+    for result in (fewshot, serving, startup, constrained_compile):
+        name = result["name"]
+        section = text[text.index(f"<!-- results:{name} -->") : text.index(f"<!-- /results:{name} -->")]
+        assert "| " + " | ".join(result["tables"][0]["headers"]) + " |" in section
+        for figure in result["figures"]:
+            assert f"](figures/{figure})" in section
+            assert (figures / figure).read_bytes()[:8] == PNG_MAGIC
+    assert text.count("<!-- results:startup -->") == 1
+    assert "logical cores" in text[text.index("<!-- results:machine -->") :]

@@ -1,0 +1,137 @@
+"""The interpreter against a real server: variables, errors with the program's context, streaming,
+batches, sessions."""
+
+from __future__ import annotations
+
+import pytest
+
+import radixlm as sgl
+from radixlm.backend.runtime import _free_port
+
+pytestmark = pytest.mark.slow
+
+FEW_SHOT = "".join(f"Q: What is {i} plus {i}?\nA: {2 * i}\n" for i in range(1, 9))
+
+
+@sgl.function
+def few_shot(s, question):
+    s += "Answer each question with a number.\n" + FEW_SHOT
+    s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=4, stop="\n")
+
+
+def test_unknown_variable_fails_with_the_program_name(backend) -> None:
+    @sgl.function
+    def reads_typo(s):
+        s += "Hello" + sgl.gen("greeting", max_tokens=2)
+        s += s["greting"]
+
+    with pytest.raises(sgl.ProgramError, match=r"program 'reads_typo': variable 'greting' is not defined"):
+        reads_typo.run(backend=backend)
+
+
+def test_server_rejection_names_the_program_step_and_field(backend) -> None:
+    @sgl.function
+    def bad(s):
+        s += "Hi" + sgl.gen("x", max_tokens=2, top_p=5.0)
+
+    state = bad.run(backend=backend)
+    with pytest.raises(sgl.ProgramError, match=r"failed at gen\('x'\).*top_p"):
+        state.text()
+
+
+def test_unreachable_backend_names_the_url() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(sgl.BackendConnectionError, match=f"cannot reach the radixlm server at {url}"):
+        sgl.RuntimeEndpoint(url)
+
+
+def test_var_scope_and_set_var(backend) -> None:
+    @sgl.function
+    def scoped(s):
+        s += "Numbers: "
+        with s.var_scope("block"):
+            s += "one, two, " + sgl.gen("next", max_tokens=3, stop=",", temperature=0)
+        s["copy"] = s["block"]
+
+    state = scoped.run(backend=backend)
+    assert state["block"] == "one, two, " + state["next"] and state["copy"] == state["block"]
+    assert state.text() == "Numbers: " + state["block"]
+
+
+def test_role_mismatch_is_reported(backend) -> None:
+    @sgl.function
+    def bad_roles(s):
+        s += sgl.user_begin() + "hi" + sgl.assistant_end()
+
+    with pytest.raises(sgl.ProgramError, match="role 'assistant' ends but the current role is 'user'"):
+        bad_roles.run(backend=backend).sync()
+
+
+def test_calling_a_function_runs_it(backend) -> None:
+    state = few_shot(question="What is 4 plus 4?", backend=backend, temperature=0)
+    assert state["answer"].strip().isdigit()
+    assert (
+        state["answer"]
+        == few_shot.run(question="What is 4 plus 4?", backend=backend, temperature=0)["answer"]
+    )
+
+
+def test_run_batch_returns_states_in_order_and_warms_the_shared_prefix(backend) -> None:
+    questions = [f"What is {i} plus {i}?" for i in range(10, 18)]
+    backend.flush_cache()
+    states = few_shot.run_batch(
+        [{"question": q} for q in questions], backend=backend, temperature=0, progress_bar=True
+    )
+    assert [s.text().split("Q: ")[-1].split("\n")[0] for s in states] == questions
+    answers = [s["answer"].strip() for s in states]
+    assert all(a.isdigit() for a in answers), answers
+    # Every item found the few-shot prefix in the cache, warmed once before the fan-out.
+    metas = [s.get_meta_info("answer") for s in states]
+    assert all(m["cached_tokens"] >= m["prompt_tokens"] - 12 for m in metas), metas
+
+
+def test_run_batch_reports_failing_items_after_finishing_the_rest(backend) -> None:
+    @sgl.function
+    def maybe_fail(s, i):
+        s += f"Item {i}:" + sgl.gen("x", max_tokens=2)
+        if i == 2:
+            raise KeyError("boom")
+
+    with pytest.raises(sgl.ProgramError, match=r"1 of 4 programs failed; first, item 2: 'boom'"):
+        maybe_fail.run_batch([{"i": i} for i in range(4)], backend=backend)
+    with pytest.raises(ValueError, match="batch_kwargs must be a list of dicts"):
+        maybe_fail.run_batch({"i": 1}, backend=backend)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['temprature'\]"):
+        maybe_fail.run_batch([{"i": 1}], backend=backend, temprature=0)
+    with pytest.raises(TypeError, match="maybe_fail: missing a required argument: 'i'"):
+        maybe_fail.run_batch([{}], backend=backend)
+
+
+def test_generator_style_yields_every_state(backend) -> None:
+    gen = few_shot.run_batch(
+        [{"question": "What is 1 plus 1?"}] * 3, backend=backend, temperature=0, generator_style=True
+    )
+    assert [s["answer"] for s in gen] == [
+        few_shot.run(question="What is 1 plus 1?", backend=backend, temperature=0)["answer"]
+    ] * 3
+
+
+def test_a_run_pins_its_kv_between_calls_and_releases_it_at_the_end(backend) -> None:
+    @sgl.function
+    def two_calls(s):
+        s += "Count with me: one, two," + sgl.gen("a", max_tokens=4, temperature=0)
+        s += " and then" + sgl.gen("b", max_tokens=16, temperature=0, ignore_eos=True)
+
+    backend.flush_cache()
+    state = two_calls.run(backend=backend, stream=True)
+    pieces = state.text_iter("b")
+    next(pieces)  # the second call is running: the first call's sequence is pinned under the run's session
+    during = backend.get_server_info()
+    assert during["num_sessions"] == 1 and during["pinned_tokens"] >= 8
+    assert during["pinned_tokens"] <= state.get_meta_info("a")["prompt_tokens"] + 4
+    list(pieces)
+    state.text()
+    after = backend.get_server_info()
+    assert after["num_sessions"] == 0 and after["pinned_tokens"] == 0
+    # The second call found the whole first call (prompt and output) in the cache.
+    assert state.get_meta_info("b")["cached_tokens"] >= state.get_meta_info("a")["prompt_tokens"]
