@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
-from systems import GenRun, LlamaCppSystem, RadixlmSystem, ScoreRun, SystemUnavailable, TransformersSystem
-from workloads import ChoiceTask, GenTask, gsm8k_correct, gsm8k_task, mmlu_task
+from systems import LlamaCppSystem, RadixlmSystem, SystemUnavailable
+from workloads import ChoiceTask, GenTask, gsm8k_task, mmlu_task
 
+from radixlm.eval.baseline import GenRun, ScoreRun, TransformersSystem
+from radixlm.eval.tasks import gsm8k_correct
 from radixlm_runtime.engine.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import default_model_path, resolve_model_path
 

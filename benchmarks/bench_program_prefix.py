@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     with sgl.Runtime(max_total_tokens=sizes["kv_tokens"], log_level="warning") as runtime:
         # One warm-up run so neither mode pays for first-call start-up costs.
-        solve_then_check.run(**items[0], backend=runtime, temperature=0, max_new_tokens=2).sync()
+        solve_then_check.run(**(items[0] | {"max_new_tokens": 2}), backend=runtime, temperature=0).sync()
         modes = [run_mode(runtime, items, optimized) for optimized in (False, True)]
     off, on = modes
     identical = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))

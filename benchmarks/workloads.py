@@ -11,15 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.eval.data import (
-    extract_gsm8k_number,
     gsm8k_fewshot_prefix,
     gsm8k_question_suffix,
     load_gsm8k,
     load_mmlu,
     mmlu_subjects,
 )
-
-MMLU_LETTERS = ("A", "B", "C", "D")
+from radixlm.eval.tasks import MMLU_CHOICES, MMLU_LETTERS, mmlu_block, mmlu_fewshot_prefix
 
 
 @dataclass
@@ -52,36 +50,21 @@ def gsm8k_task(tokenizer: Any, num_questions: int, num_shots: int) -> GenTask:
     return GenTask([tokenizer.encode(t) for t in texts], labels)
 
 
-def gsm8k_correct(text: str, label: str) -> bool:
-    """Grades the model's first answer: it tends to go on with a made-up next 'Question:'."""
-    return extract_gsm8k_number(text.split("Question:")[0]) == label
-
-
-def _mmlu_block(question: str, choices: list[str]) -> str:
-    options = "".join(f"\n{letter}. {text}" for letter, text in zip(MMLU_LETTERS, choices))
-    return f"{question.strip()}{options}\nAnswer:"
-
-
 def mmlu_task(tokenizer: Any, num_subjects: int, per_subject: int, num_shots: int) -> ChoiceTask:
     """The classic MMLU k-shot format: per subject, a header and num_shots solved dev questions form the
     shared prefix; test questions follow it. The first num_subjects subjects in name order are used."""
     subjects = mmlu_subjects()[:num_subjects]
     if not subjects:
         raise FileNotFoundError("no MMLU subjects found (see radixlm.eval.data.default_data_dir)")
-    choices = [tokenizer.encode(f" {letter}") for letter in MMLU_LETTERS]
+    choices = [tokenizer.encode(c) for c in MMLU_CHOICES]
     if any(len(c) != 1 for c in choices):
         raise ValueError(f"expected single-token answer letters, got {choices}")
     prompts: list[list[int]] = []
     labels: list[int] = []
     for subject in subjects:
-        topic = subject.replace("_", " ")
-        header = f"The following are multiple choice questions (with answers) about {topic}.\n\n"
-        shots = "".join(
-            f"{_mmlu_block(s.question, s.choices)} {s.label}\n\n"
-            for s in load_mmlu(subject, "dev", num_shots)
-        )
+        prefix = mmlu_fewshot_prefix(subject, num_shots)
         for item in load_mmlu(subject, "test", per_subject):
-            prompts.append(tokenizer.encode(header + shots + _mmlu_block(item.question, item.choices)))
+            prompts.append(tokenizer.encode(prefix + mmlu_block(item.question, item.choices)))
             labels.append(MMLU_LETTERS.index(item.label))
     return ChoiceTask(prompts, choices, labels)
 

@@ -14,6 +14,7 @@ from typing import Any
 import radixlm as sgl
 from radixlm.eval.data import (
     default_data_dir,
+    extract_gsm8k_number,
     gsm8k_fewshot_prefix,
     gsm8k_question_suffix,
     load_gsm8k,
@@ -23,6 +24,7 @@ from radixlm.eval.data import (
 from radixlm.eval.tasks import (
     GSM8K_STOP,
     MMLU_CHOICES,
+    MMLU_LETTERS,
     gsm8k_correct,
     mmlu_block,
     mmlu_fewshot_prefix,
@@ -125,14 +127,46 @@ def evaluate(task: str, items: list[EvalItem], backend: Any, parallel: int) -> d
     }
 
 
+def run_transformers_baseline(
+    task: str, items: list[EvalItem], model_dir: Path, max_new_tokens: int, batch_size: int
+) -> dict[str, Any]:
+    """The same prompts through a plain transformers loop (greedy; MMLU by the letters' logprobs)."""
+    from radixlm.eval.baseline import TransformersSystem
+
+    system = TransformersSystem(model_dir, batch_size)
+    ids = [system.tokenizer.encode(it.prompt) for it in items]
+    if task == "gsm8k":
+        run = system.generate(ids, max_new_tokens)
+        predictions = run.texts
+    else:
+        choices = [system.tokenizer.encode(c) for c in MMLU_CHOICES]
+        run = system.score(ids, choices)
+        predictions = [MMLU_LETTERS[max(range(len(lp)), key=lp.__getitem__)] for lp in run.logprobs]
+    system.close()
+    correct = [is_correct(task, p, it.label) for p, it in zip(predictions, items)]
+    return {
+        "system": "transformers",
+        "accuracy": sum(correct) / len(items),
+        "wall_s": run.wall_s,
+        "predictions": predictions,
+        "correct": correct,
+    }
+
+
+def _answer(task: str, prediction: str) -> str | None:
+    return extract_gsm8k_number(prediction.split(GSM8K_STOP[0])[0]) if task == "gsm8k" else prediction
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m radixlm.eval", description=__doc__.splitlines()[0])
     p.add_argument(
         "task", choices=sorted(TASKS), help="gsm8k: gen + final-number match; mmlu: select over A-D"
     )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--backend", metavar="URL", help="a running radixlm (or SGLang) server")
-    where.add_argument("--model-path", help="start a local server on this model (default: the embedded one)")
+    p.add_argument("--backend", metavar="URL", help="a running radixlm (or SGLang) server")
+    p.add_argument(
+        "--model-path",
+        help="without --backend: start a local server on this model (default: the embedded one)",
+    )
     p.add_argument("--num-questions", type=int, default=50, help="test questions (for mmlu: per subject)")
     p.add_argument("--num-shots", type=int, default=5, help="solved examples in the shared prefix")
     p.add_argument("--parallel", type=int, default=64, help="programs in flight at once")
@@ -141,12 +175,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256, help="gsm8k answer length limit")
     p.add_argument("--data-dir", type=Path, default=None, help="data folder (default: ../shared/data)")
     p.add_argument("--output", type=Path, default=None, help="JSON result path (default: eval_<task>.json)")
+    p.add_argument(
+        "--baseline",
+        choices=["transformers"],
+        help="also run the same prompts through plain transformers (greedy) on the same weights and "
+        "record both accuracies; the weights are --model-path's, else the server's model path",
+    )
+    p.add_argument("--baseline-batch-size", type=int, default=8, help="transformers batch size")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    for name in ("num_questions", "num_shots", "parallel", "num_subjects", "max_new_tokens"):
+    for name in (
+        "num_questions",
+        "num_shots",
+        "parallel",
+        "num_subjects",
+        "max_new_tokens",
+        "baseline_batch_size",
+    ):
         if getattr(args, name) < (0 if name == "num_shots" else 1):
             raise SystemExit(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     items = TASKS[args.task][1](args)
@@ -156,6 +204,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result |= {"task": args.task, "model_path": backend.model_info["model_path"]}
     finally:
         backend.shutdown()
+    if args.baseline:
+        model_dir = Path(args.model_path) if args.model_path else Path(result["model_path"])
+        if not model_dir.is_dir():
+            raise SystemExit(
+                f"--baseline needs the model's weights here: pass --model-path (not found: {model_dir})"
+            )
+        base = run_transformers_baseline(
+            args.task, items, model_dir, args.max_new_tokens, args.baseline_batch_size
+        )
+        ours = [_answer(args.task, p) for p in result["predictions"]]
+        theirs = [_answer(args.task, p) for p in base["predictions"]]
+        result["baseline"] = base
+        result["answers_agree"] = sum(a == b for a, b in zip(ours, theirs)) / len(items)
+        result["accuracy_gap"] = abs(result["accuracy"] - base["accuracy"])
+        print(
+            f"transformers baseline: accuracy {base['accuracy']:.3f}; "
+            f"answers agree on {result['answers_agree']:.0%} of questions"
+        )
     result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     print(
         f"{args.task}: accuracy {result['accuracy']:.3f} on {result['num_questions']} questions | "

@@ -83,7 +83,9 @@ class Engine:
         input_ids: list[int] | None = None,
         session_id: str | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Yields {"text": cumulative text, "output_ids", "meta_info"} after every new token."""
+        """Yields {"text": cumulative text, "output_ids", "meta_info"} after every step that adds
+        tokens: one, or several when jump-forward appends a constraint's forced text. Tokens once
+        yielded are never changed, so output_ids only ever grows."""
         reqs, _ = self._build_requests(
             prompt, sampling_params, input_ids, False, None, None, None, session_id
         )

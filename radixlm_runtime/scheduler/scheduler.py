@@ -1,7 +1,9 @@
 """The scheduler loop: radix match -> batch -> forward -> sample -> finish, one step at a time.
 
 Every step forms one mixed batch: one decode token for each running request, plus prefill chunks
-of waiting requests (in cache-aware order) up to the per-step token budget. Finished requests leave
+of waiting requests (in cache-aware order) up to the per-step token budget. Where a constraint forces
+the next text (JSON keys, punctuation, literals), jump-forward appends it right after sampling and
+the request computes those tokens in its next step, as a short extend. Finished requests leave
 at once and their KV stays in the radix tree for reuse. When decode runs out of KV slots the newest
 requests are retracted to the queue and later recomputed from their prompt plus what they
 already generated, so nothing is lost or duplicated.

@@ -75,8 +75,9 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class ReqOutput(msgspec.Struct):
-    """What one request gained in one step. Token and logprob lists hold only the new entries;
-    input logprobs come once, with the request's first output."""
+    """What one request gained in one step. Token and logprob lists hold only the new entries
+    (several tokens after a jump-forward; tokens already sent never change, so the receiver only
+    appends); input logprobs come once, with the request's first output."""
 
     rid: str
     new_token_ids: list[int]

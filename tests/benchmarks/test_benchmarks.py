@@ -66,8 +66,23 @@ def startup(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def program_prefix(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_program_prefix.py", out_dir, "program_prefix")
+
+
+@pytest.fixture(scope="module")
+def programs(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_programs.py", out_dir, "programs")
+
+
+@pytest.fixture(scope="module")
 def constrained_compile(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_constrained_compile.py", out_dir, "constrained_compile")
+
+
+@pytest.fixture(scope="module")
+def jump_forward(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
 
 def test_fewshot_engine(fewshot: dict[str, Any]) -> None:
@@ -121,6 +136,15 @@ def test_constrained_compile(constrained_compile: dict[str, Any]) -> None:
     assert all(t >= 0 for t in constrained_compile["seconds"].values())
 
 
+def test_jump_forward(jump_forward: dict[str, Any]) -> None:
+    off, on = jump_forward["systems"]["off"], jump_forward["systems"]["on"]
+    n = jump_forward["sizes"]["num_inputs"]
+    assert off["valid_outputs"] == on["valid_outputs"] == n
+    assert off["jumps"] == off["jump_tokens"] == 0 < on["jumps"]
+    assert on["decode_steps"] < off["decode_steps"] and on["sampled_tokens"] < off["sampled_tokens"]
+    assert on["completion_tokens"] == on["sampled_tokens"] + on["jump_tokens"]
+
+
 def test_run_all_renders_readme(
     out_dir: Path,
     tmp_path: Path,
@@ -161,3 +185,27 @@ def test_run_all_renders_readme(
             assert (figures / figure).read_bytes()[:8] == PNG_MAGIC
     assert text.count("<!-- results:startup -->") == 1
     assert "logical cores" in text[text.index("<!-- results:machine -->") :]
+
+
+def test_program_prefix(program_prefix: dict[str, Any]) -> None:
+    off, on = program_prefix["modes"]
+    assert (off["optimized"], on["optimized"]) == (False, True)
+    assert program_prefix["identical_outputs"] == program_prefix["num_items"]
+    for mode in (off, on):
+        assert 0.0 <= mode["cache_hit_rate"] <= 1.0 and mode["pinned_tokens_after"] == 0
+    # Warming never costs prefill beyond the warm-up request's own boundary tokens (the scheduler's
+    # in-batch prefix check already keeps racing items from prefilling the prefix twice).
+    assert on["computed_prompt_tokens"] <= off["computed_prompt_tokens"] * 1.05
+
+
+def test_programs(programs: dict[str, Any]) -> None:
+    assert set(programs["workloads"]) == {"multi-turn chat", "tree-of-thought", "react agent", "json regex"}
+    for name, w in programs["workloads"].items():
+        servers = w["servers"]
+        assert set(servers) == {"lpm", "dfs-weight", "fcfs", "no cache"}
+        assert servers["no cache"]["hit_rate"] == 0.0, name
+        assert 0.0 < w["best_hit_rate"] < 1.0
+        for server in ("lpm", "dfs-weight", "fcfs"):
+            # Never above what the workload's own prefix tree allows (small slack: the ideal is
+            # computed on retokenized text).
+            assert 0.0 < servers[server]["hit_rate"] <= w["best_hit_rate"] + 0.05, (name, server)

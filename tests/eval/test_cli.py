@@ -53,3 +53,20 @@ def test_tiny_run_writes_a_result(task: str, runtime, tmp_path: Path, capsys) ->
     assert saved["accuracy"] == sum(saved["correct"]) / 3 == result["accuracy"]
     assert 0.3 < saved["cache_hit_rate"] <= 1.0 and saved["questions_per_s"] > 0
     assert f"{task}: accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["gsm8k", "mmlu"])
+def test_accuracy_matches_the_transformers_baseline(task: str, runtime, tmp_path: Path) -> None:
+    """Greedy on the same weights: radixlm's accuracy equals plain transformers' within one question
+    per hundred (rounded up: none at this size), and the JSON records both."""
+    out = tmp_path / f"{task}.json"
+    argv = [task, "--backend", runtime.url, "--num-questions", "4", "--num-shots", "3", "--num-subjects", "2"]
+    argv += ["--max-new-tokens", "64", "--baseline", "transformers", "--output", str(out)]
+    main(argv)
+    saved = json.loads(out.read_text())
+    n = saved["num_questions"]
+    assert saved["baseline"]["system"] == "transformers" and len(saved["baseline"]["predictions"]) == n
+    assert abs(sum(saved["correct"]) - sum(saved["baseline"]["correct"])) <= -(-n // 100)
+    assert saved["accuracy_gap"] == abs(saved["accuracy"] - saved["baseline"]["accuracy"])
+    assert saved["answers_agree"] >= 0.75

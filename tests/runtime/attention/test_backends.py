@@ -73,3 +73,28 @@ def test_torch_decode_shared_prefix_groups_match_ungrouped(
     assert not calls
     for a, b in zip(grouped, ungrouped, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+
+
+def test_torch_short_extends_batched_like_decodes_match_per_request(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Extends up to MAX_BATCHED_EXTEND tokens (16-token prefill chunks here, the tokens a
+    jump-forward appends) run as decode-style query rows; that equals one attention call per
+    request over its whole sequence."""
+    from radixlm_runtime.attention import torch_backend
+
+    def run() -> list[float]:
+        engine = rt.Engine(
+            str(tiny_llama_dir), max_total_tokens=1024, chunked_prefill_size=16, log_level="warning"
+        )
+        outs = engine.generate(
+            input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0
+        )
+        lps = [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]
+        return lps + [lp for o in outs for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
+
+    batched = run()
+    monkeypatch.setattr(torch_backend, "MAX_BATCHED_EXTEND", 0)
+    per_request = run()
+    assert len(batched) == len(per_request)
+    assert max(abs(a - b) for a, b in zip(batched, per_request)) < 1e-5
