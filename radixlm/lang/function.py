@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import uuid
@@ -35,43 +36,13 @@ def resolve_backend(backend: Any) -> BaseBackend:
     return getattr(backend, "endpoint", backend)
 
 
-def _run_defaults(
-    max_new_tokens: int = 128,
-    min_new_tokens: int = 0,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    min_p: float = 0.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    ignore_eos: bool = False,
-    return_logprob: bool = False,
-    logprob_start_len: int | None = None,
-    top_logprobs_num: int | None = None,
-    return_text_in_logprobs: bool | None = None,
-) -> ir.GenParams:
-    return ir.GenParams(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=min_new_tokens,
-        stop=stop,
-        stop_token_ids=stop_token_ids,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos,
-        return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len,
-        top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs,
-    )
+def _run_defaults(**options: Any) -> ir.GenParams:
+    """`f.run(max_new_tokens=..., temperature=...)`: every gen's defaults, over SGLang's."""
+    return ir.GenParams(**options).merged_over(ir.RUN_DEFAULTS)
 
 
-_RUN_OPTIONS = set(inspect.signature(_run_defaults).parameters)
+# Sampling options a run takes (constraints belong to individual gens).
+_RUN_OPTIONS = {f.name for f in dataclasses.fields(ir.GenParams)} - {"dtype", "regex", "json_schema"}
 
 
 class Function:

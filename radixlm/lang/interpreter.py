@@ -9,12 +9,12 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.backend.base import BaseBackend, Prompt
 from radixlm.lang import ir
+from radixlm.lang.state_base import StateGroup, StateMethods
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -247,7 +247,7 @@ class StreamExecutor:
         return branches
 
 
-class ProgramState:
+class ProgramState(StateMethods):
     """The `s` of a program: append with +=, read variables with s["name"]."""
 
     def __init__(self, executor: StreamExecutor) -> None:
@@ -297,34 +297,8 @@ class ProgramState:
             raise ValueError(f"fork: size must be a positive int, got {size!r}")
         return ProgramStateGroup([ProgramState(e) for e in self.executor.fork(size)], self)
 
-    # -- roles ------------------------------------------------------------------------------------
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
-            return None
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self.executor.submit(ir.RoleBegin(role))
-        yield
-        self.executor.submit(ir.RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        """Captures the text appended inside the block as variable `name`."""
-        self.executor.submit(ir.VarScopeBegin(name))
-        yield
-        self.executor.submit(ir.VarScopeEnd(name))
+    def _submit(self, expr: ir.Expr) -> None:
+        self.executor.submit(expr)
 
     # -- streaming --------------------------------------------------------------------------------
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
@@ -360,40 +334,11 @@ class ProgramState:
         return f"ProgramState({self.text()!r})"
 
 
-class ProgramStateGroup:
-    """The branches of s.fork(n); `forks += lambda i: ...` appends to each branch by index."""
-
-    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self.states[i]
-
-    def __setitem__(self, i: int, state: ProgramState) -> None:
-        """Completes `forks[i] += ...` (which appends in place, then assigns back)."""
-        if state is not self.states[i]:
-            raise TypeError("fork branches cannot be replaced; append to them with forks[i] += ...")
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        for i, state in enumerate(self.states):
-            if isinstance(other, list):
-                state += other[i]
-            elif callable(other) and not isinstance(other, ir.Expr):
-                state += other(i)
-            else:
-                state += other
-        return self
-
+class ProgramStateGroup(StateGroup[ProgramState]):
     def join(self, mode: str = "gather_variable") -> None:
         """gather_variable: each variable set in the branches becomes a list on the parent.
         concate_and_append: the branches' texts are appended to the parent, in order."""
+        self.check_mode(mode)
         if mode == "gather_variable":
             for state in self.states:
                 state.executor.sync()
@@ -405,10 +350,8 @@ class ProgramStateGroup:
                 names += [k for k in changed if k not in names]
             for name in names:
                 parent.set_var(name, [s.executor.variables.get(name) for s in self.states])
-        elif mode == "concate_and_append":
-            self.parent += ir.ConcateAndAppend(self.states)
         else:
-            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+            self.parent += ir.ConcateAndAppend(self.states)
 
 
 def run_program(

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.lang import ir
 from radixlm.lang.chat_template import ChatTemplate
+from radixlm.lang.state_base import StateGroup, StateMethods
 
 
 class StopTracing(Exception):
@@ -166,7 +166,7 @@ def _format_nodes(nodes: list[Node], depth: int, lines: list[str]) -> None:
             lines.append(f"{pad}join {node.mode}")
 
 
-class TracerState:
+class TracerState(StateMethods):
     """Stands in for ProgramState while tracing; same API, records instead of running."""
 
     def __init__(self, stop_at_first_gen: bool = False) -> None:
@@ -218,69 +218,16 @@ class TracerState:
         node.branches = [b.nodes for b in branches]
         return TracerGroup(branches, self)
 
-    def _role(self, role: str, expr: Any = None) -> Any:
-        if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
-            return None
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._record(ir.RoleBegin(role))
-        yield
-        self._record(ir.RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self._record(ir.VarScopeBegin(name))
-        yield
-        self._record(ir.VarScopeEnd(name))
+    def _submit(self, expr: ir.Expr) -> None:
+        self._record(expr)
 
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         raise StopTracing("program streams its own text")
 
 
-class TracerGroup:
-    def __init__(self, states: list[TracerState], parent: TracerState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __getitem__(self, i: int) -> TracerState:
-        return self.states[i]
-
-    def __setitem__(self, i: int, state: TracerState) -> None:
-        """Completes `forks[i] += ...` (which appends in place, then assigns back)."""
-        if state is not self.states[i]:
-            raise TypeError("fork branches cannot be replaced; append to them with forks[i] += ...")
-
-    def __iter__(self) -> Iterator[TracerState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> TracerGroup:
-        for i, state in enumerate(self.states):
-            if isinstance(other, list):
-                state += other[i]
-            elif callable(other) and not isinstance(other, ir.Expr):
-                state += other(i)
-            else:
-                state += other
-        return self
-
+class TracerGroup(StateGroup[TracerState]):
     def join(self, mode: str = "gather_variable") -> None:
-        if mode not in ("gather_variable", "concate_and_append"):
-            raise ValueError(f"join: mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
+        self.check_mode(mode)
         self.parent.nodes.append(JoinNode(mode))
 
 
