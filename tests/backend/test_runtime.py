@@ -144,7 +144,9 @@ def test_openai_backend_unreachable_names_the_url() -> None:
     def hi(s):
         s += sgl.user("hi") + sgl.assistant(sgl.gen("x", max_tokens=2))
 
-    with pytest.raises(sgl.ProgramError, match="cannot reach the OpenAI-compatible server at http://127.0.0.1:9/v1"):
+    with pytest.raises(
+        sgl.ProgramError, match="cannot reach the OpenAI-compatible server at http://127.0.0.1:9/v1"
+    ):
         hi.run(backend=be).sync()
 
 
