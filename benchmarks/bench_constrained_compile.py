@@ -9,7 +9,6 @@ new compiler.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 
 from radixlm_runtime.constrained.compiler import ConstraintCompiler, IndexCache
 from radixlm_runtime.constrained.json_schema import build_regex_from_schema
@@ -71,16 +70,12 @@ def plot(path: Path, stages: dict[str, float]) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("ms (log scale)")
     ax.set_title("JSON schema -> token index compile")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, SIZES)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    ap = bench_parser(__doc__, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     tokenizer = load_tokenizer(resolve_model_path(None))
     pattern = build_regex_from_schema(SCHEMA)
     others = [build_regex_from_schema(other_schema(i)) for i in range(sizes["warm_schemas"])]

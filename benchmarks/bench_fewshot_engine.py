@@ -15,14 +15,13 @@ GSM8K is greedy generation graded on the final number. MMLU picks the answer let
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 from systems import LlamaCppSystem, RadixlmSystem, SystemUnavailable
 from workloads import ChoiceTask, GenTask, gsm8k_task, mmlu_task
 
@@ -135,9 +134,7 @@ def plot(path: Path, tasks: dict[str, dict[str, dict[str, Any]]], shots: int) ->
         ax.set_ylabel("questions / s (higher is better)")
         ax.set_title(f"{task_name.upper()} {shots}-shot, {runs['radixlm']['num_questions']} questions")
         ax.margins(y=0.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(task_name: str, runs: dict[str, dict[str, Any]], shots: int) -> Table:
@@ -177,15 +174,13 @@ def notes_for(task_name: str, summary: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, SIZES)
+    ap = bench_parser(__doc__, SIZES)
     ap.add_argument("--tasks", default="gsm8k,mmlu", help="Comma-separated: gsm8k, mmlu.")
     ap.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}."
     )
     ap.add_argument("--hf-batch-size", type=int, default=8)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     systems = args.systems.split(",")
     if systems[0] != "radixlm" or not set(systems) <= set(SYSTEMS):
         ap.error(f"--systems must start with radixlm and name only {SYSTEMS}")

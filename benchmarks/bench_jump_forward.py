@@ -15,7 +15,6 @@ against the schema.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 
 import radixlm_runtime as rt
 from radixlm_runtime.engine.tokenizer import load_tokenizer
@@ -145,16 +144,12 @@ def plot(path: Path, systems: dict[str, dict[str, Any]]) -> None:
     time_ax.set_ylabel("wall clock (s)")
     time_ax.set_title("Time")
     time_ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, SIZES)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    ap = bench_parser(__doc__, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     tokenizer = load_tokenizer(resolve_model_path(None))
     prompts = [
         tokenizer.apply_chat_template(

@@ -10,11 +10,10 @@ python benchmarks/bench_program_prefix.py [--tiny] [--scale S] [--num-items N]
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
-from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 
 import radixlm as sgl
 from radixlm.eval.data import gsm8k_fewshot_prefix, gsm8k_question_suffix, load_gsm8k
@@ -64,10 +63,8 @@ def run_mode(runtime: sgl.Runtime, items: list[dict[str, Any]], optimized: bool)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(ap, SIZES)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    ap = bench_parser(__doc__, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     prefix = gsm8k_fewshot_prefix(sizes["num_shots"])
     items = [
         {"prefix": prefix, "question": it.question, "max_new_tokens": sizes["max_new_tokens"]}
@@ -115,10 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.bar(["plain", "warm + pin"], [off["programs_per_s"], on["programs_per_s"]], color=["#999", "#2a7"])
     ax.set_ylabel("programs / s")
     ax.set_title("run_batch throughput")
-    fig.tight_layout()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out_dir / "program_prefix.png")
-    plt.close(fig)
+    save_figure(fig, args.out_dir / "program_prefix.png")
     save_result(
         args.out_dir,
         "program_prefix",

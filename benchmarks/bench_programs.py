@@ -13,13 +13,12 @@ python benchmarks/bench_programs.py [--tiny] [--scale S]
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from common import Size, Table, add_common_args, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 
 import radixlm as sgl
 
@@ -166,10 +165,8 @@ def run_workload(url: str, program: Any, sizes: dict[str, int]) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(ap, SIZES)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    ap = bench_parser(__doc__, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     results: dict[str, dict[str, Any]] = {w: {} for w in WORKLOADS}
     model_path = ""
     for server_name, flags in SERVERS:
@@ -215,10 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_xticks(range(len(WORKLOADS)), list(WORKLOADS))
     ax.set_ylabel("programs / s")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out_dir / "programs.png")
-    plt.close(fig)
+    save_figure(fig, args.out_dir / "programs.png")
     save_result(args.out_dir, "programs", {"workloads": summary}, [table], notes, ["programs.png"], sizes)
 
 

@@ -15,7 +15,6 @@ same requests at the same arrival times; the cache is flushed before every rate.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -36,12 +35,13 @@ import httpx
 from common import (
     Size,
     Table,
-    add_common_args,
+    bench_parser,
     child_env,
     fmt,
+    parse_sizes,
     percentiles,
     pyplot,
-    resolve_sizes,
+    save_figure,
     save_result,
 )
 from workloads import chat_prompts, gsm8k_prompts
@@ -255,9 +255,7 @@ def plot(path: Path, results: dict[str, list[dict[str, Any]]]) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> Table:
@@ -298,8 +296,7 @@ def notes_for(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, SIZES)
+    ap = bench_parser(__doc__, SIZES)
     ap.add_argument(
         "--rates",
         default=None,
@@ -307,10 +304,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--no-baseline", action="store_true", help="Skip the --disable-radix-cache server.")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the arrival times.")
-    args = ap.parse_args(argv)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     # A SIGTERM must still run the `finally` that stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    sizes = resolve_sizes(args, SIZES)
     rates = [float(r) for r in (args.rates or (TINY_RATES if args.tiny else DEFAULT_RATES)).split(",")]
 
     reqs = build_requests(sizes["num_requests"], sizes["chat_turns"], sizes["num_shots"])

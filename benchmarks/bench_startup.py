@@ -7,13 +7,12 @@ cached), the figure users feel on every restart.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import Size, Table, add_common_args, child_env, fmt, pyplot, resolve_sizes, save_result
+from common import Size, Table, bench_parser, child_env, fmt, parse_sizes, pyplot, save_figure, save_result
 
 NAME = "startup"
 SIZES = {"runs": Size(3, 1, "fresh processes timed")}
@@ -40,16 +39,12 @@ def plot(path: Path, times: list[float]) -> None:
     ax.set_ylabel("import + Engine() to ready (s)")
     ax.set_title("Start-up, GGUF conversion cached")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(ap, SIZES)
-    args = ap.parse_args(argv)
-    sizes = resolve_sizes(args, SIZES)
+    ap = bench_parser(__doc__, SIZES)
+    args, sizes = parse_sizes(ap, argv, SIZES)
     # The first start may convert the GGUF; that one-off cost is not what this measures.
     first = time_child()
     times = [time_child() for _ in range(sizes["runs"])]

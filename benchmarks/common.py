@@ -47,6 +47,20 @@ def add_common_args(ap: argparse.ArgumentParser, sizes: dict[str, Size]) -> None
         )
 
 
+def bench_parser(doc: str | None, sizes: dict[str, Size]) -> argparse.ArgumentParser:
+    """A benchmark's parser with the common flags; scripts add their own before parse_sizes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap, sizes)
+    return ap
+
+
+def parse_sizes(
+    ap: argparse.ArgumentParser, argv: list[str] | None, sizes: dict[str, Size]
+) -> tuple[argparse.Namespace, dict[str, int]]:
+    args = ap.parse_args(argv)
+    return args, resolve_sizes(args, sizes)
+
+
 def resolve_sizes(args: argparse.Namespace, sizes: dict[str, Size]) -> dict[str, int]:
     out: dict[str, int] = {}
     for name, size in sizes.items():
@@ -182,3 +196,11 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Lays out and writes a figure as PNG (creating its folder), then frees it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
