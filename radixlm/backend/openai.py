@@ -108,37 +108,29 @@ class OpenAI(BaseBackend):
             piece = (choice.delta.content if self.is_chat_model else choice.text) or ""
             yield piece, {"finish_reason": choice.finish_reason}
 
-    def _echo_logprobs(self, text: str) -> tuple[list[str], list[float | None], list[int]]:
-        out = self._call(self.client.completions.create, prompt=text, max_tokens=0, echo=True, logprobs=0)
-        lp = out.choices[0].logprobs
-        return lp.tokens, lp.token_logprobs, lp.text_offset
+    def _echo_logprobs(self, texts: list[str]) -> list[tuple[list[float | None], list[int]]]:
+        """Prompt logprobs and token offsets of every text, from one batched zero-token request."""
+        out = self._call(self.client.completions.create, prompt=texts, max_tokens=0, echo=True, logprobs=0)
+        ordered = sorted(out.choices, key=lambda c: c.index)
+        return [(c.logprobs.token_logprobs, c.logprobs.text_offset) for c in ordered]
 
     def select(
         self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod
     ) -> ChoiceDecision:
         """Tokens that end past the prompt belong to the choice (a token merged across the boundary
         counts for the choice)."""
-        token_logprobs, unconditional = [], []
-        for choice in choices:
-            _, lps, offsets = self._echo_logprobs(prompt.text + choice)
-            token_logprobs.append(
-                [
-                    lp
-                    for lp, off in zip(lps, offsets[1:] + [10**12])
-                    if off > len(prompt.text) and lp is not None
-                ]
-            )
-            if method.requires_unconditional_logprobs:
-                unconditional.append([lp for lp in self._echo_logprobs(choice)[1][1:] if lp is not None])
+        cut = len(prompt.text)
+        token_logprobs = [
+            [lp for lp, end in zip(lps, offsets[1:] + [10**12]) if end > cut and lp is not None]
+            for lps, offsets in self._echo_logprobs([prompt.text + c for c in choices])
+        ]
+        unconditional = None
+        if method.requires_unconditional_logprobs:
+            unconditional = [
+                [lp for lp in lps[1:] if lp is not None] for lps, _ in self._echo_logprobs(choices)
+            ]
         with self._rng_lock:
-            return decide(
-                method,
-                choices,
-                token_logprobs,
-                unconditional if unconditional else None,
-                temperature,
-                self._rng,
-            )
+            return decide(method, choices, token_logprobs, unconditional, temperature, self._rng)
 
 
 def _meta(out: Any, finish_reason: str | None) -> dict[str, Any]:

@@ -59,26 +59,25 @@ class RuntimeEndpoint(BaseBackend):
     def _get(self, path: str) -> dict[str, Any]:
         return self._request("GET", path).json()
 
-    def _generate(self, body: dict[str, Any], prompt: Prompt | None = None) -> Any:
+    def _session_fields(self, prompt: Prompt | None) -> dict[str, str]:
         if prompt is not None and prompt.session_id and self.supports_sessions:
-            body["session_id"] = prompt.session_id
-        return self._request("POST", "/generate", body).json()
+            return {"session_id": prompt.session_id}
+        return {}
+
+    def _generate(self, body: dict[str, Any], prompt: Prompt | None = None) -> Any:
+        return self._request("POST", "/generate", body | self._session_fields(prompt)).json()
+
+    @staticmethod
+    def _gen_body(prompt: Prompt, params: GenParams) -> dict[str, Any]:
+        return {"text": prompt.text, "sampling_params": params.to_runtime(), **params.logprob_fields()}
 
     # -- backend API ----------------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: GenParams) -> tuple[str, dict[str, Any]]:
-        body = {"text": prompt.text, "sampling_params": params.to_runtime(), **params.logprob_fields()}
-        out = self._generate(body, prompt)
+        out = self._generate(self._gen_body(prompt, params), prompt)
         return out["text"], out["meta_info"]
 
     def generate_stream(self, prompt: Prompt, params: GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
-        body = {
-            "text": prompt.text,
-            "sampling_params": params.to_runtime(),
-            "stream": True,
-            **params.logprob_fields(),
-        }
-        if prompt.session_id and self.supports_sessions:
-            body["session_id"] = prompt.session_id
+        body = self._gen_body(prompt, params) | {"stream": True} | self._session_fields(prompt)
         url = self.base_url + "/generate"
         sent = ""
         try:

@@ -14,7 +14,6 @@ from typing import Any
 import radixlm as sgl
 from radixlm.eval.data import (
     default_data_dir,
-    extract_gsm8k_number,
     gsm8k_fewshot_prefix,
     gsm8k_question_suffix,
     load_gsm8k,
@@ -25,6 +24,7 @@ from radixlm.eval.tasks import (
     GSM8K_STOP,
     MMLU_CHOICES,
     MMLU_LETTERS,
+    gsm8k_answer,
     gsm8k_correct,
     mmlu_block,
     mmlu_fewshot_prefix,
@@ -154,7 +154,7 @@ def run_transformers_baseline(
 
 
 def _answer(task: str, prediction: str) -> str | None:
-    return extract_gsm8k_number(prediction.split(GSM8K_STOP[0])[0]) if task == "gsm8k" else prediction
+    return gsm8k_answer(prediction) if task == "gsm8k" else prediction
 
 
 def build_parser() -> argparse.ArgumentParser:

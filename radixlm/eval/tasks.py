@@ -14,8 +14,13 @@ MMLU_CHOICES = [f" {letter}" for letter in MMLU_LETTERS]
 GSM8K_STOP = ["Question:"]
 
 
+def gsm8k_answer(text: str) -> str | None:
+    """The model's first answer: it tends to go on with a made-up next question."""
+    return extract_gsm8k_number(text.split(GSM8K_STOP[0])[0])
+
+
 def gsm8k_correct(text: str, label: str) -> bool:
-    return extract_gsm8k_number(text.split(GSM8K_STOP[0])[0]) == label
+    return gsm8k_answer(text) == label
 
 
 def mmlu_block(question: str, choices: list[str]) -> str:

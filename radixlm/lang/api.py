@@ -114,22 +114,16 @@ def video(path: str, num_frames: int) -> ir.Expr:
     raise ValueError("video inputs are not supported: radixlm's models are text-only")
 
 
-def _role(role: str, expr: Any = None) -> ir.ExprList:
-    if expr is None:
-        return ir.ExprList([ir.RoleBegin(role), ir.RoleEnd(role)])
-    return ir.ExprList([ir.RoleBegin(role), ir.to_expr(expr), ir.RoleEnd(role)])
-
-
 def system(expr: Any = None) -> ir.ExprList:
-    return _role("system", expr)
+    return ir.role_expr("system", expr)
 
 
 def user(expr: Any = None) -> ir.ExprList:
-    return _role("user", expr)
+    return ir.role_expr("user", expr)
 
 
 def assistant(expr: Any = None) -> ir.ExprList:
-    return _role("assistant", expr)
+    return ir.role_expr("assistant", expr)
 
 
 def system_begin() -> ir.RoleBegin:

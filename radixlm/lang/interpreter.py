@@ -267,11 +267,8 @@ class ProgramState(StateMethods):
     def __setitem__(self, name: str, value: Any) -> None:
         self.executor.set_var(name, value)
 
-    def get_var(self, name: str) -> Any:
-        return self.executor.get_var(name)
-
-    def set_var(self, name: str, value: Any) -> None:
-        self.executor.set_var(name, value)
+    get_var = __getitem__
+    set_var = __setitem__
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
         self.executor.get_var(name)

@@ -187,6 +187,12 @@ class EndProgram(Expr):
     """Marks the end of a run: the executor releases the run's pinned KV once everything before it ran."""
 
 
+def role_expr(role: str, content: Any = None) -> ExprList:
+    """A chat turn: its begin marker, its content (if any), its end marker."""
+    inner = [] if content is None else [to_expr(content)]
+    return ExprList([RoleBegin(role), *inner, RoleEnd(role)])
+
+
 def to_expr(value: Any) -> Expr:
     if isinstance(value, Expr):
         return value

@@ -18,7 +18,7 @@ class StateMethods:
 
     def _role(self, role: str, expr: Any = None) -> Any:
         if expr is not None:
-            self += ir.RoleBegin(role) + expr + ir.RoleEnd(role)
+            self += ir.role_expr(role, expr)
             return None
         return self._role_scope(role)
 
