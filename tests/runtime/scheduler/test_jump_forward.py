@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from scheduler_helpers import assert_no_leak
 
 import radixlm_runtime as rt
 
@@ -37,17 +38,6 @@ def _engine(model_dir: Path, **kwargs: Any) -> rt.Engine:
     return rt.Engine(
         str(model_dir), **{"max_total_tokens": 8192, "context_length": 512, "log_level": "warning", **kwargs}
     )
-
-
-def _assert_no_leak(engine: rt.Engine) -> None:
-    runner = engine.runner
-    tree = engine.scheduler.cache.tree
-    held = tree.total_size() if tree is not None else 0
-    assert runner.allocator.available_size() + held == runner.max_total_tokens
-    if tree is not None:
-        assert tree.protected_size() == 0
-    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.max_reqs
-    assert not engine.scheduler.has_work()
 
 
 def _assert_valid(outs: list[dict]) -> None:
@@ -82,8 +72,8 @@ def test_valid_either_way_with_fewer_forward_passes(
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs_on)
     assert completion == info_on["generated_tokens"] + info_on["jump_forward_tokens"]
     assert all(len(o["output_ids"]) <= PARAMS["max_new_tokens"] for o in outs_on)
-    _assert_no_leak(engine_on)
-    _assert_no_leak(engine_off)
+    assert_no_leak(engine_on)
+    assert_no_leak(engine_off)
 
 
 def test_same_output_where_decoding_chose_canonical_tokens(
@@ -121,7 +111,7 @@ def test_tree_kv_matches_a_plain_prefill(tiny_llama_dir: Path, on: tuple[rt.Engi
     again = engine.generate(PROMPTS[0], PARAMS)
     assert again["output_ids"] == outs[0]["output_ids"]
     assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"]
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize(
@@ -144,7 +134,7 @@ def test_scheduling_does_not_change_outputs(
         # 6 requests of ~45 + up to 150 tokens in a 200-token pool: decode must retract.
         assert info["num_retractions"] > 0
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in on[1]]
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 LITERAL = "the theater then an answer"
@@ -156,7 +146,7 @@ def test_forced_tokens_count_against_max_new_tokens(on: tuple[rt.Engine, list[di
     assert len(out["output_ids"]) == 6
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     assert re.fullmatch(f"[xy]{LITERAL}", out["text"] + LITERAL[len(out["text"]) - 1 :])
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_fully_forced_output_needs_no_forward(on: tuple[rt.Engine, list[dict]]) -> None:
@@ -167,7 +157,7 @@ def test_fully_forced_output_needs_no_forward(on: tuple[rt.Engine, list[dict]]) 
     assert out["output_ids"] == engine.tokenizer.encode(LITERAL, add_special_tokens=False)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
     assert engine.get_server_info()["forward_passes"] == before
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_logprob_requests_do_not_jump(on: tuple[rt.Engine, list[dict]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from scheduler_helpers import assert_no_leak
 
 import radixlm_runtime as rt
 from radixlm_runtime.kvcache.pool import TokenAllocator
@@ -23,17 +24,6 @@ def _prompts(n: int) -> list[list[int]]:
     return [shared[: 40 + (i % 3) * 8] + [(11 * i + j) % 250 + 3 for j in range(6 + i % 5)] for i in range(n)]
 
 
-def _assert_no_leak(engine: rt.Engine) -> None:
-    runner = engine.runner
-    tree = engine.scheduler.cache.tree
-    held = tree.total_size() if tree is not None else 0
-    assert runner.allocator.available_size() + held == runner.max_total_tokens
-    if tree is not None:
-        assert tree.protected_size() == 0
-    assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.max_reqs
-    assert not engine.scheduler.has_work()
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> list[list[int]]:
     engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
@@ -44,7 +34,7 @@ def test_batched_equals_one_by_one(tiny_llama_dir: Path, reference: list[list[in
     engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
@@ -54,7 +44,7 @@ def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[lis
     assert engine.scheduler.stats.num_retractions > 0
     assert [o["output_ids"] for o in outs] == reference
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
@@ -65,7 +55,7 @@ def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[li
     assert engine.scheduler.stats.num_retractions > 0
     assert [o["output_ids"] for o in outs] == reference
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
@@ -74,7 +64,7 @@ def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]
     )
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
@@ -85,7 +75,7 @@ def test_policies_agree(tiny_llama_dir: Path, reference: list[list[int]], policy
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
@@ -113,7 +103,7 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
     while sched.has_work():
         sched.step()
     assert [r.output_ids for r in reqs] == reference
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
@@ -130,7 +120,7 @@ def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]])
     while sched.has_work():
         sched.step()
     assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == [reference[i] for i in (0, 2, 3)]
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def test_finished_requests_leave_kv_in_tree(tiny_llama_dir: Path) -> None:
@@ -142,7 +132,7 @@ def test_finished_requests_leave_kv_in_tree(tiny_llama_dir: Path) -> None:
     assert again["meta_info"]["cached_tokens"] == len(prompt) + 9
     assert engine.flush_cache()
     assert engine.scheduler.cache.tree.total_size() == 0
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
 
 
 def _req(rid: str, ids: list[int]) -> Req:
