@@ -1,12 +1,13 @@
 """Attention in plain torch, tuned for CPU.
 
 Prefill chunks run one scaled-dot-product call per request over its KV gathered through the
-request-to-token table. Decode tokens are batched (and so are short extends, such as the tokens a
-jump-forward appended, one query row per token), and requests whose KV starts with the same pool
-slots (a shared few-shot prefix or system prompt, found through the radix cache) attend to that
-prefix together: its K/V is gathered once per group instead of once per request, and the partial
-results are merged with their log-sum-exp. On CPU the gather is the dominant cost of decode, so this
-is what keeps decode cheap when many requests share a long prefix.
+request-to-token table. Decode tokens are batched, and so are short extends (the tokens a
+jump-forward appended, a small chunk): each request's new tokens become a block of query rows
+under a causal mask, so its KV is gathered once per step however many tokens it adds. Requests whose
+KV starts with the same pool slots (a shared few-shot prefix or system prompt, found through the
+radix cache) attend to that prefix together: its K/V is gathered once per group instead of once per
+request, and the partial results are merged with their log-sum-exp. On CPU the gather is the
+dominant cost of decode, so this is what keeps decode cheap when many requests share a long prefix.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from radixlm_runtime.engine.forward_batch import ForwardBatch
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
-# Extends up to this long run with the decode tokens, each token as a query row over the keys up to
-# its own position: cheaper than one attention call per request, which gathers all its KV again.
+# Extends up to this long run with the decode tokens, as a block of query rows per request: cheaper
+# than one attention call per request. Longer ones would pad every decode row block to their length.
 MAX_BATCHED_EXTEND = 16
 
 
@@ -44,9 +45,15 @@ class _PrefixGroup:
 
 @dataclass
 class _DecodeMeta:
-    token_rows: torch.Tensor | None  # rows of q run here; None when it is all of them, in order
+    """Bd requests with up to N new tokens each; q rows are laid out [Bd, Hkv, N * G, D], token j
+    of a request holding rows j*G .. j*G+G-1 of its block (G = the GQA group size)."""
+
+    token_rows: torch.Tensor | None  # [Bd * N] rows of q, padded by repeating a request's last
+    # token; None when the requests are all of the batch, one token each, in order
+    valid: torch.Tensor | None  # positions in token_rows that are real tokens; None when all are
+    num_rows: int  # N
     suffix_slots: torch.Tensor  # [Bd, S] KV slots past each request's group prefix, padded with 0
-    suffix_mask: torch.Tensor  # [Bd, 1, 1, S] additive: 0 for real keys, -inf for padding
+    suffix_mask: torch.Tensor  # [Bd, 1, N, S] additive: 0 for keys a token sees, -inf otherwise
     groups: list[_PrefixGroup]
 
 
@@ -56,72 +63,94 @@ class _TorchMeta:
     decode: _DecodeMeta | None
 
 
+@dataclass
+class _RowBlock:
+    """One request's new tokens run with the decode tokens."""
+
+    start: int  # first token row in q
+    length: int
+    slots: torch.Tensor  # [seq_len] the request's KV slots, new tokens included
+
+
 class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         req_rows = batch.req_pool_indices.tolist()
         starts = batch.extend_start_loc.tolist()
         extends: list[_ExtendItem] = []
-        # Rows of q batched like decode tokens, and the KV slots each of them attends to.
-        q_rows: list[int] = []
-        kv_rows: list[torch.Tensor] = []
+        blocks: list[_RowBlock] = []
         for b, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
             slots = self.req_to_token[req_rows[b], :seq_len]
             prefix = seq_len - ext
             if ext <= MAX_BATCHED_EXTEND:
-                q_rows.extend(range(starts[b], starts[b] + ext))
-                kv_rows.extend(slots[: prefix + j + 1] for j in range(ext))
+                blocks.append(_RowBlock(starts[b], ext, slots))
                 continue
             mask = None
             if prefix > 0:
                 q_pos = torch.arange(prefix, seq_len, device=slots.device)[:, None]
                 mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos
             extends.append(_ExtendItem(starts[b], ext, slots, mask))
-        decode = self._decode_metadata(batch, q_rows, kv_rows) if q_rows else None
+        decode = self._decode_metadata(batch, blocks) if blocks else None
         batch.attn_metadata = _TorchMeta(extends, decode)
 
-    def _decode_metadata(
-        self, batch: ForwardBatch, q_rows: list[int], rows: list[torch.Tensor]
-    ) -> _DecodeMeta:
-        prefix_lens = [0] * len(rows)
+    def _decode_metadata(self, batch: ForwardBatch, blocks: list[_RowBlock]) -> _DecodeMeta:
+        device = blocks[0].slots.device
+        prefix_lens = [0] * len(blocks)
         groups: list[_PrefixGroup] = []
         by_first: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            by_first.setdefault(int(r[0]), []).append(i)
+        for i, blk in enumerate(blocks):
+            by_first.setdefault(int(blk.slots[0]), []).append(i)
         for members in by_first.values():
             if len(members) < 2:
                 continue
-            # The last key of every row is its own token, so the shared part stops before it.
-            limit = min(len(rows[i]) for i in members) - 1
+            # The shared part stops before each member's first new token: the causal mask only
+            # applies within the suffix.
+            limit = min(len(blocks[i].slots) - blocks[i].length for i in members)
             if limit < MIN_SHARED_PREFIX:
                 continue
-            mat = torch.stack([rows[i][:limit] for i in members])
+            mat = torch.stack([blocks[i].slots[:limit] for i in members])
             shared = int((mat == mat[0]).all(0).to(torch.int32).cumprod(0).sum())
             if shared < MIN_SHARED_PREFIX:
                 continue
             for i in members:
                 prefix_lens[i] = shared
-            slots = rows[members[0]][:shared]
+            slots = blocks[members[0]].slots[:shared]
             first, last = int(slots[0]), int(slots[-1])
             contiguous = last - first == shared - 1 and bool((slots.diff() == 1).all())
             groups.append(
                 _PrefixGroup(
-                    None if len(members) == len(rows) else torch.tensor(members),
+                    None if len(members) == len(blocks) else torch.tensor(members),
                     slots,
                     (first, last + 1) if contiguous else None,
                 )
             )
-        suffix_len = max(len(r) - p for r, p in zip(rows, prefix_lens))
-        suffix_slots = torch.zeros(len(rows), suffix_len, dtype=torch.int64, device=rows[0].device)
-        suffix_mask = torch.full(
-            (len(rows), 1, 1, suffix_len), float("-inf"), dtype=self.kv_pool.dtype, device=rows[0].device
+        num_rows = max(blk.length for blk in blocks)
+        suffix_len = max(len(blk.slots) - p for blk, p in zip(blocks, prefix_lens))
+        suffix_slots = torch.zeros(len(blocks), suffix_len, dtype=torch.int64, device=device)
+        # Keys token j of block i sees: its suffix up to and including its own position; padded
+        # rows repeat the block's last token.
+        visible = torch.empty(len(blocks), num_rows, dtype=torch.int64)
+        rows: list[int] = []
+        valid: list[int] = []
+        for i, (blk, p) in enumerate(zip(blocks, prefix_lens)):
+            suffix_slots[i, : len(blk.slots) - p] = blk.slots[p:]
+            first_new = len(blk.slots) - blk.length - p
+            visible[i] = torch.arange(1, num_rows + 1).clamp(max=blk.length) + first_new
+            rows.extend(range(blk.start, blk.start + blk.length))
+            rows.extend([blk.start + blk.length - 1] * (num_rows - blk.length))
+            valid.extend(range(i * num_rows, i * num_rows + blk.length))
+        keys = torch.arange(suffix_len)[None, None, :]
+        suffix_mask = torch.zeros(len(blocks), num_rows, suffix_len, dtype=self.kv_pool.dtype)
+        suffix_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))
+        all_rows = len(valid) == len(rows)
+        in_order = all_rows and len(rows) == batch.num_tokens and rows == list(range(len(rows)))
+        return _DecodeMeta(
+            token_rows=None if in_order else torch.tensor(rows, device=device),
+            valid=None if all_rows else torch.tensor(valid, device=device),
+            num_rows=num_rows,
+            suffix_slots=suffix_slots,
+            suffix_mask=suffix_mask[:, None].to(device),
+            groups=groups,
         )
-        for i, (r, p) in enumerate(zip(rows, prefix_lens)):
-            suffix_slots[i, : len(r) - p] = r[p:]
-            suffix_mask[i, ..., : len(r) - p] = 0.0
-        token_rows = None
-        if len(q_rows) != batch.num_tokens:
-            token_rows = torch.tensor(q_rows, device=rows[0].device)
-        return _DecodeMeta(token_rows, suffix_slots, suffix_mask, groups)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta: _TorchMeta = batch.attn_metadata
@@ -133,11 +162,12 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.decode is not None:
             d = meta.decode
             qd = q if d.token_rows is None else q.index_select(0, d.token_rows)
-            od = self._decode(qd, d, k_buf, v_buf)
+            od = self._decode(qd, d, k_buf, v_buf)  # [Bd * N, Hq, D]
             if d.token_rows is None:
-                out = od
-            else:
-                out.index_copy_(0, d.token_rows, od)
+                return od
+            if d.valid is not None:
+                od = od.index_select(0, d.valid)
+            out.index_copy_(0, d.token_rows if d.valid is None else d.token_rows[d.valid], od)
         return out
 
     def _extend(
@@ -157,21 +187,31 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, meta: _DecodeMeta, k_buf: torch.Tensor, v_buf: torch.Tensor
     ) -> torch.Tensor:
-        """A decode step is attention of G query rows per kv head (the GQA group) over the
-        request's keys, so torch's CPU flash kernel runs it without expanding K/V to q heads; its
-        log-sum-exp output lets the shared-prefix part be merged in afterwards."""
-        bsz, num_q_heads, head_dim = q.shape
+        """Each request's query rows are its N tokens x the G q heads of each kv head, so torch's
+        CPU flash kernel runs them without expanding K/V to q heads; its log-sum-exp output lets the
+        shared-prefix part be merged in afterwards. q is [Bd * N, Hq, D], and so is the result."""
+        rows, num_q_heads, head_dim = q.shape
         num_kv_heads = k_buf.shape[1]
+        n = meta.num_rows
+        bsz, suffix = meta.suffix_slots.shape
+        qg = (
+            q.view(bsz, n, num_kv_heads, -1, head_dim)
+            .transpose(1, 2)
+            .reshape(bsz, num_kv_heads, -1, head_dim)
+        )
         group = num_q_heads // num_kv_heads
-        suffix = meta.suffix_slots.shape[1]
-        qg = q.view(bsz, num_kv_heads, group, head_dim)
+        mask = meta.suffix_mask if n == 1 else meta.suffix_mask.repeat_interleave(group, dim=2)
         flat = meta.suffix_slots.view(-1)
         k = k_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
         v = v_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
-        out, lse = _flash(qg, k, v, meta.suffix_mask, self.scale)  # [B, Hkv, G, D], [B, Hkv, G]
+        out, lse = _flash(qg, k, v, mask, self.scale)  # [Bd, Hkv, N * G, D], [Bd, Hkv, N * G]
         for g in meta.groups:
             self._merge_shared_prefix(qg, out, lse, g, k_buf, v_buf)
-        return out.reshape(bsz, num_q_heads, head_dim)
+        return (
+            out.view(bsz, num_kv_heads, n, group, head_dim)
+            .transpose(1, 2)
+            .reshape(rows, num_q_heads, head_dim)
+        )
 
     def _merge_shared_prefix(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import radixlm_runtime as rt
 
@@ -98,3 +99,70 @@ def test_torch_short_extends_batched_like_decodes_match_per_request(
     per_request = run()
     assert len(batched) == len(per_request)
     assert max(abs(a - b) for a, b in zip(batched, per_request)) < 1e-5
+
+
+def _reference_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    seqs: list[list[int]],
+    ext: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Each new token attends to its request's keys up to its own position, computed densely."""
+    out, row = torch.empty_like(q), 0
+    group = q.shape[1] // k_buf.shape[1]
+    for slots, n in zip(seqs, ext):
+        k = k_buf[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_buf[slots].repeat_interleave(group, dim=1)
+        for j in range(n):
+            visible = len(slots) - n + j + 1
+            scores = torch.einsum("hd,lhd->hl", q[row], k[:visible]) * scale
+            out[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[:visible])
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "extend_lens",
+    [[1, 1, 1, 1], [1, 3, 5, 2], [4, 1, 20, 1], [2, 2, 2, 2]],
+    ids=["decodes", "short-extends", "with-long-extend", "equal-extends"],
+)
+def test_torch_row_blocks_match_dense_reference(extend_lens: list[int]) -> None:
+    """Decode tokens and short extends run as padded per-request row blocks over a causal mask,
+    with a shared prefix merged by log-sum-exp (the first three requests share 40 slots, the last is
+    an outsider); every real token's output equals dense attention over its visible keys."""
+    from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
+    from radixlm_runtime.engine.forward_batch import ForwardBatch
+    from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool
+
+    torch.manual_seed(0)
+    num_q_heads, num_kv_heads, head_dim, scale = 6, 2, 8, 8**-0.5
+    pool = KVPool(400, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(400, num_kv_heads, head_dim)
+    pool.v_buffers[0][1:] = torch.randn(400, num_kv_heads, head_dim)
+    shared = list(range(1, 41))
+    seqs = [shared + list(range(50 + 30 * i, 50 + 30 * i + 7 + i)) for i in range(3)]
+    seqs.append(list(range(300, 337)))
+    req_pool = ReqToTokenPool(8, 64)
+    for i, slots in enumerate(seqs):
+        req_pool.req_to_token[i, : len(slots)] = torch.tensor(slots)
+    prefix_lens = [len(s) - n for s, n in zip(seqs, extend_lens)]
+    total = sum(extend_lens)
+    batch = ForwardBatch.build(
+        input_ids=[0] * total,
+        req_pool_indices=list(range(len(seqs))),
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        out_cache_loc=torch.zeros(total, dtype=torch.int64),
+        logits_indices=[],
+        device=torch.device("cpu"),
+    )
+    backend = TorchAttentionBackend(pool, req_pool, scale)
+    backend.init_forward_metadata(batch)
+    q = torch.randn(total, num_q_heads, head_dim)
+    got = backend.attend(q, 0, batch)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    decode_meta = batch.attn_metadata.decode
+    assert decode_meta.groups, "the three requests sharing 40 slots attend to them as one group"
