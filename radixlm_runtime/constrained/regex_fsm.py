@@ -15,6 +15,7 @@ accepting states.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import re
 import sys
@@ -247,6 +248,9 @@ class CharDFA:
         return "".join(out) or None
 
 
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+
 class CompileTimeout(ValueError):
     """Compilation ran past its time limit (a ValueError so callers report it like any bad pattern)."""
 
@@ -261,7 +265,9 @@ def deadline_guard(deadline: float | None, what: str) -> Iterator[None]:
     previous = sys.gettrace()
 
     def tracer(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and time.monotonic() > deadline:
+        # Not in generator frames: a generator closed by the garbage collector would swallow the
+        # exception, and Python drops a trace function that raised, leaving the work unbounded.
+        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS and time.monotonic() > deadline:
             raise CompileTimeout(f"{what}: compiling took longer than the time limit")
 
     sys.settrace(tracer)
@@ -310,6 +316,8 @@ def compile_char_dfa(
             fsm = interegular.parse_pattern(body).to_fsm()
     except (interegular.patterns.Unsupported, interegular.patterns.InvalidSyntax) as e:
         raise ValueError(f"{field_name}: unsupported construct: {e}") from None
+    if deadline is not None and time.monotonic() > deadline:
+        raise CompileTimeout(f"{field_name}: compiling took longer than the time limit")
     if len(fsm.states) > max_states:
         raise ValueError(
             f"{field_name}: the automaton has {len(fsm.states)} states, over the limit {max_states}"

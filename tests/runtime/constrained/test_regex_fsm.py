@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from radixlm_runtime.constrained.regex_fsm import (
     TokenVocab,
     build_token_index,
     compile_char_dfa,
+    deadline_guard,
 )
 
 # A safe regex grammar: everything here means the same to Python's re and to interegular.
@@ -181,6 +183,22 @@ def test_time_limit(tiny_vocab: TokenVocab) -> None:
     # Subset construction of this pattern needs 2**15 states: far beyond a 0.2 s budget.
     with pytest.raises(CompileTimeout, match="regex: compiling took longer than the time limit"):
         build_token_index("(a|b)*a(a|b){14}", tiny_vocab, time_limit_s=0.2)
+
+
+def test_deadline_guard_survives_a_generator_closed_past_the_deadline() -> None:
+    """A generator released past the deadline is closed inside a finalizer, where an exception
+    would be swallowed and Python would drop the trace function: the guard must still stop the
+    next ordinary call (a lost guard let a 2**15-state subset construction run for minutes)."""
+
+    def step() -> int:
+        return 1
+
+    with pytest.raises(CompileTimeout), deadline_guard(time.monotonic() + 0.05, "regex"):
+        gen = (i for i in range(3))
+        next(gen)
+        time.sleep(0.1)
+        del gen
+        step()
 
 
 def test_forced_string() -> None:
