@@ -23,7 +23,8 @@ from radixlm_runtime.engine.forward_batch import ForwardBatch
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
 # Extends up to this long run with the decode tokens, as a block of query rows per request: cheaper
-# than one attention call per request. Longer ones would pad every decode row block to their length.
+# than one attention call per request. Blocks are padded to the longest in their call, so single
+# tokens and multi-token blocks run as two calls: a decode must not pay for a neighbour's jump.
 MAX_BATCHED_EXTEND = 16
 
 
@@ -37,7 +38,7 @@ class _ExtendItem:
 
 @dataclass
 class _PrefixGroup:
-    members: torch.Tensor | None  # positions among the decode requests; None when it is all of them
+    members: torch.Tensor | None  # positions among the call's requests; None when it is all of them
     slots: torch.Tensor  # [P] the shared prefix's KV slots
     # When the slots are one ascending run (a prefix prefilled in one piece), K/V are read as a view.
     slot_range: tuple[int, int] | None
@@ -60,7 +61,7 @@ class _DecodeMeta:
 @dataclass
 class _TorchMeta:
     extends: list[_ExtendItem]
-    decode: _DecodeMeta | None
+    decode: list[_DecodeMeta]  # decode tokens; short extends
 
 
 @dataclass
@@ -89,7 +90,8 @@ class TorchAttentionBackend(AttentionBackend):
                 q_pos = torch.arange(prefix, seq_len, device=slots.device)[:, None]
                 mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos
             extends.append(_ExtendItem(starts[b], ext, slots, mask))
-        decode = self._decode_metadata(batch, blocks) if blocks else None
+        buckets = ([b for b in blocks if b.length == 1], [b for b in blocks if b.length > 1])
+        decode = [self._decode_metadata(batch, bucket) for bucket in buckets if bucket]
         batch.attn_metadata = _TorchMeta(extends, decode)
 
     def _decode_metadata(self, batch: ForwardBatch, blocks: list[_RowBlock]) -> _DecodeMeta:
@@ -159,8 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for item in meta.extends:
             out[item.start : item.start + item.length] = self._extend(q, item, k_buf, v_buf)
-        if meta.decode is not None:
-            d = meta.decode
+        for d in meta.decode:
             qd = q if d.token_rows is None else q.index_select(0, d.token_rows)
             od = self._decode(qd, d, k_buf, v_buf)  # [Bd * N, Hq, D]
             if d.token_rows is None:
