@@ -128,18 +128,18 @@ class TorchAttentionBackend(AttentionBackend):
         num_rows = max(blk.length for blk in blocks)
         suffix_len = max(len(blk.slots) - p for blk, p in zip(blocks, prefix_lens))
         suffix_slots = torch.zeros(len(blocks), suffix_len, dtype=torch.int64, device=device)
-        # Keys token j of block i sees: its suffix up to and including its own position; padded
-        # rows repeat the block's last token.
-        visible = torch.empty(len(blocks), num_rows, dtype=torch.int64)
         rows: list[int] = []
         valid: list[int] = []
         for i, (blk, p) in enumerate(zip(blocks, prefix_lens)):
             suffix_slots[i, : len(blk.slots) - p] = blk.slots[p:]
-            first_new = len(blk.slots) - blk.length - p
-            visible[i] = torch.arange(1, num_rows + 1).clamp(max=blk.length) + first_new
             rows.extend(range(blk.start, blk.start + blk.length))
             rows.extend([blk.start + blk.length - 1] * (num_rows - blk.length))
             valid.extend(range(i * num_rows, i * num_rows + blk.length))
+        # Keys token j of block i sees: its suffix up to and including its own position; padded
+        # rows repeat the block's last token.
+        lengths = torch.tensor([blk.length for blk in blocks])
+        first_new = torch.tensor([len(blk.slots) - blk.length - p for blk, p in zip(blocks, prefix_lens)])
+        visible = first_new[:, None] + torch.minimum(torch.arange(1, num_rows + 1)[None], lengths[:, None])
         keys = torch.arange(suffix_len)[None, None, :]
         suffix_mask = torch.zeros(len(blocks), num_rows, suffix_len, dtype=self.kv_pool.dtype)
         suffix_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))
