@@ -9,7 +9,7 @@ inter-token latency (ITL) percentiles, and the share of prompt tokens served fro
 (from each response's meta_info). The baseline is the same server with --disable-radix-cache, given the
 same requests at the same arrival times; the cache is flushed before every rate.
 
-    python benchmarks/bench_serving.py                  # rates 0.5, 1, 2 req/s, 16 requests each
+    python benchmarks/bench_serving.py                  # rates 0.5, 1, 2, 4 req/s, 24 requests each
     python benchmarks/bench_serving.py --tiny
 """
 
@@ -51,12 +51,12 @@ from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "serving"
 SIZES = {
-    "num_requests": Size(16, 4, "requests per rate"),
+    "num_requests": Size(24, 4, "requests per rate"),
     "max_new_tokens": Size(24, 4, "tokens decoded per request", scales=False),
     "chat_turns": Size(3, 2, "turns per chat conversation", scales=False),
     "num_shots": Size(5, 1, "solved examples in the few-shot requests' shared prefix", scales=False),
 }
-DEFAULT_RATES = "0.5,1,2"
+DEFAULT_RATES = "0.5,1,2,4"
 TINY_RATES = "4"
 SERVERS = {"radixlm": [], "radixlm_no_cache": ["--disable-radix-cache"]}
 LABELS = {"radixlm": "radixlm", "radixlm_no_cache": "radixlm, radix cache disabled"}

@@ -56,18 +56,16 @@ class RadixlmSystem:
         zero = {"temperature": 0, "max_new_tokens": 0}
         t0 = time.perf_counter()
         # All prompts first, in one batch (as `select` sends the bare prompt first): the cache then
-        # holds every prompt and each choice request computes only its own continuation. A call takes
-        # a single logprob_start_len, so the choices go in one call per prompt.
+        # holds every prompt and each choice request computes only its own continuation. Then every
+        # question's choices in one batch, each scored from its own prompt's end.
         warm = self.engine.generate(input_ids=prompts, sampling_params=zero)
-        outs = [
-            self.engine.generate(
-                input_ids=[p + c for c in choices],
-                sampling_params=zero,
-                return_logprob=True,
-                logprob_start_len=len(p),
-            )
-            for p in prompts
-        ]
+        scored = self.engine.generate(
+            input_ids=[p + c for p in prompts for c in choices],
+            sampling_params=zero,
+            return_logprob=True,
+            logprob_start_len=[len(p) for p in prompts for _ in choices],
+        )
+        outs = [scored[i : i + len(choices)] for i in range(0, len(scored), len(choices))]
         wall = time.perf_counter() - t0
         served = [o["meta_info"] for o in warm] + [o["meta_info"] for group in outs for o in group]
         return ScoreRun(

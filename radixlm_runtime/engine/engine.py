@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixlm_runtime.constrained import validate_constraint
+from radixlm_runtime.engine.inputs import logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.engine.tokenizer import decode_output, load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
@@ -44,15 +45,16 @@ class Engine:
         prompt: Prompt = None,
         sampling_params: ParamsArg = None,
         input_ids: InputIds = None,
-        return_logprob: bool = False,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
         return_text_in_logprobs: bool = False,
         rid: str | list[str] | None = None,
         session_id: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict, or a list of n dicts when n > 1) or a batch
         (returns a list, n outputs per prompt in order). Everything is validated before anything runs.
+        The logprob arguments take one value for the batch or a list with one per prompt.
 
         With session_id, the KV of each finished sequence stays pinned for the session's next call
         (a program whose prompts extend each other) until close_session or the session timeout."""
@@ -133,52 +135,30 @@ class Engine:
         prompt: Prompt,
         sampling_params: ParamsArg,
         input_ids: InputIds,
-        return_logprob: bool,
-        logprob_start_len: int | None,
-        top_logprobs_num: int | None,
+        return_logprob: bool | list[bool],
+        logprob_start_len: int | list[int] | None,
+        top_logprobs_num: int | list[int] | None,
         rid: str | list[str] | None,
         session_id: str | None,
     ) -> tuple[list[Req], bool]:
         if session_id is not None:
             check_session_id(session_id)
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("exactly one of prompt (text) and input_ids must be given")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            texts = [prompt] if single else prompt
-            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
-            id_lists = [self.tokenizer.encode(t) if t else [] for t in texts]
-        else:
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
-            id_lists = [input_ids] if single else input_ids
-            if not isinstance(id_lists, list) or not all(
-                isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                for ids in id_lists
-            ):
-                raise ValueError("input_ids must be a list of token ids or a list of such lists")
-        if not id_lists:
-            raise ValueError("prompt: the batch is empty")
-        params_list = (
-            sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(id_lists)
-        )
-        if len(params_list) != len(id_lists):
-            raise ValueError(f"sampling_params: got {len(params_list)} entries for {len(id_lists)} prompts")
-        rids = rid if isinstance(rid, list) else [rid] * len(id_lists)
-        if len(rids) != len(id_lists):
-            raise ValueError(f"rid: got {len(rids)} ids for {len(id_lists)} prompts")
-        if top_logprobs_num is not None and top_logprobs_num < 0:
-            raise ValueError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        tokenize = lambda t: self.tokenizer.encode(t) if t else []
+        id_lists, single, _ = prompt_ids(prompt, input_ids, tokenize, "prompt")
+        n = len(id_lists)
+        params_list = per_prompt(sampling_params, n, "sampling_params")
+        rids = per_prompt(rid, n, "rid")
+        logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
 
         reqs: list[Req] = []
-        for ids, raw, base_rid in zip(id_lists, params_list, rids):
+        for ids, raw, base_rid, lp in zip(id_lists, params_list, rids, logprobs):
             sp = SamplingParams.from_dict(raw, self.runner.config.vocab_size)
             if sp.regex is not None or sp.json_schema is not None:
                 try:
                     validate_constraint(sp.regex, sp.json_schema)
                 except ValueError as e:
                     raise ValueError(f"sampling_params.{e}") from None
-            self.limits.check(ids, sp, -1 if logprob_start_len is None else logprob_start_len)
+            self.limits.check(ids, sp, lp.logprob_start_len)
             base = base_rid or uuid.uuid4().hex
             for i in range(sp.n):
                 seed = sp.seed + i if sp.seed is not None else None
@@ -187,9 +167,9 @@ class Engine:
                         rid=base if sp.n == 1 else f"{base}-{i}",
                         origin_input_ids=list(ids),
                         sampling_params=sp,
-                        return_logprob=return_logprob,
-                        logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                        top_logprobs_num=top_logprobs_num or 0,
+                        return_logprob=lp.return_logprob,
+                        logprob_start_len=lp.logprob_start_len,
+                        top_logprobs_num=lp.top_logprobs_num,
                         generator=self.scheduler.new_generator(seed),
                         session_id=session_id,
                     )

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixlm_runtime.engine.inputs import logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -40,9 +41,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool = False
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
+    # One value for the batch, or a list with one per prompt.
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
@@ -190,55 +192,26 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
     """Validates and tokenizes every prompt of a /generate body before anything is sent."""
     if body.session_id is not None:
         _check_session_id(body.session_id)
-    if (body.text is None) == (body.input_ids is None):
-        raise RequestError("give exactly one of text and input_ids", param="text")
-    if body.text is not None:
-        single = isinstance(body.text, str)
-        texts = [body.text] if single else body.text
-        id_lists = [tm.tokenize(t) for t in texts]  # type: ignore[union-attr]
-        param = "text"
-    else:
-        ids = body.input_ids
-        single = bool(ids) and all(isinstance(t, int) for t in ids)  # type: ignore[arg-type]
-        id_lists = [ids] if single else ids
-        valid = all(
-            isinstance(lst, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in lst)
-            for lst in id_lists  # type: ignore[union-attr]
-        )
-        if not valid:
-            raise RequestError(
-                "input_ids must be a list of token ids or a list of such lists", param="input_ids"
-            )
-        param = "input_ids"
-    if not id_lists:
-        raise RequestError(f"{param}: the batch is empty", param=param)
-    raw_params = body.sampling_params
-    params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(id_lists)
-    if len(params_list) != len(id_lists):
-        raise RequestError(
-            f"sampling_params: got {len(params_list)} entries for {len(id_lists)} prompts",
-            param="sampling_params",
-        )
-    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(id_lists)
-    if len(rids) != len(id_lists):
-        raise RequestError(f"rid: got {len(rids)} ids for {len(id_lists)} prompts", param="rid")
-    if body.top_logprobs_num is not None and body.top_logprobs_num < 0:
-        raise RequestError(
-            f"top_logprobs_num must be >= 0, got {body.top_logprobs_num}", param="top_logprobs_num"
-        )
-    lsl = -1 if body.logprob_start_len is None else body.logprob_start_len
+    try:
+        id_lists, single, param = prompt_ids(body.text, body.input_ids, tm.tokenize, "text")
+        n = len(id_lists)
+        params_list = per_prompt(body.sampling_params, n, "sampling_params")
+        rids = per_prompt(body.rid, n, "rid")
+        logprobs = logprob_args(body.return_logprob, body.logprob_start_len, body.top_logprobs_num, n)
+    except ValueError as e:
+        raise RequestError.from_value_error(e) from None
     inputs = []
-    for ids, raw, rid in zip(id_lists, params_list, rids):
+    for ids, raw, rid, lp in zip(id_lists, params_list, rids, logprobs):
         sp = await tm.make_params(raw)
-        tm.check_lengths(ids, sp, lsl, param)
+        tm.check_lengths(ids, sp, lp.logprob_start_len, param)
         inputs.append(
             GenerateInput(
                 ids,
                 sp,
                 rid or new_rid(),
-                body.return_logprob,
-                lsl,
-                body.top_logprobs_num or 0,
+                lp.return_logprob,
+                lp.logprob_start_len,
+                lp.top_logprobs_num,
                 body.session_id,
             )
         )

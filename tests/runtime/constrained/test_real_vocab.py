@@ -15,24 +15,29 @@ from radixlm_runtime.constrained.grammar import RegexGuide
 from radixlm_runtime.constrained.json_schema import build_regex_from_schema
 from radixlm_runtime.constrained.regex_fsm import TokenVocab, build_token_index
 
+# A ticket record: an enum, a nested object and a bounded array next to the scalar types.
 SIX_FIELDS = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 20},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z]+\\.com$"},
-        "score": {"type": "number"},
-        "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "id": {"type": "integer", "minimum": 1},
+        "title": {"type": "string", "maxLength": 24},
+        "status": {"enum": ["open", "closed", "pending"]},
+        "priority": {"type": "number"},
+        "owner": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "admin": {"type": "boolean"}},
+            "required": ["name", "admin"],
+        },
+        "labels": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
     },
-    "required": ["name", "age", "email", "score", "active", "tags"],
+    "required": ["id", "title", "status", "priority", "owner", "labels"],
 }
 
 
 def test_six_field_schema_index(smol_vocab: TokenVocab, smol_tokenizer: Any) -> None:
     index = build_token_index(build_regex_from_schema(SIX_FIELDS), smol_vocab)
     assert index.vocab_size == len(smol_tokenizer) == 49152
-    assert index.forced_string(index.initial_state) == '{"name":"'
+    assert index.forced_string(index.initial_state) == '{"id":'
     rng = random.Random(0)
     for _ in range(25):
         ids = random_walk(index, rng, budget=40)

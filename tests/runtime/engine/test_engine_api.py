@@ -123,6 +123,36 @@ def test_max_new_tokens_zero_returns_prompt_logprobs_and_caches(engine: rt.Engin
     assert again["meta_info"]["cached_tokens"] == len(ids)
 
 
+def test_per_prompt_logprob_arguments(engine: rt.Engine) -> None:
+    """Lists give each prompt its own logprob settings (SGLang's multiple-choice scoring: every
+    question's choices scored from their own offset in one call); each equals that prompt alone."""
+    prompts = [engine.tokenizer.encode(t) for t in ("one two three four", "alpha beta gamma", "x y z w v")]
+    starts, tops = [1, 3, 0], [0, 2, 1]
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    batch = engine.generate(
+        input_ids=prompts,
+        sampling_params=params,
+        return_logprob=[True, True, False],
+        logprob_start_len=starts,
+        top_logprobs_num=tops,
+    )
+    assert "input_token_logprobs" not in batch[2]["meta_info"]
+    for ids, out, start, top in zip(prompts[:2], batch, starts, tops):
+        alone = engine.generate(
+            input_ids=ids,
+            sampling_params=params,
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=top,
+        )
+        assert [t for _, t, _ in out["meta_info"]["input_token_logprobs"]] == ids[start:]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            got = [lp for lp, _, _ in out["meta_info"][key] if lp is not None]
+            want = [lp for lp, _, _ in alone["meta_info"][key] if lp is not None]
+            assert got == pytest.approx(want, abs=1e-4)
+        assert all(len(t) == top for t in out["meta_info"]["output_top_logprobs"])
+
+
 def test_generate_stream_yields_growing_text(engine: rt.Engine) -> None:
     chunks = list(engine.generate_stream(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}))
     assert len(chunks) == 6
@@ -147,6 +177,9 @@ BAD_INPUTS = [
     ({"prompt": PROMPT, "input_ids": [1, 2]}, "exactly one"),
     ({"prompt": [PROMPT, PROMPT], "sampling_params": [{}, {}, {}]}, "sampling_params"),
     ({"prompt": PROMPT, "logprob_start_len": 99}, "logprob_start_len"),
+    ({"prompt": [PROMPT, PROMPT], "logprob_start_len": [0]}, "logprob_start_len: got 1 entries for 2"),
+    ({"prompt": [PROMPT, PROMPT], "return_logprob": [True, "yes"]}, "return_logprob must be a boolean"),
+    ({"prompt": PROMPT, "top_logprobs_num": -1}, "top_logprobs_num"),
 ]
 
 

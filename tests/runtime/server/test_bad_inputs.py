@@ -43,6 +43,13 @@ CASES = [
     ("invalid json schema", "/generate", sp(json_schema='{"type": 12}'), 400, "json_schema"),
     ("regex and json_schema", "/generate", sp(regex="a", json_schema="{}"), 400, "regex and json_schema"),
     ("logprob_start_len too big", "/generate", OK | {"logprob_start_len": 50}, 400, "logprob_start_len"),
+    (
+        "logprob list of the wrong length",
+        "/generate",
+        {"text": ["Hi", "Hello"], "return_logprob": True, "logprob_start_len": [0, 1, 2]},
+        400,
+        "logprob_start_len",
+    ),
     ("oversize body", "/generate", {"text": "x" * (MAX_REQUEST_BYTES + 10)}, 413, "max-request-bytes"),
     ("abort without rid", "/abort_request", {}, 400, "rid"),
     ("completions wrong type", "/v1/completions", {"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),

@@ -137,6 +137,37 @@ def test_logprobs(url: str, engine: rt.Engine) -> None:
     assert got == pytest.approx(want, abs=1e-3)
 
 
+def test_per_prompt_logprob_lists(url: str, engine: rt.Engine) -> None:
+    """return_logprob / logprob_start_len / top_logprobs_num as lists, one entry per prompt, give
+    what the offline engine gives for the same lists."""
+    texts = ["The capital of France is", "Two plus two equals"]
+    body = {
+        "text": texts,
+        "sampling_params": GREEDY | {"max_new_tokens": 2},
+        "return_logprob": [True, True],
+        "logprob_start_len": [2, 4],
+        "top_logprobs_num": [0, 2],
+    }
+    outs = generate(url, body)
+    offline = engine.generate(
+        texts,
+        GREEDY | {"max_new_tokens": 2},
+        return_logprob=True,
+        logprob_start_len=[2, 4],
+        top_logprobs_num=[0, 2],
+    )
+    for out, ref, start in zip(outs, offline, (2, 4)):
+        meta, ref_meta = out["meta_info"], ref["meta_info"]
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] - start
+        assert [t for _, t, _ in meta["input_token_logprobs"]] == [
+            t for _, t, _ in ref_meta["input_token_logprobs"]
+        ]
+        got = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        want = [lp for lp, _, _ in ref_meta["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=1e-4)
+    assert [len(t) for t in outs[1]["meta_info"]["output_top_logprobs"]] == [2, 2]
+
+
 def test_max_new_tokens_zero_scores_prompt_and_warms_cache(url: str) -> None:
     text = "Radix trees share prefixes between many requests, " * 4
     out = generate(
