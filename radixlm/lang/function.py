@@ -73,7 +73,15 @@ class Function:
         every gen in it."""
         kwargs, defaults = self._split(kwargs)
         arguments = self.bind(args, kwargs)
-        return run_program(self.name, self.func, resolve_backend(backend), arguments, defaults, stream)
+        return run_program(
+            self.name,
+            self.func,
+            resolve_backend(backend),
+            arguments,
+            defaults,
+            stream,
+            num_api_spec_tokens=self.num_api_spec_tokens,
+        )
 
     __call__ = run
 
@@ -109,7 +117,15 @@ class Function:
         warmed = warm_prefix and len(items) > 1 and self._warm_shared_prefix(items, backend_, warm_session)
 
         def one(arguments: dict[str, Any]) -> ProgramState:
-            return run_program(self.name, self.func, backend_, arguments, defaults, sync=True)
+            return run_program(
+                self.name,
+                self.func,
+                backend_,
+                arguments,
+                defaults,
+                sync=True,
+                num_api_spec_tokens=self.num_api_spec_tokens,
+            )
 
         def results() -> Iterator[ProgramState]:
             bar = _progress(len(items)) if progress_bar else None

@@ -14,6 +14,7 @@ from typing import Any
 
 from radixlm.backend.base import BaseBackend, Prompt
 from radixlm.lang import ir
+from radixlm.lang.speculative import ChatTurn, HeldText, eligible, speculative_params
 from radixlm.lang.state_base import StateGroup, StateMethods
 from radixlm_runtime.utils.logging import get_logger
 
@@ -43,6 +44,7 @@ class ProgramRun:
     backend: BaseBackend
     defaults: ir.GenParams
     stream: bool
+    num_api_spec_tokens: int | None = None
     body_thread: int | None = None
     body_done: bool = False
     executors: list[StreamExecutor] = field(default_factory=list)
@@ -76,6 +78,11 @@ class StreamExecutor:
         self.used_session = False
         self.error: ProgramError | None = None
         self.finished = False
+        # API speculative execution (see speculative.py): text generated ahead, and the assistant
+        # turn being collected on a chat backend.
+        self.held = HeldText()
+        self.held_meta: dict[str, Any] = {}
+        self.chat_turn: ChatTurn | None = None
         # (variable name or None, text) pieces, in order, for text_iter.
         self.chunks: list[tuple[str | None, str]] = []
         self._pending = 0
@@ -158,12 +165,25 @@ class StreamExecutor:
 
     def _execute(self, expr: ir.Expr) -> None:
         backend = self.run.backend
+        if self.chat_turn is not None and not isinstance(expr, (ir.ConstantText, ir.Gen, ir.RoleEnd)):
+            raise ValueError(
+                f"{type(expr).__name__} inside an assistant turn under num_api_spec_tokens: a chat model's "
+                "turn is generated whole, so only constant text and gen can appear in it"
+            )
         if isinstance(expr, ir.ConstantText):
+            if self.chat_turn is not None:
+                self.chat_turn.terms.append(expr.text)
+                return
+            self.held.fill(expr.text)
             self._append(expr.text)
         elif isinstance(expr, ir.Gen):
+            if self.chat_turn is not None:
+                self.chat_turn.terms.append(expr)
+                return
             self._execute_gen(expr)
         elif isinstance(expr, ir.Select):
             decision = backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
+            self.held.fill(decision.decision)
             self._append(decision.decision, expr.name)
             self._record(expr.name, decision.decision, decision.meta_info)
         elif isinstance(expr, ir.RoleBegin):
@@ -171,9 +191,15 @@ class StreamExecutor:
                 raise ValueError(f"role {expr.role!r} begins inside role {self.cur_role!r}")
             self._append(backend.chat_template.begin(expr.role))
             self.cur_role, self.cur_role_begin = expr.role, len(self.text_)
+            self.held = HeldText()
+            spec = self.run.num_api_spec_tokens is not None and getattr(backend, "is_chat_model", False)
+            if spec and expr.role == "assistant":
+                self.chat_turn = ChatTurn()
         elif isinstance(expr, ir.RoleEnd):
             if self.cur_role != expr.role:
                 raise ValueError(f"role {expr.role!r} ends but the current role is {self.cur_role!r}")
+            if self.chat_turn is not None:
+                self._generate_chat_turn()
             self.messages_.append({"role": expr.role, "content": self.text_[self.cur_role_begin :]})
             self._append(backend.chat_template.end(expr.role))
             self.cur_role = None
@@ -196,6 +222,17 @@ class StreamExecutor:
 
     def _execute_gen(self, expr: ir.Gen) -> None:
         params = expr.params.merged_over(self.run.defaults)
+        ahead = self.run.num_api_spec_tokens
+        if ahead is not None and not self.run.stream and eligible(params):
+            if not self.held.text:
+                self.held.text, self.held_meta = self.run.backend.generate(
+                    self.prompt(), speculative_params(params, ahead)
+                )
+            text = self.held.take(params)
+            self._append(text, expr.name)
+            self._record(expr.name, text, self.held_meta)
+            return
+        self.held = HeldText()
         if self.run.stream:
             text, meta = "", {}
             for piece, piece_meta in self.run.backend.generate_stream(self.prompt(), params):
@@ -206,6 +243,26 @@ class StreamExecutor:
             text, meta = self.run.backend.generate(self.prompt(), params)
             self._append(text, expr.name)
         self._record(expr.name, text, meta)
+
+    def _generate_chat_turn(self) -> None:
+        """One chat completion for the collected assistant turn, matched term by term."""
+        turn, self.chat_turn = self.chat_turn, None
+        assert turn is not None and self.run.num_api_spec_tokens is not None
+        params = [t.params.merged_over(self.run.defaults) for t in turn.terms if isinstance(t, ir.Gen)]
+        if not params:
+            self._append("".join(t for t in turn.terms if isinstance(t, str)))
+            return
+        if not all(eligible(p) for p in params):
+            raise ValueError(
+                "a constrained or logprob gen inside an assistant turn under num_api_spec_tokens: the "
+                "turn is generated in one call, so its gens cannot carry their own constraints"
+            )
+        message, meta = self.run.backend.generate(
+            self.prompt(), speculative_params(params[0], self.run.num_api_spec_tokens)
+        )
+        for text, name in turn.match(message, params):
+            self._append(text, name)
+            self._record(name, text, meta)
 
     def _record(self, name: str | None, value: Any, meta: dict[str, Any]) -> None:
         if name is not None:
@@ -359,8 +416,9 @@ def run_program(
     defaults: ir.GenParams,
     stream: bool = False,
     sync: bool = False,
+    num_api_spec_tokens: int | None = None,
 ) -> ProgramState:
-    run = ProgramRun(name, backend, defaults, stream)
+    run = ProgramRun(name, backend, defaults, stream, num_api_spec_tokens)
     state = ProgramState(StreamExecutor(run, arguments))
 
     def body() -> None:

@@ -61,7 +61,7 @@ class GenParams:
         out: dict[str, Any] = {}
         for name, key in _GEN_TO_RUNTIME.items():
             value = getattr(self, name)
-            if value is not None:
+            if value is not None and value != []:
                 out[key] = [value] if name == "stop" and isinstance(value, str) else value
         if self.dtype is not None:
             out["regex"] = dtype_regex(self.dtype)

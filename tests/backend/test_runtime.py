@@ -122,6 +122,40 @@ def test_openai_chat_backend_needs_gen_to_start_the_turn(openai_backend: sgl.Ope
         mid_turn.run(backend=openai_backend).sync()
 
 
+def test_openai_chat_turn_under_api_speculation(openai_backend: sgl.OpenAI) -> None:
+    """With num_api_spec_tokens a chat model's assistant turn may hold text and several gens: one
+    chat completion writes the turn and is split at each gen's stop string; where the message does
+    not follow the program's text, the error says so."""
+    calls = []
+    generate = openai_backend.generate
+
+    def counting(prompt, params):
+        calls.append(prompt.role)
+        return generate(prompt, params)
+
+    openai_backend.generate = counting
+
+    @sgl.function(num_api_spec_tokens=32)
+    def capital(s):
+        s += sgl.user("What is the capital of France? Answer in two short sentences.")
+        with s.assistant():
+            s += sgl.gen("first", stop=".") + "." + sgl.gen("rest", stop="\n")
+
+    state = capital.run(backend=openai_backend, temperature=0).sync()
+    assert calls == ["assistant"]
+    assert "Paris" in state["first"] and "." not in state["first"]
+    assert state.messages()[-1]["content"] == state["first"] + "." + state["rest"]
+
+    @sgl.function(num_api_spec_tokens=16)
+    def mid_turn(s):
+        s += sgl.user("Hi")
+        with s.assistant():
+            s += "Sure thing, friend: " + sgl.gen("x", stop="!") + "!"
+
+    with pytest.raises(sgl.ProgramError, match="does not continue with the program's text 'Sure thing"):
+        mid_turn.run(backend=openai_backend, temperature=0).sync()
+
+
 def test_openai_backend_json_schema(openai_backend: sgl.OpenAI) -> None:
     schema = {
         "type": "object",

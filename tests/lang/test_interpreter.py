@@ -135,3 +135,57 @@ def test_a_run_pins_its_kv_between_calls_and_releases_it_at_the_end(backend) -> 
     assert after["num_sessions"] == 0 and after["pinned_tokens"] == 0
     # The second call found the whole first call (prompt and output) in the cache.
     assert state.get_meta_info("b")["cached_tokens"] >= state.get_meta_info("a")["prompt_tokens"]
+
+
+class CountingEndpoint(sgl.RuntimeEndpoint):
+    """The real endpoint, counting the generate calls a program makes."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls = 0
+
+    def generate(self, prompt, params):
+        self.calls += 1
+        return super().generate(prompt, params)
+
+
+def _three_gens(s) -> None:
+    s += "Answer each question with a number.\n" + FEW_SHOT
+    s += "Q: What is 3 plus 3?\nA:" + sgl.gen("a1", stop="\n")
+    s += "\nQ:" + sgl.gen("q2", stop="\n")
+    s += "\nA:" + sgl.gen("a2", stop="\n")
+
+
+def test_api_speculative_execution_serves_later_gens_from_one_call(runtime: sgl.Runtime) -> None:
+    """With num_api_spec_tokens the first gen generates ahead without its stop; the program's next
+    text matches what the model wrote (the few-shot pattern), so the later gens are read from it:
+    one call instead of three, with the greedy outputs of the plain program."""
+    endpoint = CountingEndpoint(runtime.url)
+    speculative = sgl.function(num_api_spec_tokens=48)(_three_gens).run(backend=endpoint, temperature=0)
+    speculative.sync()
+    assert endpoint.calls == 1
+    endpoint.calls = 0
+    plain = sgl.function(_three_gens).run(backend=endpoint, temperature=0)
+    plain.sync()
+    assert endpoint.calls == 3
+    for name in ("a1", "q2", "a2"):
+        assert speculative[name] == plain[name] and "\n" not in speculative[name]
+    assert speculative.text() == plain.text()
+    endpoint.shutdown()
+
+
+def test_api_speculation_is_dropped_when_the_program_diverges(runtime: sgl.Runtime) -> None:
+    """Text the model did not write discards what was generated ahead: the next gen calls again."""
+
+    @sgl.function(num_api_spec_tokens=48)
+    def diverging(s):
+        s += "Answer each question with a number.\n" + FEW_SHOT
+        s += "Q: What is 3 plus 3?\nA:" + sgl.gen("a1", stop="\n")
+        s += "\nQ: What is 12 plus 30?\nA:" + sgl.gen("a2", stop="\n")
+
+    endpoint = CountingEndpoint(runtime.url)
+    state = diverging.run(backend=endpoint, temperature=0)
+    state.sync()
+    assert endpoint.calls == 2
+    assert state.text().endswith("Q: What is 12 plus 30?\nA:" + state["a2"])
+    endpoint.shutdown()
