@@ -52,10 +52,21 @@ class _DecodeMeta:
     token_rows: torch.Tensor | None  # [Bd * N] rows of q, padded by repeating a request's last
     # token; None when the requests are all of the batch, one token each, in order
     valid: torch.Tensor | None  # positions in token_rows that are real tokens; None when all are
+    out_rows: torch.Tensor | None  # rows of q the real tokens are: token_rows[valid]
     num_rows: int  # N
     suffix_slots: torch.Tensor  # [Bd, S] KV slots past each request's group prefix, padded with 0
     suffix_mask: torch.Tensor  # [Bd, 1, N, S] additive: 0 for keys a token sees, -inf otherwise
     groups: list[_PrefixGroup]
+    _row_mask: torch.Tensor | None = None
+
+    def row_mask(self, group: int) -> torch.Tensor:
+        """suffix_mask with a row per query row (token j's row for each of its G heads), expanded
+        once per step rather than in every layer."""
+        if self._row_mask is None:
+            self._row_mask = (
+                self.suffix_mask if self.num_rows == 1 else self.suffix_mask.repeat_interleave(group, dim=2)
+            )
+        return self._row_mask
 
 
 @dataclass
@@ -145,9 +156,14 @@ class TorchAttentionBackend(AttentionBackend):
         suffix_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))
         all_rows = len(valid) == len(rows)
         in_order = all_rows and len(rows) == batch.num_tokens and rows == list(range(len(rows)))
+        token_rows = None if in_order else torch.tensor(rows, device=device)
+        valid_t = None if all_rows else torch.tensor(valid, device=device)
         return _DecodeMeta(
-            token_rows=None if in_order else torch.tensor(rows, device=device),
-            valid=None if all_rows else torch.tensor(valid, device=device),
+            token_rows=token_rows,
+            valid=valid_t,
+            out_rows=token_rows
+            if valid_t is None
+            else token_rows[valid_t],  # token_rows is set wherever rows are padded
             num_rows=num_rows,
             suffix_slots=suffix_slots,
             suffix_mask=suffix_mask[:, None].to(device),
@@ -168,7 +184,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return od
             if d.valid is not None:
                 od = od.index_select(0, d.valid)
-            out.index_copy_(0, d.token_rows if d.valid is None else d.token_rows[d.valid], od)
+            out.index_copy_(0, d.out_rows, od)
         return out
 
     def _extend(
@@ -201,7 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
             .reshape(bsz, num_kv_heads, -1, head_dim)
         )
         group = num_q_heads // num_kv_heads
-        mask = meta.suffix_mask if n == 1 else meta.suffix_mask.repeat_interleave(group, dim=2)
+        mask = meta.row_mask(group)
         flat = meta.suffix_slots.view(-1)
         k = k_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
         v = v_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
