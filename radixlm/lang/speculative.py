@@ -75,9 +75,6 @@ class ChatTurn:
 
     terms: list[str | ir.Gen] = field(default_factory=list)
 
-    def first_gen(self) -> ir.Gen | None:
-        return next((t for t in self.terms if isinstance(t, ir.Gen)), None)
-
     def match(self, message: str, params: list[ir.GenParams]) -> list[tuple[str, str | None]]:
         """(text, gen variable name or None) pieces that spell the message term by term; params
         holds each gen's merged settings. Raises ValueError where the message strays."""

@@ -264,17 +264,24 @@ def deadline_guard(deadline: float | None, what: str) -> Iterator[None]:
         return
     previous = sys.gettrace()
 
+    def check() -> None:
+        if time.monotonic() > deadline:
+            raise CompileTimeout(f"{what}: compiling took longer than the time limit")
+
     def tracer(frame: Any, event: str, arg: Any) -> None:
         # Not in generator frames: a generator closed by the garbage collector would swallow the
         # exception, and Python drops a trace function that raised, leaving the work unbounded.
-        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS and time.monotonic() > deadline:
-            raise CompileTimeout(f"{what}: compiling took longer than the time limit")
+        if event == "call" and not frame.f_code.co_flags & _GENERATOR_FLAGS:
+            check()
 
     sys.settrace(tracer)
     try:
         yield
     finally:
         sys.settrace(previous)
+    # Work that ended past the deadline without another traced call (or with the tracer lost)
+    # still counts as too slow.
+    check()
 
 
 def _check_supported(pattern: str, field_name: str) -> str:
@@ -316,8 +323,6 @@ def compile_char_dfa(
             fsm = interegular.parse_pattern(body).to_fsm()
     except (interegular.patterns.Unsupported, interegular.patterns.InvalidSyntax) as e:
         raise ValueError(f"{field_name}: unsupported construct: {e}") from None
-    if deadline is not None and time.monotonic() > deadline:
-        raise CompileTimeout(f"{field_name}: compiling took longer than the time limit")
     if len(fsm.states) > max_states:
         raise ValueError(
             f"{field_name}: the automaton has {len(fsm.states)} states, over the limit {max_states}"

@@ -9,7 +9,7 @@ from typing import Any
 
 from radixlm_runtime.constrained import validate_constraint
 from radixlm_runtime.engine.inputs import logprob_args, per_prompt, prompt_ids
-from radixlm_runtime.engine.tokenizer import decode_output, load_tokenizer
+from radixlm_runtime.engine.tokenizer import decode_output, encode_prompt, load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.req import Req
@@ -143,7 +143,7 @@ class Engine:
     ) -> tuple[list[Req], bool]:
         if session_id is not None:
             check_session_id(session_id)
-        tokenize = lambda t: self.tokenizer.encode(t) if t else []
+        tokenize = lambda t: encode_prompt(self.tokenizer, t)
         id_lists, single, _ = prompt_ids(prompt, input_ids, tokenize, "prompt")
         n = len(id_lists)
         params_list = per_prompt(sampling_params, n, "sampling_params")

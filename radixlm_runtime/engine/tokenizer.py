@@ -12,6 +12,11 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """An empty text is an empty prompt (rejected by the limits), not a lone BOS token."""
+    return tokenizer.encode(text) if text else []
+
+
 def eos_token_ids(tokenizer: Any, config_eos: list[int]) -> list[int]:
     ids = set(config_eos)
     if tokenizer.eos_token_id is not None:

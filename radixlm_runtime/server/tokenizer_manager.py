@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from radixlm_runtime.constrained import validate_constraint
 from radixlm_runtime.engine.limits import InvalidRequest, RequestLimits
-from radixlm_runtime.engine.tokenizer import decode_output
+from radixlm_runtime.engine.tokenizer import decode_output, encode_prompt
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server import messages as msg
 from radixlm_runtime.server.errors import RequestError
@@ -273,7 +273,7 @@ class TokenizerManager:
 
     # -- validation and tokenization ----------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text) if text else []
+        return encode_prompt(self.tokenizer, text)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
