@@ -21,7 +21,7 @@ from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_fig
 from radixlm_runtime.constrained.compiler import ConstraintCompiler, IndexCache
 from radixlm_runtime.constrained.json_schema import build_regex_from_schema
 from radixlm_runtime.constrained.regex_fsm import TokenVocab
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 
 SCHEMA = {

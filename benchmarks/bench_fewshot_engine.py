@@ -27,7 +27,7 @@ from workloads import ChoiceTask, GenTask, gsm8k_task, mmlu_task
 
 from radixlm.eval.baseline import GenRun, ScoreRun, TransformersSystem
 from radixlm.eval.tasks import gsm8k_correct
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import default_model_path, resolve_model_path
 
 NAME = "fewshot_engine"

@@ -26,7 +26,7 @@ import jsonschema
 from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
 
 import radixlm_runtime as rt
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "jump_forward"

@@ -46,7 +46,7 @@ from common import (
 )
 from workloads import chat_prompts, gsm8k_prompts
 
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "serving"

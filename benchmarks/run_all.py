@@ -47,6 +47,7 @@ BENCHMARKS = [
     Bench("startup", "bench_startup.py", "Start-up"),
     Bench("constrained_compile", "bench_constrained_compile.py", "Constrained decoding: index compile time"),
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
+    Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into
 # BENCHMARKS once it does.

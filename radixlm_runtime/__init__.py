@@ -10,12 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixlm_runtime.engine.engine import Engine
+    from radixlm_runtime.entrypoints.engine import Engine
     from radixlm_runtime.sampling.params import SamplingParams
     from radixlm_runtime.server_args import ServerArgs
 
 _EXPORTS = {
-    "Engine": "radixlm_runtime.engine.engine",
+    "Engine": "radixlm_runtime.entrypoints.engine",
     "SamplingParams": "radixlm_runtime.sampling.params",
     "ServerArgs": "radixlm_runtime.server_args",
 }

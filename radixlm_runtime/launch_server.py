@@ -18,7 +18,7 @@ from types import FrameType
 
 import uvicorn
 
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import default_model_path, resolve_model_path
 from radixlm_runtime.server.http_server import create_app
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
@@ -38,17 +38,17 @@ def _stop_on_signal(signum: int, _frame: FrameType | None) -> None:
 
 
 def served_model_name(args: ServerArgs) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    return Path(args.model_path or default_model_path()).name.removesuffix(".gguf")
+    if args.server.served_model_name:
+        return args.server.served_model_name
+    return Path(args.engine.model_path or default_model_path()).name.removesuffix(".gguf")
 
 
 async def _serve(tm: TokenizerManager, args: ServerArgs) -> int:
     app = create_app(tm, served_model_name(args))
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=args.server.host,
+        port=args.server.port,
         loop="asyncio",
         log_level="warning" if args.log_level == "info" else args.log_level,
         access_log=False,
@@ -65,7 +65,7 @@ async def _serve(tm: TokenizerManager, args: ServerArgs) -> int:
     async def announce() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
-        logger.info("radixlm server ready at http://%s:%d", args.host, args.port)
+        logger.info("radixlm server ready at http://%s:%d", args.server.host, args.server.port)
 
     tm.start_background(on_scheduler_death)
     announcer = asyncio.create_task(announce())
@@ -79,7 +79,7 @@ def launch(args: ServerArgs) -> int:
     setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGINT, _stop_on_signal)
-    model_dir = resolve_model_path(args.model_path)
+    model_dir = resolve_model_path(args.engine.model_path)
     tm = TokenizerManager(args, model_dir, load_tokenizer(model_dir))
     try:
         ready = tm.start_scheduler()

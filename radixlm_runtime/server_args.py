@@ -1,159 +1,79 @@
-"""Every runtime flag in one place; the CLI is generated from these fields and their help text."""
+"""Every runtime flag in one place: the per-layer configs (config.py) composed into one set of
+flat CLI flags and keyword arguments (`Engine(max_total_tokens=...)`, `Runtime(port=...)`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm_runtime.config import EngineConfig, SchedulerConfig, ServerConfig, flag
 
-def _flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+_LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerArgs:
-    model_path: str | None = _flag(
-        None, "Hugging Face model directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct."
-    )
-    device: str = _flag("auto", "Device to run on: 'cpu', 'cuda' or 'auto' (cuda when available).")
-    dtype: str = _flag(
-        "auto",
-        "Weight and activation dtype. 'auto' is float32 on CPU (bf16 matmul is very slow there) "
-        "and bfloat16 on CUDA.",
-        ("auto", "float32", "bfloat16", "float16"),
-    )
-    attention_backend: str = _flag(
-        "auto",
-        "Attention kernels: 'torch' (default on CPU) or 'triton' (default on CUDA).",
-        ("auto", "torch", "triton"),
-    )
-    max_total_tokens: int | None = _flag(
-        None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
-    )
-    mem_fraction_static: float = _flag(
-        0.15,
-        "Fraction of available memory (host RAM on CPU, free GPU memory on CUDA) given to the KV "
-        "cache pool when --max-total-tokens is not set.",
-    )
-    max_running_requests: int = _flag(128, "Most requests decoding at once in the running batch.")
-    chunked_prefill_size: int = _flag(
-        1024,
-        "Token budget of one forward step. Longer prompts are prefilled in chunks so they never "
-        "stall running decodes.",
-    )
-    context_length: int | None = _flag(
-        None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings."
-    )
-    schedule_policy: str = _flag(
-        "lpm",
-        "Order of the waiting queue: 'lpm' (longest cached prefix first), 'dfs-weight' (walk the "
-        "radix tree so requests sharing a prefix run together) or 'fcfs' (arrival order).",
-        ("lpm", "dfs-weight", "fcfs"),
-    )
-    disable_radix_cache: bool = _flag(False, "Do not reuse KV across requests (for ablations and baselines).")
-    disable_jump_forward: bool = _flag(
-        False,
-        "Decode the text a regex / json_schema constraint forces (keys, punctuation, literals) token by "
-        "token instead of appending it without decode steps (for ablations). Requests that return "
-        "logprobs never jump, so every output token has its logprob.",
-    )
-    new_token_ratio: float = _flag(
-        0.5,
-        "Fraction of a running request's remaining max_new_tokens reserved when admitting new "
-        "requests; lower admits more but retracts more often.",
-    )
-    random_seed: int = _flag(0, "Seed for requests that give no seed of their own.")
-    session_timeout_s: float = _flag(
-        60.0,
-        "Seconds a program session (requests sharing a session_id) may stay idle before it is closed "
-        "and the KV of its history, pinned between its calls, is released.",
-    )
-    session_pin_fraction: float = _flag(
-        0.5,
-        "Share of the KV pool that idle sessions' pinned histories keep when requests need the "
-        "memory; beyond it they are unpinned, least recently used first. Pins never stall the "
-        "queue: when nothing else can run, any pin gives way.",
-    )
-    num_threads: int | None = _flag(None, "torch intra-op threads on CPU. Default: all cores.")
-    log_level: str = _flag("info", "Logging level.", ("debug", "info", "warning", "error"))
-
-    # -- HTTP server (radixlm-server / python -m radixlm_runtime.launch_server) ------------------
-    host: str = _flag("127.0.0.1", "Address the HTTP server binds to. Use 0.0.0.0 to serve other machines.")
-    port: int = _flag(30000, "Port the HTTP server listens on.")
-    api_key: str | None = _flag(
-        None, "When set, every endpoint except /health requires 'Authorization: Bearer <api-key>'."
-    )
-    served_model_name: str | None = _flag(
-        None, "Model name reported by /v1/models and in OpenAI responses. Default: the model directory name."
-    )
-    max_queued_requests: int = _flag(
-        4096,
-        "Most requests (counting each of n samples) admitted but not finished; beyond it the server "
-        "answers 503 with Retry-After instead of queueing without bound.",
-    )
-    max_request_bytes: int = _flag(
-        8 * 1024 * 1024, "Largest accepted request body in bytes; larger bodies get HTTP 413."
-    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    log_level: str = flag("info", "Logging level.", _LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        if self.chunked_prefill_size < 16:
-            raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        if not self.session_timeout_s > 0:
-            raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
-        if not 0.0 <= self.session_pin_fraction <= 1.0:
-            raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 16:
-            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
-                continue
-            parser.add_argument(
-                flag,
-                type=_cli_type(f.type),
-                default=f.default,
-                choices=f.metadata.get("choices"),
-                help=f"{help_text} (default: {f.default})",
-            )
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        if self.log_level not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {list(_LOG_LEVELS)}, got {self.log_level!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
-        known = {f.name for f in dataclasses.fields(cls)}
+        """Routes flat flag names to the config that owns each; unknown names are an error."""
+        known = {*_OWNER, "log_level"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _LAYERS}
+        for key, value in kwargs.items():
+            if key != "log_level":
+                parts[_OWNER[key]][key] = value
+        layers = {name: config(**parts[name]) for name, config in _LAYERS.items()}
+        return cls(**layers, log_level=kwargs.get("log_level", "info"))
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for config in (*_LAYERS.values(), cls):
+            hints = typing.get_type_hints(config)
+            for f in dataclasses.fields(config):
+                if f.name in _LAYERS:
+                    continue
+                flag_name = "--" + f.name.replace("_", "-")
+                help_text = f.metadata.get("help", "")
+                kind = _scalar_type(hints[f.name])
+                if kind is bool:
+                    parser.add_argument(flag_name, action="store_true", help=help_text)
+                    continue
+                parser.add_argument(
+                    flag_name,
+                    type=kind,
+                    default=f.default,
+                    choices=f.metadata.get("choices"),
+                    help=f"{help_text} (default: {f.default})",
+                )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        return cls.from_kwargs(**{name: getattr(args, name) for name in (*_OWNER, "log_level")})
 
 
-def _cli_type(annotation: Any) -> Any:
-    text = str(annotation)
-    if "int" in text:
-        return int
-    if "float" in text:
-        return float
-    return str
+_LAYERS: dict[str, type] = {"engine": EngineConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
+_OWNER: dict[str, str] = {
+    f.name: name for name, config in _LAYERS.items() for f in dataclasses.fields(config)
+}
+
+
+def _scalar_type(hint: Any) -> type:
+    """The CLI type of a field: `int | None` parses as int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint

@@ -43,7 +43,7 @@ class Runtime:
     def __init__(self, startup_timeout_s: float = 600.0, **server_flags: Any) -> None:
         server_flags.setdefault("port", _free_port())
         args = ServerArgs.from_kwargs(**server_flags)
-        self.url = f"http://{args.host}:{args.port}"
+        self.url = f"http://{args.server.host}:{args.server.port}"
         cmd = [sys.executable, "-m", "radixlm_runtime.launch_server"]
         for name, value in server_flags.items():
             flag = "--" + name.replace("_", "-")
@@ -58,8 +58,8 @@ class Runtime:
         )
         atexit.register(self.shutdown)
         try:
-            self._wait_healthy(startup_timeout_s, args.api_key)
-            self.endpoint = RuntimeEndpoint(self.url, api_key=args.api_key)
+            self._wait_healthy(startup_timeout_s, args.server.api_key)
+            self.endpoint = RuntimeEndpoint(self.url, api_key=args.server.api_key)
         except BaseException:
             self.shutdown()
             raise

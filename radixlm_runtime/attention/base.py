@@ -6,14 +6,14 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from radixlm_runtime.engine.forward_batch import ForwardBatch
-from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 
 class AttentionBackend(ABC):
-    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, scale: float) -> None:
+    def __init__(self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float) -> None:
         self.kv_pool = kv_pool
-        self.req_to_token = req_to_token_pool.req_to_token
+        self.req_to_token = req_to_token_table.req_to_token
         self.scale = scale
 
     @abstractmethod

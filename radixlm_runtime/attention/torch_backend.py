@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.forward_batch import ForwardBatch
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
@@ -81,71 +81,74 @@ class _RowBlock:
 
     start: int  # first token row in q
     length: int
-    slots: torch.Tensor  # [seq_len] the request's KV slots, new tokens included
+    slots: list[int]  # the request's KV slots, new tokens included (host)
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """Plans each step from the batch's host lists (no reads of device data); per-request Python
+    work and variable shapes make it the CPU backend, not one for CUDA graphs."""
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        req_rows = batch.req_pool_indices.tolist()
-        starts = batch.extend_start_loc.tolist()
         extends: list[_ExtendItem] = []
         blocks: list[_RowBlock] = []
+        device = self.req_to_token.device
         for b, (seq_len, ext) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
-            slots = self.req_to_token[req_rows[b], :seq_len]
-            prefix = seq_len - ext
+            start = batch.extend_start_loc_cpu[b]
             if ext <= MAX_BATCHED_EXTEND:
-                blocks.append(_RowBlock(starts[b], ext, slots))
+                blocks.append(_RowBlock(start, ext, batch.seq_slots_cpu[b]))
                 continue
+            prefix = seq_len - ext
             mask = None
             if prefix > 0:
-                q_pos = torch.arange(prefix, seq_len, device=slots.device)[:, None]
-                mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos
-            extends.append(_ExtendItem(starts[b], ext, slots, mask))
+                q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+            slots = self.req_to_token[batch.req_pool_indices_cpu[b], :seq_len]
+            extends.append(_ExtendItem(start, ext, slots, mask))
         buckets = ([b for b in blocks if b.length == 1], [b for b in blocks if b.length > 1])
         decode = [self._decode_metadata(batch, bucket) for bucket in buckets if bucket]
         batch.attn_metadata = _TorchMeta(extends, decode)
 
     def _decode_metadata(self, batch: ForwardBatch, blocks: list[_RowBlock]) -> _DecodeMeta:
-        device = blocks[0].slots.device
+        device = self.req_to_token.device
         prefix_lens = [0] * len(blocks)
         groups: list[_PrefixGroup] = []
         by_first: dict[int, list[int]] = {}
         for i, blk in enumerate(blocks):
-            by_first.setdefault(int(blk.slots[0]), []).append(i)
+            by_first.setdefault(blk.slots[0], []).append(i)
         for members in by_first.values():
             if len(members) < 2:
                 continue
             # The shared part stops before each member's first new token: the causal mask only
             # applies within the suffix.
             limit = min(len(blocks[i].slots) - blocks[i].length for i in members)
-            if limit < MIN_SHARED_PREFIX:
-                continue
-            mat = torch.stack([blocks[i].slots[:limit] for i in members])
-            shared = int((mat == mat[0]).all(0).to(torch.int32).cumprod(0).sum())
+            shared = _common_prefix_len([blocks[i].slots for i in members], limit)
             if shared < MIN_SHARED_PREFIX:
                 continue
             for i in members:
                 prefix_lens[i] = shared
             slots = blocks[members[0]].slots[:shared]
-            first, last = int(slots[0]), int(slots[-1])
-            contiguous = last - first == shared - 1 and bool((slots.diff() == 1).all())
+            first = slots[0]
+            contiguous = slots == list(range(first, first + shared))
             groups.append(
                 _PrefixGroup(
-                    None if len(members) == len(blocks) else torch.tensor(members),
-                    slots,
-                    (first, last + 1) if contiguous else None,
+                    None if len(members) == len(blocks) else torch.tensor(members, device=device),
+                    torch.tensor(slots, device=device),
+                    (first, first + shared) if contiguous else None,
                 )
             )
         num_rows = max(blk.length for blk in blocks)
         suffix_len = max(len(blk.slots) - p for blk, p in zip(blocks, prefix_lens))
-        suffix_slots = torch.zeros(len(blocks), suffix_len, dtype=torch.int64, device=device)
+        padded: list[int] = []
         rows: list[int] = []
         valid: list[int] = []
         for i, (blk, p) in enumerate(zip(blocks, prefix_lens)):
-            suffix_slots[i, : len(blk.slots) - p] = blk.slots[p:]
+            suffix = blk.slots[p:]
+            padded.extend(suffix)
+            padded.extend([0] * (suffix_len - len(suffix)))
             rows.extend(range(blk.start, blk.start + blk.length))
             rows.extend([blk.start + blk.length - 1] * (num_rows - blk.length))
             valid.extend(range(i * num_rows, i * num_rows + blk.length))
+        suffix_slots = torch.tensor(padded, dtype=torch.int64).view(len(blocks), suffix_len).to(device)
         # Keys token j of block i sees: its suffix up to and including its own position; padded
         # rows repeat the block's last token.
         lengths = torch.tensor([blk.length for blk in blocks])
@@ -270,3 +273,17 @@ def _flash(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q, k, v, attn_mask=mask, scale=scale)
     return out, lse
+
+
+def _common_prefix_len(seqs: list[list[int]], limit: int) -> int:
+    """Length of the longest common prefix of seqs (at most limit), by binary search over slice
+    comparisons, which run in C: the lists are a few thousand slots long."""
+    first = seqs[0]
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if all(s[:mid] == first[:mid] for s in seqs[1:]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -10,7 +10,7 @@ import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.triton_kernels import decode_attention_fwd, extend_attention_fwd
-from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -6,7 +6,7 @@ from radixlm_runtime.constrained.compiler import (
     default_cache_dir,
     validate_constraint,
 )
-from radixlm_runtime.constrained.grammar import RegexGuide, build_vocab_mask
+from radixlm_runtime.constrained.grammar import RegexGuide
 from radixlm_runtime.constrained.json_schema import (
     REGEX_BOOL,
     REGEX_FLOAT,
@@ -32,7 +32,6 @@ __all__ = [
     "TokenVocab",
     "build_regex_from_schema",
     "build_token_index",
-    "build_vocab_mask",
     "default_cache_dir",
     "plan_jump",
     "regex_for_dtype",

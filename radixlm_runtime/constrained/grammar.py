@@ -7,9 +7,7 @@ state is recovered from text alone (`advance_text` / `resync`) without any token
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
+import numpy as np
 
 from radixlm_runtime.constrained.regex_fsm import TokenIndex
 
@@ -22,10 +20,10 @@ class RegexGuide:
         self.state = index.initial_state
         self.terminated = False  # EOS was accepted
 
-    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+    def allowed_mask(self, vocab_size: int) -> np.ndarray:
         """Bool [vocab_size], True = allowed; EOS only in accepting states. Shared per state: read-only."""
         if self.terminated:
-            return torch.zeros(vocab_size, dtype=torch.bool)
+            return np.zeros(vocab_size, dtype=np.bool_)
         return self.index.mask(self.state, vocab_size)
 
     def advance(self, token_id: int) -> None:
@@ -75,15 +73,3 @@ class RegexGuide:
         other = RegexGuide(self.index)
         other.state, other.terminated = self.state, self.terminated
         return other
-
-
-def build_vocab_mask(
-    guides: Sequence[RegexGuide | None], vocab_size: int, device: torch.device | str = "cpu"
-) -> torch.Tensor | None:
-    """`SamplingBatchInfo.vocab_mask` for a batch: [B, vocab_size] bool, all-True rows for unconstrained
-    requests; None when no request is constrained (so the sampler skips masking)."""
-    if all(g is None for g in guides):
-        return None
-    everything = torch.ones(vocab_size, dtype=torch.bool)
-    rows = [everything if g is None else g.allowed_mask(vocab_size) for g in guides]
-    return torch.stack(rows).to(device, non_blocking=True)

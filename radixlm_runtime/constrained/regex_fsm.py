@@ -29,7 +29,6 @@ from typing import Any
 
 import interegular
 import numpy as np
-import torch
 from interegular.fsm import anything_else
 
 try:  # Python >= 3.11 moved the regex parser; it is only used to name unsupported constructs.
@@ -377,7 +376,7 @@ class TokenIndex:
     next_states: np.ndarray  # [nnz] int32
     eos_ids: np.ndarray  # int64
     vocab_size: int
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _masks: dict[tuple[int, int], np.ndarray] = field(default_factory=dict, repr=False)
 
     @property
     def initial_state(self) -> int:
@@ -412,18 +411,19 @@ class TokenIndex:
     def forced_string(self, state: int) -> str | None:
         return self.dfa.forced_string(state)
 
-    def mask(self, state: int, vocab_size: int | None = None) -> torch.Tensor:
+    def mask(self, state: int, vocab_size: int | None = None) -> np.ndarray:
         """Bool mask [vocab_size] of the tokens allowed at `state` (EOS only when accepting); cached per
         state, so callers must not modify it. `vocab_size` may exceed the tokenizer's (padded logits)."""
         size = self.vocab_size if vocab_size is None else vocab_size
         cached = self._masks.get((state, size))
         if cached is None:
-            cached = torch.zeros(size, dtype=torch.bool)
+            cached = np.zeros(size, dtype=np.bool_)
             if state >= 0:
                 ids = self.allowed(state).astype(np.int64)
                 if self.is_accepting(state):
                     ids = np.concatenate([ids, self.eos_ids])
-                cached[torch.from_numpy(ids[ids < size])] = True
+                cached[ids[ids < size]] = True
+            cached.flags.writeable = False
             self._masks[(state, size)] = cached
         return cached
 

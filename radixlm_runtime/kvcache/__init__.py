@@ -1,6 +1,6 @@
-"""KV cache storage, slot allocators and the radix prefix cache."""
+"""KV cache storage (device tensors), the host free lists that hand it out, and the radix prefix cache."""
 
-from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool, TokenAllocator
+from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 
-__all__ = ["KVPool", "RadixCache", "ReqToTokenPool", "TokenAllocator", "TreeNode"]
+__all__ = ["RadixCache", "RowAllocator", "TokenAllocator", "TreeNode"]

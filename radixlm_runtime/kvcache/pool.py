@@ -2,7 +2,8 @@
 
 The KV cache is token-granular: every token of every running or cached sequence owns one slot in
 `KVPool`, and the slot indices (not the KV data) are what the scheduler, the radix cache and the
-attention kernels pass around.
+attention kernels pass around. These are the executor's tensors; the free lists that hand the slots
+and rows out are the scheduler's (kvcache/allocator.py).
 """
 
 from __future__ import annotations
@@ -66,107 +67,22 @@ class KVPool:
         return self.bytes_per_token_for(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
 
-class TokenAllocator:
-    """Free list of KV slots 1..size.
+class ReqToTokenTable:
+    """Maps a request's row to the KV pool slots of its tokens, on the device.
 
-    Frees are validated: freeing a slot twice or a slot that is not allocated raises (cheap enough: a
-    bool tensor of allocation state), so leaks/double frees surface in tests.
-    """
-
-    def __init__(self, size: int, device: torch.device | str = "cpu") -> None:
-        if size <= 0:
-            raise ValueError(f"TokenAllocator size must be positive, got {size}")
-        self.size = size
-        self.device = torch.device(device)
-        self.clear()
-
-    def clear(self) -> None:
-        self._free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
-        # Freed slots are parked here unsorted and merged into `_free_slots` only when it runs short,
-        # so a free is a cheap append and allocation still favours low, mostly contiguous slots.
-        self._released: list[torch.Tensor] = []
-        self._num_released = 0
-        self._allocated = torch.zeros(self.size + 1, dtype=torch.bool, device=self.device)
-
-    def available_size(self) -> int:
-        return self._free_slots.numel() + self._num_released
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """Returns n slots (int64), or None without allocating anything when fewer than n are free."""
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of slots ({n})")
-        if n > self.available_size():
-            return None
-        if n > self._free_slots.numel():
-            self._merge_released()
-        out = self._free_slots[:n]
-        self._free_slots = self._free_slots[n:]
-        self._allocated[out] = True
-        return out
-
-    def free(self, indices: torch.Tensor) -> None:
-        """Returns slots to the free list; raises RuntimeError on a double free or an invalid slot."""
-        if indices.numel() == 0:
-            return
-        # A private copy: callers often pass views of tables they later overwrite (req_to_token rows).
-        idx = indices.reshape(-1).to(device=self.device, dtype=torch.int64).clone()
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 1 or hi > self.size:
-            raise RuntimeError(f"freeing slot outside 1..{self.size} (got range {lo}..{hi})")
-        if not bool(self._allocated[idx].all()):
-            bad = idx[~self._allocated[idx]].tolist()
-            raise RuntimeError(f"freeing slots that are not allocated (double free?): {bad[:16]}")
-        if torch.unique(idx).numel() != idx.numel():
-            raise RuntimeError("freeing the same slot twice in one call")
-        self._allocated[idx] = False
-        self._released.append(idx)
-        self._num_released += idx.numel()
-
-    def _merge_released(self) -> None:
-        if not self._released:
-            return
-        merged = torch.cat([self._free_slots, *self._released])
-        self._free_slots = torch.sort(merged).values
-        self._released = []
-        self._num_released = 0
-
-
-class ReqToTokenPool:
-    """Maps a running request's slot to the KV pool indices of its tokens.
-
-    Attention reads a request's KV through one row of this table instead of a contiguous copy.
+    Attention reads a request's KV through its row instead of a contiguous copy. Rows are handed
+    out by the scheduler's RowAllocator; the executor writes them from each step's plan.
     """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
         if max_reqs <= 0 or max_context_len <= 0:
             raise ValueError(
-                f"ReqToTokenPool dimensions must be positive, got {max_reqs=}, {max_context_len=}"
+                f"ReqToTokenTable dimensions must be positive, got {max_reqs=}, {max_context_len=}"
             )
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
-        self.device = torch.device(device)
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=self.device)
-        self.clear()
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
 
-    def clear(self) -> None:
-        # Reversed so pop() hands out the lowest free row first.
-        self._free_rows: list[int] = list(range(self.max_reqs - 1, -1, -1))
-        self._in_use = [False] * self.max_reqs
-
-    def available_size(self) -> int:
-        return len(self._free_rows)
-
-    def alloc(self) -> int | None:
-        if not self._free_rows:
-            return None
-        idx = self._free_rows.pop()
-        self._in_use[idx] = True
-        return idx
-
-    def free(self, idx: int) -> None:
-        if not 0 <= idx < self.max_reqs:
-            raise RuntimeError(f"request slot {idx} outside 0..{self.max_reqs - 1}")
-        if not self._in_use[idx]:
-            raise RuntimeError(f"request slot {idx} is not allocated (double free?)")
-        self._in_use[idx] = False
-        self._free_rows.append(idx)
+    def write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """One scatter for every (row, position) -> slot entry a step changes."""
+        self.req_to_token[rows, cols] = slots

@@ -1,7 +1,8 @@
 """Radix tree over token ids whose nodes own KV slots, so requests sharing a prefix share its KV.
 
 Ownership model: a slot inside the tree belongs to the tree and is freed only by `evict`/`reset`.
-Callers lock the node their prefix ends in while a request runs, which pins the whole path.
+Callers lock the node their prefix ends in while a request runs, which pins the whole path. Slots
+are host integers: matching, inserting and evicting never touch the device.
 """
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-import torch
-
-from radixlm_runtime.kvcache.pool import TokenAllocator
+from radixlm_runtime.kvcache.allocator import TokenAllocator
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -33,7 +32,7 @@ class TreeNode:
     def __init__(
         self,
         key: list[int],
-        value: torch.Tensor,
+        value: list[int],
         parent: TreeNode | None,
         last_access_time: float,
         lock_ref: int = 0,
@@ -59,21 +58,23 @@ class RadixCache:
 
     def __init__(self, allocator: TokenAllocator) -> None:
         self.allocator = allocator
-        self.device = allocator.device
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
-        self.root_node = TreeNode([], self._empty(), None, 0.0, lock_ref=1)
+        self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
         self._evictable_size = 0
         self._protected_size = 0
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.device)
 
     def _tick(self) -> float:
         return float(next(self._clock))
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached prefix of key: its KV indices and the node the match ends in.
+    def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
+        """Longest cached prefix of key: its KV slots and the node the match ends in."""
+        length, node = self.match_node(key)
+        return self.path_slots(node) if length else [], node
+
+    def match_node(self, key: list[int]) -> tuple[int, TreeNode]:
+        """Length of key's longest cached prefix and the node it ends in, without gathering slots
+        (the scheduler re-matches every waiting request each step but needs slots only at admission).
 
         A match ending inside an edge splits it, so the returned node can be locked to pin exactly
         the matched tokens.
@@ -81,7 +82,6 @@ class RadixCache:
         node = self.root_node
         now = self._tick()
         node.last_access_time = now
-        values: list[torch.Tensor] = []
         pos = 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -91,21 +91,27 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
-            values.append(child.value)
             node = child
             pos += n
-        if not values:
-            return self._empty(), node
-        return torch.cat(values), node
+        return pos, node
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def path_slots(self, node: TreeNode) -> list[int]:
+        """KV slots of every token from the root down to node, in order."""
+        parts: list[list[int]] = []
+        while node is not self.root_node:
+            parts.append(node.value)
+            assert node.parent is not None, "path_slots on a node detached from the tree"
+            node = node.parent
+        return [s for part in reversed(parts) for s in part]
+
+    def insert(self, key: list[int], value: list[int]) -> int:
         """Inserts key with its KV indices; returns how many leading tokens were already cached.
 
         The tree keeps its own slots for that prefix, so the caller must free its copies of them
         (value[caller_prefix_len:returned_len]) unless they are the very same slots.
         """
-        if value.numel() != len(key):
-            raise ValueError(f"insert: key has {len(key)} tokens but value has {value.numel()} slots")
+        if len(value) != len(key):
+            raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
         node = self.root_node
         now = self._tick()
         node.last_access_time = now
@@ -113,9 +119,7 @@ class RadixCache:
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
-                # Cloned because callers often pass a view of a req_to_token row that gets reused.
-                new_value = value[pos:].to(device=self.device, dtype=torch.int64).clone()
-                leaf = TreeNode(list(key[pos:]), new_value, node, now)
+                leaf = TreeNode(key[pos:], value[pos:], node, now)
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 return pos
@@ -174,7 +178,7 @@ class RadixCache:
             return 0
         heap = [n for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
-        freed: list[torch.Tensor] = []
+        freed: list[int] = []
         num_freed = 0
         while num_freed < num_tokens and heap:
             node = heapq.heappop(heap)
@@ -182,13 +186,12 @@ class RadixCache:
             assert parent is not None
             del parent.children[node.key[0]]
             node.parent = None
-            freed.append(node.value)
+            freed.extend(node.value)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
             if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-        if freed:
-            self.allocator.free(torch.cat(freed))
+        self.allocator.free(freed)
         return num_freed
 
     def _leaves(self) -> list[TreeNode]:
@@ -215,15 +218,14 @@ class RadixCache:
         """Returns every cached slot to the allocator; refuses while a request still pins a path."""
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} tokens still locked")
-        values: list[torch.Tensor] = []
+        values: list[int] = []
         stack = list(self.root_node.children.values())
         while stack:
             node = stack.pop()
-            values.append(node.value)
+            values.extend(node.value)
             stack.extend(node.children.values())
             node.parent = None
-        if values:
-            self.allocator.free(torch.cat(values))
+        self.allocator.free(values)
         self.root_node.children = {}
         self._evictable_size = 0
 
@@ -238,7 +240,7 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             lines.append(
-                f"{'  ' * depth}key={node.key} value={node.value.tolist()} lock_ref={node.lock_ref} "
+                f"{'  ' * depth}key={node.key} value={node.value} lock_ref={node.lock_ref} "
                 f"t={node.last_access_time:g}"
             )
             children = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.engine.forward_batch import ForwardBatch
+from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.layers.activation import SiluAndMul
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm

@@ -9,9 +9,11 @@ happens only for top-p rows whose nucleus does not fit in that prefix.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from radixlm_runtime.sampling.params import SamplingParams
@@ -23,12 +25,25 @@ _F32_TINY = torch.finfo(torch.float32).tiny
 _NUCLEUS_PREFIX = 256
 
 
-def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """Per-request RNG for seeded requests; the caller keeps it across steps so the stream continues."""
-    if params.seed is None:
-        return None
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own RNG: the caller keeps it across steps so the stream continues, and a seeded
+    request samples the same tokens whatever batch it joins."""
     # torch seeds are 64-bit; reducing mod 2**64 maps negative seeds exactly as torch itself does.
-    return torch.Generator(device=device).manual_seed(params.seed % 2**64)
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
+
+
+def build_vocab_mask(
+    allowed: Sequence[np.ndarray | None], vocab_size: int, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """`SamplingBatchInfo.vocab_mask` for a batch from each row's allowed-token array (None:
+    unconstrained): [B, vocab_size] bool; None when no row is constrained."""
+    if all(a is None for a in allowed):
+        return None
+    rows = np.ones((len(allowed), vocab_size), dtype=np.bool_)
+    for i, a in enumerate(allowed):
+        if a is not None:
+            rows[i] = a
+    return torch.from_numpy(rows).to(device, non_blocking=True)
 
 
 @dataclass
@@ -118,6 +133,7 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_min_p: bool
     sampled_rows: torch.Tensor  # [S] int64: batch rows that are not greedy
+    sampled_rows_cpu: list[int]
     filtered: torch.Tensor  # [F] int64: positions within sampled_rows that use top-k or top-p
     candidate_len: int  # topk prefix length for the filtered rows (vocab size means a full sort)
     penalties: PenaltyInfo | None
@@ -125,6 +141,11 @@ class SamplingBatchInfo:
     generators: list[torch.Generator | None]
     vocab_size: int
     vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = allowed; set by constrained decoding
+
+    @property
+    def has_edits(self) -> bool:
+        """Whether logits change before sampling (mask, penalties, banned ids)."""
+        return self.vocab_mask is not None or self.penalties is not None or self.banned is not None
 
     @classmethod
     def build(
@@ -169,6 +190,7 @@ class SamplingBatchInfo:
             need_top_k=any(uses_top_k),
             need_min_p=any(params[i].min_p > 0.0 for i in sampled),
             sampled_rows=tensor(sampled, torch.int64),
+            sampled_rows_cpu=sampled,
             filtered=tensor(filtered, torch.int64),
             candidate_len=min(candidate_len, vocab_size),
             penalties=PenaltyInfo.build(params, token_history, vocab_size, device),
@@ -214,7 +236,7 @@ class Sampler:
             if rows.numel() == batch:
                 # Shifting by the max makes the best token exactly 0 and everything else <= 0,
                 # so dividing by even a tiny temperature cannot produce inf - inf.
-                shifted = x.sub_(row_max.unsqueeze(1)) if x is not raw else x - row_max.unsqueeze(1)
+                shifted = x.sub_(row_max.unsqueeze(1))
                 next_ids = self._sample(shifted.div_(info.temperatures), info)
             else:
                 shifted = x[rows].sub_(row_max[rows].unsqueeze(1))
@@ -253,7 +275,7 @@ class Sampler:
         """One U[0, 1) per sampled row, from the row's own generator or else the shared one."""
         device = info.sampled_rows.device
         draws = []
-        for row in info.sampled_rows.tolist():
+        for row in info.sampled_rows_cpu:
             gen = info.generators[row] or self.default_generator
             draws.append(torch.rand(1, generator=gen, device=gen.device).to(device))
         return torch.cat(draws)
@@ -262,14 +284,9 @@ class Sampler:
 def _allowed_logits(
     raw: torch.Tensor, info: SamplingBatchInfo
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits with NaN/+inf sanitised and the vocab mask, penalties and banned ids applied, with their
-    row maxima and argmax. Returns `raw` itself (not a copy) when there was nothing to change."""
-    edits = info.vocab_mask is not None or info.penalties is not None or info.banned is not None
-    if not edits:
-        row_max, argmax = raw.max(dim=-1)
-        # NaN and +inf both surface in the max, so a finite max means the row is clean.
-        if bool(torch.isfinite(row_max).all()):
-            return raw, row_max, argmax
+    """A copy of the logits with NaN/+inf sanitised and the vocab mask, penalties and banned ids
+    applied, with their row maxima and argmax. Sanitising every row costs one elementwise pass;
+    checking first whether any row needs it would read the device back every step."""
     x = torch.nan_to_num(raw, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     if info.vocab_mask is not None:
         if info.vocab_mask.shape != x.shape:
@@ -283,6 +300,10 @@ def _allowed_logits(
         before_ban = x[banned.rows, banned.ids]
         x[banned.rows, banned.ids] = _NEG_INF
     row_max, argmax = x.max(dim=-1)
+    if banned is None and info.vocab_mask is None:
+        # Only a mask or banned ids leave a working model's row without any allowed token; checking
+        # every step would read the device back every step.
+        return x, row_max, argmax
     dead = torch.isneginf(row_max)
     if banned is not None and bool(dead.any()):
         # Banning is a soft constraint (min_new_tokens): where it would leave no token, it is lifted.

@@ -1,30 +1,29 @@
-"""Glue between requests and the KV memory: the radix tree, the slot allocator, the
-request-to-token table and the program sessions pinning KV. Every slot a request touches is
-accounted for here, so that when a request finishes, is retracted or is aborted its slots either
-join the tree or return to the free list."""
+"""Glue between requests and the KV memory's bookkeeping: the radix tree, the slot and table-row
+free lists and the program sessions pinning KV. Every slot a request touches is accounted for
+here, so that when a request finishes, is retracted or is aborted its slots either join the tree
+or return to the free list. All of it is host data: the executor owns the tensors."""
 
 from __future__ import annotations
 
-import torch
-
-from radixlm_runtime.kvcache.pool import ReqToTokenPool, TokenAllocator
+from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
 
 
 class CacheManager:
+    """Owns the free lists of KV memory (the executor owns the tensors they index)."""
+
     def __init__(
         self,
         allocator: TokenAllocator,
-        req_to_token_pool: ReqToTokenPool,
+        rows: RowAllocator,
         disable_radix_cache: bool,
         session_timeout_s: float = 60.0,
         session_pin_fraction: float = 0.5,
     ) -> None:
         self.allocator = allocator
-        self.req_to_token_pool = req_to_token_pool
-        self.req_to_token = req_to_token_pool.req_to_token
+        self.rows = rows
         self.tree = None if disable_radix_cache else RadixCache(allocator)
         self.sessions = SessionTable(self.tree, session_timeout_s, int(session_pin_fraction * allocator.size))
 
@@ -34,9 +33,7 @@ class CacheManager:
         evictable = self.tree.evictable_size() if self.tree is not None else 0
         return self.allocator.available_size() + evictable
 
-    def alloc_slots(self, n: int) -> torch.Tensor | None:
-        if n == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.req_to_token.device)
+    def alloc_slots(self, n: int) -> list[int] | None:
         short = n - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
@@ -44,17 +41,17 @@ class CacheManager:
 
     # -- request lifecycle --------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
-        """Gives req a row in the request-to-token table and pins its matched prefix."""
-        idx = self.req_to_token_pool.alloc()
+        """Gives req a table row and its matched prefix's slots, and pins that prefix."""
+        idx = self.rows.alloc()
         if idx is None:
             return False
         req.req_pool_idx = idx
-        n = len(req.prefix_indices)
-        if n:
-            self.req_to_token[idx, :n] = req.prefix_indices
-        req.kv_len = n
+        has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
+        req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []
+        req.prefix_len = req.kv_len = len(req.kv_slots)
+        req.table_synced = 0
         if req.cached_tokens < 0:
-            req.cached_tokens = min(n, req.prompt_len)
+            req.cached_tokens = min(req.kv_len, req.prompt_len)
         if self.tree is not None and req.last_node is not None:
             self.tree.inc_lock_ref(req.last_node)
         return True
@@ -64,17 +61,15 @@ class CacheManager:
         sharing it can match it next step, and moves req's lock down to the new deepest node."""
         if self.tree is None or req.kv_len == 0:
             return
-        ids = req.fill_ids[: req.kv_len]
-        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
-        self._insert(req, ids, slots)
-        new_indices, new_node = self.tree.match_prefix(ids)
-        assert len(new_indices) == req.kv_len, "the tree lost tokens that were just inserted"
-        self.req_to_token[req.req_pool_idx, : req.kv_len] = new_indices
+        ids = req.token_ids[: req.kv_len]
+        self._insert(req, ids, req.kv_slots[: req.kv_len])
+        matched, new_node = self.tree.match_node(ids)
+        assert matched == req.kv_len, "the tree lost tokens that were just inserted"
         self.tree.inc_lock_ref(new_node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
         req.last_node = new_node
-        req.prefix_indices = new_indices
+        req.prefix_len = req.kv_len
 
     def finish(self, req: Req) -> None:
         """Releases a finished (or aborted) req; when it belongs to an open session, the whole
@@ -91,39 +86,43 @@ class CacheManager:
         (None when req computed nothing)."""
         if req.req_pool_idx is None:
             return None
-        slots = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        slots = req.kv_slots[: req.kv_len]
         pinned: TreeNode | None = None
         if self.tree is None:
             self.allocator.free(slots)
         else:
-            ids = req.fill_ids[: req.kv_len]
+            ids = req.token_ids[: req.kv_len]
             self._insert(req, ids, slots)
             if pin and ids:
                 # Locked before req's own lock goes, so the path is never evictable in between.
-                _, pinned = self.tree.match_prefix(ids)
+                _, pinned = self.tree.match_node(ids)
                 self.tree.inc_lock_ref(pinned)
             if req.last_node is not None:
                 self.tree.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self.rows.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
-        req.kv_len = 0
+        req.kv_slots = []
+        req.prefix_len = req.kv_len = req.table_synced = 0
         return pinned
 
-    def _insert(self, req: Req, ids: list[int], slots: torch.Tensor) -> None:
-        """Inserts ids -> slots; where the tree already held some of these tokens (another request
-        computed them concurrently), req's duplicate slots are freed."""
+    def _insert(self, req: Req, ids: list[int], slots: list[int]) -> None:
+        """Inserts ids -> slots. Where the tree already held some of these tokens (another request
+        computed them concurrently), req's duplicate slots are freed and req reads the tree's
+        from now on (its table row is rewritten from there)."""
         assert self.tree is not None
         already = self.tree.insert(ids, slots)
-        own_from = len(req.prefix_indices)
+        own_from = req.prefix_len
         if already > own_from:
             self.allocator.free(slots[own_from:already])
+            tree_slots = self.tree.match_prefix(ids[:already])[0]
+            req.kv_slots[own_from:already] = tree_slots[own_from:]
+            req.table_synced = min(req.table_synced, own_from)
 
     def flush(self) -> bool:
         """Drops every cached prefix, session pins included (the sessions stay open); refused while
         requests hold KV."""
-        if self.req_to_token_pool.available_size() != self.req_to_token_pool.max_reqs:
+        if self.rows.available_size() != self.rows.max_reqs:
             return False
         self.sessions.unpin_all()
         if self.tree is not None:

@@ -29,8 +29,8 @@ class SchedulePolicy:
         """
         if self.tree is not None:
             for req in waiting:
-                key = req.fill_ids[: req.max_prefix_len()]
-                req.prefix_indices, req.last_node = self.tree.match_prefix(key)
+                key = req.token_ids[: req.max_prefix_len()]
+                req.prefix_len, req.last_node = self.tree.match_node(key)
         ordered = self._policy_order(waiting)
         if not pinned_sessions:
             return ordered
@@ -41,7 +41,7 @@ class SchedulePolicy:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
             return list(waiting)
         if self.policy == "lpm":
-            return sorted(waiting, key=lambda r: -len(r.prefix_indices))
+            return sorted(waiting, key=lambda r: -r.prefix_len)
         return self._dfs_weight(waiting)
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from radixlm_runtime.engine.inputs import logprob_args, per_prompt, prompt_ids
+from radixlm_runtime.io import outputs
+from radixlm_runtime.io.inputs import logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -83,7 +84,7 @@ class ApiKeyMiddleware:
 
 
 def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
-    args = tm.args
+    args = tm.args.server
     app = FastAPI(title="radixlm server", docs_url=None, redoc_url=None, openapi_url=None)
 
     if args.api_key is not None:
@@ -115,7 +116,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
         params = await tm.make_params({"max_new_tokens": 1})
         inp = GenerateInput(tm.tokenize("Hi"), params, f"health-{new_rid()}")
         state = await tm.run(inp, 0)
-        if state.finished_reason and state.finished_reason.get("type") == "abort":
+        if state.finished_reason is not None and state.finished_reason.kind == "abort":
             raise RequestError("health generation was aborted", status=503)
         return Response(status_code=200)
 
@@ -241,33 +242,4 @@ async def _native_stream(
 
 
 def native_output(tm: TokenizerManager, st: RequestState, text_in_logprobs: bool) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "id": st.rid,
-        "prompt_tokens": st.prompt_tokens or len(st.inp.input_ids),
-        "completion_tokens": len(st.output_ids),
-        "cached_tokens": st.cached_tokens,
-        "finish_reason": st.finished_reason,
-    }
-    if st.inp.return_logprob:
-        meta.update(_logprob_meta(tm, st, text_in_logprobs))
-    return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
-
-
-def _logprob_meta(tm: TokenizerManager, st: RequestState, with_text: bool) -> dict[str, Any]:
-    """SGLang's logprob lists: [logprob, token_id, token text or None] per position."""
-
-    def entry(lp: float | None, tid: int) -> list[Any]:
-        return [hu.logprob(lp), tid, tm.tokenizer.decode([tid]) if with_text else None]
-
-    inp = st.inp
-    prompt = inp.input_ids
-    wants_input = 0 <= inp.logprob_start_len < len(prompt)
-    start = inp.logprob_start_len if wants_input else len(prompt)
-    return {
-        "input_token_logprobs": [entry(lp, t) for lp, t in zip(st.input_token_logprobs, prompt[start:])],
-        "input_top_logprobs": [
-            None if top is None else [entry(lp, t) for lp, t in top] for top in st.input_top_logprobs
-        ],
-        "output_token_logprobs": [entry(lp, t) for lp, t in zip(st.output_token_logprobs, st.output_ids)],
-        "output_top_logprobs": [[entry(lp, t) for lp, t in top] for top in st.output_top_logprobs],
-    }
+    return outputs.native_output(st, st.text, tm.tokenizer, text_in_logprobs)

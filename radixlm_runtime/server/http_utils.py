@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
@@ -21,8 +20,6 @@ _AT_FIELD = re.compile(r"at `\$\.?([\w.\[\]]*)`")
 _NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
 # How often a non-streaming handler checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
-# Stand-in for -inf logprobs: JSON has no infinity.
-MIN_LOGPROB = -9999.0
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -62,12 +59,6 @@ async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
         raise RequestError(f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as e:
         raise RequestError(f"request body is not valid JSON: {e}") from None
-
-
-def logprob(value: float | None) -> float | None:
-    if value is None:
-        return None
-    return value if math.isfinite(value) else MIN_LOGPROB
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from radixlm_runtime.io.outputs import json_logprob
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.tokenizer_manager import (
@@ -124,7 +125,7 @@ class _Job:
 
 def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    limit = tm.args.max_request_bytes
+    limit = tm.args.server.max_request_bytes
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -386,7 +387,7 @@ def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: 
 
 # -- response pieces --------------------------------------------------------------------------
 def _finish_reason(st: RequestState) -> str | None:
-    return (st.finished_reason or {}).get("type")
+    return st.finished_reason.kind if st.finished_reason is not None else None
 
 
 def _usage(jobs: list[_Job], states: list[RequestState]) -> dict[str, Any]:
@@ -421,9 +422,9 @@ def _completion_logprobs(tm: TokenizerManager, job: _Job, st: RequestState, star
     entries, tokens, offsets = entries[first:], tokens[first:], offsets[first:]
     return {
         "tokens": tokens,
-        "token_logprobs": [hu.logprob(lp) for _, lp, _ in entries],
+        "token_logprobs": [json_logprob(lp) for _, lp, _ in entries],
         "top_logprobs": [
-            None if top is None else {_token_text(tm, t): hu.logprob(lp) for lp, t in top}
+            None if top is None else {_token_text(tm, t): json_logprob(lp) for lp, t in top}
             for _, _, top in entries
         ],
         "text_offset": offsets,
@@ -433,7 +434,7 @@ def _completion_logprobs(tm: TokenizerManager, job: _Job, st: RequestState, star
 def _chat_logprobs(tm: TokenizerManager, st: RequestState, start: int) -> dict[str, Any]:
     def item(tid: int, lp: float) -> dict[str, Any]:
         text = _token_text(tm, tid)
-        return {"token": text, "logprob": hu.logprob(lp), "bytes": list(text.encode())}
+        return {"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode())}
 
     tops = st.output_top_logprobs or [[] for _ in st.output_ids]
     content = [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import multiprocessing as mp
 import os
@@ -25,10 +24,11 @@ import zmq
 import zmq.asyncio
 
 from radixlm_runtime.constrained import validate_constraint
-from radixlm_runtime.engine.limits import InvalidRequest, RequestLimits
-from radixlm_runtime.engine.tokenizer import decode_output, encode_prompt
+from radixlm_runtime.io import messages as msg
+from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
+from radixlm_runtime.io.outputs import OutputState
+from radixlm_runtime.io.tokenizer import decode_output, encode_prompt
 from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.server import messages as msg
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.metrics import ServerMetrics
 from radixlm_runtime.server.scheduler_process import run_scheduler_process
@@ -102,30 +102,20 @@ def _stop_holdback(text: str, stops: list[str]) -> int:
 
 
 @dataclass(eq=False)
-class RequestState:
+class RequestState(OutputState):
     """A request's accumulated outputs, updated by the receive loop, read by its handler."""
 
-    rid: str
     base_rid: str
     inp: GenerateInput
     stream: bool
     detok: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
     wake: asyncio.Queue[Exception | None] = field(default_factory=asyncio.Queue)
-    output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    input_token_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[msg.TopLogprobs | None] = field(default_factory=list)
-    output_token_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[msg.TopLogprobs] = field(default_factory=list)
     text: str = ""  # streamed so far; the final, stop-trimmed text once finished
     last_token_time: float | None = None
 
     @property
-    def finished(self) -> bool:
-        return self.finished_reason is not None
+    def rid(self) -> str:
+        return self.req.rid
 
 
 class TokenizerManager:
@@ -253,18 +243,10 @@ class TokenizerManager:
             else:
                 m.itl.observe((now - state.last_token_time) / len(o.new_token_ids))
             state.last_token_time = now
-        state.output_ids.extend(o.new_token_ids)
+        state.apply(o)
         m.generation_tokens_total += len(o.new_token_ids)
-        state.prompt_tokens = o.prompt_tokens
-        state.cached_tokens = o.cached_tokens
-        state.output_token_logprobs.extend(o.output_token_logprobs)
-        state.output_top_logprobs.extend(o.output_top_logprobs)
-        if o.input_token_logprobs is not None:
-            state.input_token_logprobs = o.input_token_logprobs
-            state.input_top_logprobs = o.input_top_logprobs or []
         if o.finished_reason is not None:
-            state.finished_reason = o.finished_reason
-            kind = o.finished_reason.get("type", "unknown")
+            kind = o.finished_reason.kind
             m.requests_finished[kind] = m.requests_finished.get(kind, 0) + 1
             m.prompt_tokens_total += o.prompt_tokens
             m.cached_tokens_total += o.cached_tokens
@@ -307,11 +289,11 @@ class TokenizerManager:
     def check_capacity(self, num_requests: int) -> None:
         if self.dead:
             raise RequestError("the scheduler process died; the server is shutting down", status=503)
-        if len(self.states) + num_requests > self.args.max_queued_requests:
+        if len(self.states) + num_requests > self.args.server.max_queued_requests:
             self.metrics.requests_rejected_total += 1
             raise RequestError(
                 f"server busy: {len(self.states)} requests in flight (max_queued_requests="
-                f"{self.args.max_queued_requests}); retry later",
+                f"{self.args.server.max_queued_requests}); retry later",
                 status=503,
                 code="server_busy",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -322,31 +304,27 @@ class TokenizerManager:
         (state.text is cumulative); always yields the finished state last. Leaving the iteration
         early (client gone, cancellation) aborts the request so its KV is freed."""
         sp = inp.params
-        rid = inp.rid if sp.n == 1 else f"{inp.rid}-{index}"
+        req = msg.sample_request(
+            inp.rid,
+            index,
+            inp.input_ids,
+            sp,
+            inp.return_logprob,
+            inp.logprob_start_len,
+            inp.top_logprobs_num,
+            inp.session_id,
+        )
+        rid = req.rid
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in flight", param="rid")
         self.check_capacity(1)
-        state = RequestState(
-            rid, inp.rid, inp, stream, IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-        )
+        detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+        state = RequestState(inp.rid, inp, stream, detok, req=req)
         self.states[rid] = state
         self.metrics.requests_total += 1
         self.metrics.num_inflight = len(self.states)
-        seed = sp.seed + index if sp.seed is not None else None
         try:
-            self._send(
-                msg.GenerateReq(
-                    rid=rid,
-                    input_ids=inp.input_ids,
-                    sampling_params=dataclasses.asdict(sp) | {"n": 1},
-                    seed=seed,
-                    return_logprob=inp.return_logprob,
-                    logprob_start_len=inp.logprob_start_len,
-                    top_logprobs_num=inp.top_logprobs_num,
-                    stream=stream,
-                    session_id=inp.session_id,
-                )
-            )
+            self._send(req)
             while True:
                 err = await state.wake.get()
                 while err is None and not state.wake.empty():

@@ -81,6 +81,11 @@ def constrained_compile(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def host_overhead(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_host_overhead.py", out_dir, "host_overhead")
+
+
+@pytest.fixture(scope="module")
 def jump_forward(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
@@ -143,6 +148,21 @@ def test_jump_forward(jump_forward: dict[str, Any]) -> None:
     assert off["jumps"] == off["jump_tokens"] == 0 < on["jumps"]
     assert on["decode_steps"] < off["decode_steps"] and on["sampled_tokens"] < off["sampled_tokens"]
     assert on["completion_tokens"] == on["sampled_tokens"] + on["jump_tokens"]
+
+
+def test_host_overhead(host_overhead: dict[str, Any]) -> None:
+    steps = host_overhead["sizes"]["steps"]
+    assert [r["batch_size"] for r in host_overhead["results"]] == host_overhead["batch_sizes"] == [2, 4]
+    for r in host_overhead["results"]:
+        # Every decode step after the prefill ran with all B requests, and only those were kept.
+        assert r["steps_kept"] == steps and r["steps_total"] == steps + 1, r
+        assert len(r["per_step"]["step_ms"]) == len(r["per_step"]["forward_ms"]) == steps
+        assert 0 < r["forward_ms"] < r["step_ms"]
+        assert r["host_overhead_ms"] > 0 and 0 < r["host_share"] < 1
+        # A decode step must at least read the sampled token ids back.
+        assert 1 <= r["host_reads_median"] <= r["host_reads_max"]
+        assert sum(r["host_reads_by_method"].values()) >= steps
+    assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
 
 
 def test_run_all_renders_readme(

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import radixlm_runtime as rt
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 PROMPTS = [
     [(5 * i) % 250 + 3 for i in range(30)] + [7, 8, 9],
@@ -101,6 +103,51 @@ def test_torch_short_extends_batched_like_decodes_match_per_request(
     assert max(abs(a - b) for a, b in zip(batched, per_request)) < 1e-5
 
 
+def _table_with(rows: list[int], seqs: list[list[int]], device: torch.device) -> ReqToTokenTable:
+    """A request-to-token table holding each sequence's slots in its row, written the way the
+    executor does it: one scatter of (row, position) -> slot entries."""
+    table = ReqToTokenTable(8, 64, device)
+    table.write(
+        torch.tensor([r for r, slots in zip(rows, seqs) for _ in slots], device=device),
+        torch.tensor([i for slots in seqs for i in range(len(slots))], device=device),
+        torch.tensor([s for slots in seqs for s in slots], device=device),
+    )
+    return table
+
+
+def test_forward_batch_build_packs_device_tensors_and_host_mirrors() -> None:
+    """Two decodes and a chunk with a cached prefix: the device tensors and the host lists the
+    backends plan from describe the same step."""
+    seqs = [[3, 4, 5], [9], [20, 21, 22, 23, 24]]
+    batch = ForwardBatch.build(
+        input_ids=[11, 12, 13, 14, 15],
+        req_pool_indices=[2, 0, 7],
+        prefix_lens=[2, 0, 2],
+        extend_lens=[1, 1, 3],
+        out_cache_loc=[5, 9, 22, 23, 24],
+        logits_indices=[0, 1, 4],
+        seq_slots=seqs,
+        device=torch.device("cpu"),
+    )
+    assert batch.input_ids.tolist() == [11, 12, 13, 14, 15]
+    assert batch.positions.tolist() == [2, 0, 2, 3, 4]
+    assert batch.out_cache_loc.tolist() == [5, 9, 22, 23, 24]
+    assert batch.req_pool_indices.tolist() == [2, 0, 7]
+    assert batch.seq_lens.tolist() == [3, 1, 5]
+    assert batch.extend_lens.tolist() == [1, 1, 3]
+    assert batch.extend_start_loc.tolist() == [0, 1, 2]
+    assert batch.logits_indices.tolist() == [0, 1, 4]
+    for t in (batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices):
+        assert t.dtype == torch.int64
+    assert batch.req_pool_indices_cpu == [2, 0, 7]
+    assert batch.seq_lens_cpu == [3, 1, 5]
+    assert batch.extend_lens_cpu == [1, 1, 3]
+    assert batch.extend_start_loc_cpu == [0, 1, 2]
+    assert batch.seq_slots_cpu == seqs
+    assert batch.batch_size == 3 and batch.num_tokens == 5 and batch.max_extend_len == 3
+    assert batch.attn_metadata is None
+
+
 def _reference_attention(
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -123,6 +170,35 @@ def _reference_attention(
     return out
 
 
+def _hand_built_step(
+    extend_lens: list[int], head_dim: int, device: torch.device
+) -> tuple[KVPool, ReqToTokenTable, list[list[int]], ForwardBatch]:
+    """Four requests, the first three sharing 40 prefix slots and the last an outsider, sitting in
+    scattered table rows; each adds its last extend_lens[b] tokens this step. The KV pool holds
+    random data in every slot."""
+    pool = KVPool(400, 1, 2, head_dim, torch.float32, device)
+    pool.k_buffers[0][1:] = torch.randn(400, 2, head_dim)
+    pool.v_buffers[0][1:] = torch.randn(400, 2, head_dim)
+    shared = list(range(1, 41))
+    seqs = [shared + list(range(50 + 30 * i, 50 + 30 * i + 7 + i)) for i in range(3)]
+    seqs.append(list(range(300, 337)))
+    # Long extends (and the Triton kernels) read KV through the table, the torch backend's row
+    # blocks through the batch's host slot lists, so both must describe the same sequences.
+    rows = [5, 0, 3, 6]
+    table = _table_with(rows, seqs, device)
+    batch = ForwardBatch.build(
+        input_ids=[0] * sum(extend_lens),
+        req_pool_indices=rows,
+        prefix_lens=[len(s) - n for s, n in zip(seqs, extend_lens)],
+        extend_lens=extend_lens,
+        out_cache_loc=[s for slots, n in zip(seqs, extend_lens) for s in slots[len(slots) - n :]],
+        logits_indices=[],
+        seq_slots=seqs,
+        device=device,
+    )
+    return pool, table, seqs, batch
+
+
 @pytest.mark.parametrize(
     "extend_lens",
     [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 3, 2], [1, 1, 20, 4], [2, 2, 2, 2]],
@@ -134,36 +210,45 @@ def test_torch_row_blocks_match_dense_reference(extend_lens: list[int]) -> None:
     (the first three requests share 40 slots, the last is an outsider); every real token's output
     equals dense attention over its visible keys."""
     from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
-    from radixlm_runtime.engine.forward_batch import ForwardBatch
-    from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool
 
     torch.manual_seed(0)
-    num_q_heads, num_kv_heads, head_dim, scale = 6, 2, 8, 8**-0.5
-    pool = KVPool(400, 1, num_kv_heads, head_dim, torch.float32, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(400, num_kv_heads, head_dim)
-    pool.v_buffers[0][1:] = torch.randn(400, num_kv_heads, head_dim)
-    shared = list(range(1, 41))
-    seqs = [shared + list(range(50 + 30 * i, 50 + 30 * i + 7 + i)) for i in range(3)]
-    seqs.append(list(range(300, 337)))
-    req_pool = ReqToTokenPool(8, 64)
-    for i, slots in enumerate(seqs):
-        req_pool.req_to_token[i, : len(slots)] = torch.tensor(slots)
-    prefix_lens = [len(s) - n for s, n in zip(seqs, extend_lens)]
-    total = sum(extend_lens)
-    batch = ForwardBatch.build(
-        input_ids=[0] * total,
-        req_pool_indices=list(range(len(seqs))),
-        prefix_lens=prefix_lens,
-        extend_lens=extend_lens,
-        out_cache_loc=torch.zeros(total, dtype=torch.int64),
-        logits_indices=[],
-        device=torch.device("cpu"),
-    )
-    backend = TorchAttentionBackend(pool, req_pool, scale)
+    num_q_heads, head_dim = 6, 8
+    scale = head_dim**-0.5
+    pool, table, seqs, batch = _hand_built_step(extend_lens, head_dim, torch.device("cpu"))
+    backend = TorchAttentionBackend(pool, table, scale)
     backend.init_forward_metadata(batch)
-    q = torch.randn(total, num_q_heads, head_dim)
+    q = torch.randn(batch.num_tokens, num_q_heads, head_dim)
     got = backend.attend(q, 0, batch)
     want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # Requests sharing the 40 slots attend to them as a group within each call they share.
     assert any(call.groups for call in batch.attn_metadata.decode)
+
+
+@pytest.mark.parametrize(
+    "extend_lens",
+    [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 20, 4]],
+    ids=["decode-kernel", "extend-kernel", "with-long-extend"],
+)
+def test_triton_backend_forward_matches_dense_reference(extend_lens: list[int]) -> None:
+    """The Triton backend on a hand-built step: forward stores the new tokens' K/V at
+    out_cache_loc, then every token attends through the request-to-token table (all-decode steps
+    through the decode kernel, the rest through the extend kernel)."""
+    from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    num_q_heads, head_dim = 6, 16
+    scale = head_dim**-0.5
+    pool, table, seqs, batch = _hand_built_step(extend_lens, head_dim, device)
+    backend = TritonAttentionBackend(pool, table, scale)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.all_decode == (max(extend_lens) == 1)
+    q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=device)
+    k = torch.randn(batch.num_tokens, 2, head_dim, device=device)
+    v = torch.randn(batch.num_tokens, 2, head_dim, device=device)
+    got = backend.forward(q, k, v, 0, batch)
+    assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
+    assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

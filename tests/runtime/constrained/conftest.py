@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from radixlm_runtime.constrained.regex_fsm import TokenVocab
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

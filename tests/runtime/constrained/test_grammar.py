@@ -7,14 +7,15 @@ import random
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from radixlm_runtime.constrained.grammar import RegexGuide, build_vocab_mask
+from radixlm_runtime.constrained.grammar import RegexGuide
 from radixlm_runtime.constrained.json_schema import build_regex_from_schema
 from radixlm_runtime.constrained.regex_fsm import TokenVocab, build_token_index
 from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo
+from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_vocab_mask
 
 SCHEMA = {
     "type": "object",
@@ -77,7 +78,8 @@ def test_batch_mask_drives_the_sampler(tiny_vocab: TokenVocab) -> None:
         if all(g is None or g.is_finished() for g in guides):
             break
         info = SamplingBatchInfo.build(params, [None] * 3, None, vocab_size)
-        info.vocab_mask = build_vocab_mask(guides, vocab_size)
+        allowed = [None if g is None else g.allowed_mask(vocab_size) for g in guides]
+        info.vocab_mask = build_vocab_mask(allowed, vocab_size)
         assert info.vocab_mask.shape == (3, vocab_size) and info.vocab_mask[1].all()
         # Logits that favour EOS and quotes end the documents quickly; the mask keeps them valid.
         logits = torch.randn(3, vocab_size, generator=rng)
@@ -98,7 +100,7 @@ def test_random_documents_through_the_guide(tiny_vocab: TokenVocab) -> None:
     for _ in range(30):
         guide, text = RegexGuide(index), ""
         while not guide.is_finished():
-            allowed = guide.allowed_mask(300).nonzero().flatten().tolist()
+            allowed = np.flatnonzero(guide.allowed_mask(300)).tolist()
             token = rng.choice(allowed)
             guide.advance(token)
             text += tiny_vocab.texts[token] or ""  # EOS contributes no text

@@ -79,6 +79,6 @@ def test_bad_session_id_is_refused_before_anything_runs(engine: rt.Engine, bad: 
 
 def test_session_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="session_timeout_s"):
-        rt.ServerArgs(session_timeout_s=0)
+        rt.ServerArgs.from_kwargs(session_timeout_s=0)
     with pytest.raises(ValueError, match="session_pin_fraction"):
-        rt.ServerArgs(session_pin_fraction=1.5)
+        rt.ServerArgs.from_kwargs(session_pin_fraction=1.5)

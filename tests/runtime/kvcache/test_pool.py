@@ -1,11 +1,15 @@
-"""KVPool, TokenAllocator and ReqToTokenPool: slot accounting and the validation that catches leaks."""
+"""KVPool, ReqToTokenTable, TokenAllocator and RowAllocator: slot accounting and the validation
+that catches leaks."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from radixlm_runtime.kvcache import KVPool, ReqToTokenPool, TokenAllocator
+from radixlm_runtime.kvcache import RowAllocator, TokenAllocator
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 
 def _free_set(alloc: TokenAllocator) -> set[int]:
@@ -13,7 +17,7 @@ def _free_set(alloc: TokenAllocator) -> set[int]:
     slots = alloc.alloc(alloc.available_size())
     assert slots is not None
     alloc.free(slots)
-    return set(slots.tolist())
+    return set(slots)
 
 
 def test_alloc_returns_distinct_valid_slots() -> None:
@@ -22,8 +26,9 @@ def test_alloc_returns_distinct_valid_slots() -> None:
     a = alloc.alloc(5)
     b = alloc.alloc(7)
     assert a is not None and b is not None
-    assert a.dtype == torch.int64 and a.shape == (5,) and b.shape == (7,)
-    got = a.tolist() + b.tolist()
+    assert isinstance(a, list) and len(a) == 5 and len(b) == 7
+    assert all(type(s) is int for s in a + b)
+    got = a + b
     assert len(set(got)) == 12
     assert all(1 <= s <= 16 for s in got)
     assert alloc.available_size() == 4
@@ -32,15 +37,22 @@ def test_alloc_returns_distinct_valid_slots() -> None:
 
 def test_fresh_allocator_prefers_low_contiguous_slots() -> None:
     alloc = TokenAllocator(10)
-    first = alloc.alloc(4)
-    assert first is not None
-    assert first.tolist() == [1, 2, 3, 4]
+    assert alloc.alloc(4) == [1, 2, 3, 4]
+    assert alloc.alloc(3) == [5, 6, 7]
 
 
-def test_alloc_zero_gives_empty_tensor() -> None:
+def test_alloc_zero_gives_empty_list() -> None:
     alloc = TokenAllocator(4)
-    out = alloc.alloc(0)
-    assert out is not None and out.numel() == 0
+    assert alloc.alloc(0) == []
+    assert alloc.available_size() == 4
+
+
+def test_alloc_negative_and_nonpositive_size_raise() -> None:
+    with pytest.raises(ValueError):
+        TokenAllocator(0)
+    alloc = TokenAllocator(4)
+    with pytest.raises(ValueError):
+        alloc.alloc(-1)
     assert alloc.available_size() == 4
 
 
@@ -52,7 +64,7 @@ def test_alloc_when_exhausted_returns_none_without_side_effects() -> None:
     assert alloc.available_size() == 2
     rest = alloc.alloc(2)
     assert rest is not None
-    assert set(rest.tolist()) == set(range(1, 9)) - set(held.tolist())
+    assert set(rest) == set(range(1, 9)) - set(held)
     assert alloc.alloc(1) is None
 
 
@@ -64,27 +76,69 @@ def test_free_returns_slots_and_they_are_reused() -> None:
     assert alloc.available_size() == 3
     again = alloc.alloc(3)
     assert again is not None
-    assert sorted(again.tolist()) == sorted(a[2:5].tolist())
+    assert sorted(again) == sorted(a[2:5])
 
 
-def test_free_accepts_empty_and_int32() -> None:
+def test_freed_slots_are_used_once_fresh_ones_run_short() -> None:
+    """Frees are parked and merged only when the fresh slots do not cover an allocation; the
+    merged allocation still comes out lowest first."""
+    alloc = TokenAllocator(10)
+    a = alloc.alloc(6)
+    assert a == [1, 2, 3, 4, 5, 6]
+    alloc.free([5, 2])
+    assert alloc.available_size() == 6
+    got = alloc.alloc(5)
+    assert got is not None
+    assert set(got) <= {2, 5, 7, 8, 9, 10} and len(set(got)) == 5
+    assert got == sorted(got)
+    assert alloc.available_size() == 1
+    assert _free_set(alloc) == {2, 5, 7, 8, 9, 10} - set(got)
+
+
+def test_free_of_empty_list_is_a_noop() -> None:
     alloc = TokenAllocator(4)
-    alloc.free(torch.empty(0, dtype=torch.int64))
+    alloc.free([])
+    assert alloc.available_size() == 4
     a = alloc.alloc(2)
     assert a is not None
-    alloc.free(a.to(torch.int32))
+    alloc.free([])
+    assert alloc.available_size() == 2
+    alloc.free(a)
     assert alloc.available_size() == 4
 
 
+def test_free_in_any_order_and_across_allocations() -> None:
+    """A request's slots may come from several allocations (prefix chunks, decode tokens) and be
+    freed in one unsorted list."""
+    alloc = TokenAllocator(8)
+    a = alloc.alloc(3)
+    b = alloc.alloc(2)
+    assert a is not None and b is not None
+    alloc.free([b[1], a[2], a[0], b[0]])
+    assert alloc.available_size() == 7
+    assert _free_set(alloc) == set(range(1, 9)) - {a[1]}
+
+
 def test_free_copies_its_input() -> None:
-    """A caller that reuses the tensor it freed must not corrupt the free list."""
+    """A caller that reuses the list it freed must not corrupt the free list."""
     alloc = TokenAllocator(4)
     a = alloc.alloc(2)
     assert a is not None
-    buf = a.clone()
+    buf = list(a)
     alloc.free(buf)
-    buf.fill_(0)
+    buf[:] = [0, 0]
     assert _free_set(alloc) == {1, 2, 3, 4}
+
+
+def test_alloc_result_is_owned_by_the_caller() -> None:
+    """Mutating a returned list (appending decode slots to it, say) does not touch the free list."""
+    alloc = TokenAllocator(4)
+    a = alloc.alloc(2)
+    assert a is not None
+    a.append(99)
+    a[0] = 0
+    assert alloc.available_size() == 2
+    assert _free_set(alloc) == {3, 4}
 
 
 def test_double_free_raises() -> None:
@@ -102,7 +156,7 @@ def test_duplicate_slot_in_one_free_raises() -> None:
     a = alloc.alloc(3)
     assert a is not None
     with pytest.raises(RuntimeError):
-        alloc.free(torch.cat([a, a[:1]]))
+        alloc.free(a + a[:1])
     # A rejected free changes nothing: the slots are still allocated and can be freed normally.
     assert alloc.available_size() == 5
     alloc.free(a)
@@ -113,14 +167,25 @@ def test_duplicate_slot_in_one_free_raises() -> None:
 def test_free_of_invalid_slot_raises(slot: int) -> None:
     alloc = TokenAllocator(8)
     with pytest.raises(RuntimeError):
-        alloc.free(torch.tensor([slot]))
+        alloc.free([slot])
 
 
 def test_free_of_never_allocated_slot_raises() -> None:
     alloc = TokenAllocator(8)
     alloc.alloc(2)
     with pytest.raises(RuntimeError):
-        alloc.free(torch.tensor([5]))
+        alloc.free([5])
+
+
+def test_rejected_free_with_some_valid_slots_frees_none_of_them() -> None:
+    alloc = TokenAllocator(8)
+    a = alloc.alloc(3)
+    assert a is not None
+    with pytest.raises(RuntimeError):
+        alloc.free([a[0], a[1], 7])  # 7 was never allocated
+    assert alloc.available_size() == 5
+    alloc.free(a)
+    assert alloc.available_size() == 8
 
 
 def test_clear_frees_everything() -> None:
@@ -134,23 +199,66 @@ def test_clear_frees_everything() -> None:
     # Slots from before the clear are no longer allocated.
     with pytest.raises(RuntimeError):
         alloc.free(a[2:])
+    # And allocation starts over from the lowest slots.
+    assert alloc.alloc(3) == [1, 2, 3]
 
 
 def test_many_alloc_free_cycles_keep_exact_accounting() -> None:
     alloc = TokenAllocator(1000)
-    gen = torch.Generator().manual_seed(0)
-    held: list[torch.Tensor] = []
+    rng = random.Random(0)
+    held: list[list[int]] = []
     for _ in range(200):
-        n = int(torch.randint(0, 50, (1,), generator=gen))
-        got = alloc.alloc(n)
+        got = alloc.alloc(rng.randrange(50))
         if got is not None:
             held.append(got)
-        if held and bool(torch.rand(1, generator=gen) < 0.5):
-            alloc.free(held.pop(int(torch.randint(0, len(held), (1,), generator=gen))))
-    in_use = torch.cat(held).tolist() if held else []
+        if held and rng.random() < 0.5:
+            alloc.free(held.pop(rng.randrange(len(held))))
+    in_use = [s for part in held for s in part]
     assert len(set(in_use)) == len(in_use)
     assert alloc.available_size() + len(in_use) == 1000
     assert _free_set(alloc) == set(range(1, 1001)) - set(in_use)
+
+
+def test_row_allocator_alloc_free() -> None:
+    rows = RowAllocator(3)
+    assert rows.max_reqs == 3
+    assert rows.available_size() == 3
+    # Lowest free row first.
+    assert [rows.alloc() for _ in range(3)] == [0, 1, 2]
+    assert rows.alloc() is None
+    assert rows.available_size() == 0
+    rows.free(1)
+    assert rows.available_size() == 1
+    assert rows.alloc() == 1
+    assert rows.alloc() is None
+
+
+def test_row_allocator_double_free_and_invalid_raise() -> None:
+    rows = RowAllocator(2)
+    idx = rows.alloc()
+    assert idx is not None
+    rows.free(idx)
+    with pytest.raises(RuntimeError):
+        rows.free(idx)
+    for bad in (2, -1):
+        with pytest.raises(RuntimeError):
+            rows.free(bad)
+    # A row that was never handed out cannot be freed either.
+    with pytest.raises(RuntimeError):
+        rows.free(1)
+    assert rows.available_size() == 2
+    assert {rows.alloc(), rows.alloc()} == {0, 1}
+
+
+def test_row_allocator_clear_and_size_validation() -> None:
+    rows = RowAllocator(2)
+    rows.alloc()
+    rows.alloc()
+    rows.clear()
+    assert rows.available_size() == 2
+    assert rows.alloc() == 0
+    with pytest.raises(ValueError):
+        RowAllocator(0)
 
 
 def test_kv_pool_shapes_and_dummy_slot() -> None:
@@ -197,37 +305,44 @@ def test_kv_pool_bytes_per_token() -> None:
     assert KVPool.bytes_per_token_for(3, 2, 8, torch.float32) == 2 * expected
 
 
-def test_req_to_token_pool_alloc_free() -> None:
-    pool = ReqToTokenPool(max_reqs=3, max_context_len=5, device="cpu")
-    assert pool.req_to_token.shape == (3, 5)
-    assert pool.req_to_token.dtype == torch.int64
-    assert torch.all(pool.req_to_token == 0)
-    assert pool.available_size() == 3
-    rows = [pool.alloc() for _ in range(3)]
-    assert sorted(r for r in rows if r is not None) == [0, 1, 2]
-    assert pool.alloc() is None
-    assert pool.available_size() == 0
-    pool.free(1)
-    assert pool.available_size() == 1
-    assert pool.alloc() == 1
+def test_req_to_token_table_starts_zeroed() -> None:
+    table = ReqToTokenTable(max_reqs=3, max_context_len=5, device="cpu")
+    assert table.max_reqs == 3 and table.max_context_len == 5
+    assert table.req_to_token.shape == (3, 5)
+    assert table.req_to_token.dtype == torch.int64
+    assert table.req_to_token.device == torch.device("cpu")
+    assert torch.all(table.req_to_token == 0)
 
 
-def test_req_to_token_pool_double_free_and_invalid_raise() -> None:
-    pool = ReqToTokenPool(max_reqs=2, max_context_len=4)
-    idx = pool.alloc()
-    assert idx is not None
-    pool.free(idx)
-    with pytest.raises(RuntimeError):
-        pool.free(idx)
-    with pytest.raises(RuntimeError):
-        pool.free(2)
-    assert pool.available_size() == 2
+@pytest.mark.parametrize(("max_reqs", "max_context_len"), [(0, 4), (2, 0), (-1, 4)])
+def test_req_to_token_table_rejects_nonpositive_dimensions(max_reqs: int, max_context_len: int) -> None:
+    with pytest.raises(ValueError):
+        ReqToTokenTable(max_reqs, max_context_len)
 
 
-def test_req_to_token_pool_clear() -> None:
-    pool = ReqToTokenPool(max_reqs=2, max_context_len=4)
-    pool.alloc()
-    pool.alloc()
-    pool.clear()
-    assert pool.available_size() == 2
-    assert pool.alloc() == 0
+def test_req_to_token_table_write_scatters_entries() -> None:
+    """One write sets (row, col) -> slot for entries of several rows and leaves the rest alone."""
+    table = ReqToTokenTable(max_reqs=3, max_context_len=5)
+    table.req_to_token.fill_(-1)
+    # Row 2 gets a three-token prefill, row 0 one decode token at position 4.
+    rows = torch.tensor([2, 2, 2, 0])
+    cols = torch.tensor([0, 1, 2, 4])
+    slots = torch.tensor([7, 3, 9, 11])
+    table.write(rows, cols, slots)
+    assert table.req_to_token.tolist() == [
+        [-1, -1, -1, -1, 11],
+        [-1, -1, -1, -1, -1],
+        [7, 3, 9, -1, -1],
+    ]
+    # A later write overwrites entries (a row reused by the next request) and extends others.
+    table.write(torch.tensor([2, 0]), torch.tensor([0, 3]), torch.tensor([5, 6]))
+    assert table.req_to_token[2].tolist() == [5, 3, 9, -1, -1]
+    assert table.req_to_token[0].tolist() == [-1, -1, -1, 6, 11]
+    assert table.req_to_token[1].tolist() == [-1] * 5
+
+
+def test_req_to_token_table_write_of_nothing_is_a_noop() -> None:
+    table = ReqToTokenTable(max_reqs=2, max_context_len=3)
+    empty = torch.empty(0, dtype=torch.int64)
+    table.write(empty, empty, empty)
+    assert torch.all(table.req_to_token == 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from radixlm_runtime.kvcache import RadixCache, TokenAllocator, TreeNode
 
@@ -13,12 +12,12 @@ def _make(size: int = 64) -> tuple[TokenAllocator, RadixCache]:
     return alloc, RadixCache(alloc)
 
 
-def _insert_new(alloc: TokenAllocator, cache: RadixCache, key: list[int]) -> torch.Tensor:
+def _insert_new(alloc: TokenAllocator, cache: RadixCache, key: list[int]) -> list[int]:
     """Caches key the way a finished request does: fresh slots for its uncached suffix."""
     prefix, _ = cache.match_prefix(key)
     new = alloc.alloc(len(key) - len(prefix))
     assert new is not None
-    value = torch.cat([prefix, new])
+    value = prefix + new
     assert cache.insert(key, value) == len(prefix)
     return value
 
@@ -41,7 +40,7 @@ def _nodes(cache: RadixCache) -> list[TreeNode]:
 def test_empty_cache_matches_nothing() -> None:
     alloc, cache = _make()
     value, node = cache.match_prefix([1, 2, 3])
-    assert value.numel() == 0 and value.dtype == torch.int64
+    assert value == []
     assert node is cache.root_node
     assert cache.total_size() == 0
     assert cache.root_node.lock_ref == 1
@@ -49,13 +48,13 @@ def test_empty_cache_matches_nothing() -> None:
 
 def test_empty_key_insert_and_match() -> None:
     alloc, cache = _make()
-    assert cache.insert([], torch.empty(0, dtype=torch.int64)) == 0
+    assert cache.insert([], []) == 0
     value, node = cache.match_prefix([])
-    assert value.numel() == 0 and node is cache.root_node
+    assert value == [] and node is cache.root_node
     _insert_new(alloc, cache, [1, 2])
     value, node = cache.match_prefix([])
-    assert value.numel() == 0 and node is cache.root_node
-    assert cache.insert([], torch.empty(0, dtype=torch.int64)) == 0
+    assert value == [] and node is cache.root_node
+    assert cache.insert([], []) == 0
     _check_accounting(alloc, cache)
 
 
@@ -63,15 +62,15 @@ def test_insert_then_match_returns_the_inserted_slots() -> None:
     alloc, cache = _make()
     value = _insert_new(alloc, cache, [1, 2, 3, 4])
     got, node = cache.match_prefix([1, 2, 3, 4])
-    assert torch.equal(got, value)
+    assert got == value
     assert node.key == [1, 2, 3, 4]
     # A longer query matches the cached part only.
     got, node = cache.match_prefix([1, 2, 3, 4, 5, 6])
-    assert torch.equal(got, value)
+    assert got == value
     assert node.key == [1, 2, 3, 4]
     # A query diverging at the first token matches nothing.
     got, node = cache.match_prefix([2, 2])
-    assert got.numel() == 0 and node is cache.root_node
+    assert got == [] and node is cache.root_node
     assert cache.total_size() == 4 and cache.evictable_size() == 4
     _check_accounting(alloc, cache)
 
@@ -86,7 +85,7 @@ def test_insert_returns_already_present_prefix_length() -> None:
     assert cache.insert([1, 2, 3, 7, 8], dup) == 3
     alloc.free(dup[:3])
     got, _ = cache.match_prefix([1, 2, 3, 7, 8])
-    assert torch.equal(got, torch.cat([first, dup[3:]]))
+    assert got == first + dup[3:]
     assert cache.total_size() == 5
     _check_accounting(alloc, cache)
 
@@ -104,16 +103,16 @@ def test_match_inside_an_edge_splits_the_node() -> None:
     alloc, cache = _make()
     value = _insert_new(alloc, cache, [1, 2, 3, 4, 5])
     got, node = cache.match_prefix([1, 2, 3, 9])
-    assert torch.equal(got, value[:3])
+    assert got == value[:3]
     assert node.key == [1, 2, 3]
-    assert torch.equal(node.value, value[:3])
+    assert node.value == value[:3]
     assert node.parent is cache.root_node
     (child,) = node.children.values()
-    assert child.key == [4, 5] and torch.equal(child.value, value[3:])
+    assert child.key == [4, 5] and child.value == value[3:]
     assert child.parent is node
     # The full key still matches across the split.
     got, deepest = cache.match_prefix([1, 2, 3, 4, 5])
-    assert torch.equal(got, value) and deepest is child
+    assert got == value and deepest is child
     assert cache.total_size() == 5
     _check_accounting(alloc, cache)
 
@@ -122,8 +121,75 @@ def test_match_with_query_ending_inside_an_edge_splits_there() -> None:
     alloc, cache = _make()
     value = _insert_new(alloc, cache, [1, 2, 3, 4])
     got, node = cache.match_prefix([1, 2])
-    assert torch.equal(got, value[:2])
+    assert got == value[:2]
     assert node.key == [1, 2]
+
+
+def test_match_node_reports_length_and_node_like_match_prefix() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
+    _insert_new(alloc, cache, [1, 2, 3, 4, 5, 6])
+    # Full match, longer query, diverging query and a miss.
+    for key, want in (([1, 2, 3, 4], 4), ([1, 2, 3, 4, 5, 6, 7], 6), ([1, 2, 3, 4, 9], 4), ([7], 0)):
+        length, node = cache.match_node(key)
+        slots, same = cache.match_prefix(key)
+        assert length == want == len(slots)
+        assert same is node
+        assert cache.path_slots(node) == slots
+    assert cache.match_node([1, 2, 3, 4])[1].value == value
+    assert cache.match_node([])[0] == 0 and cache.match_node([])[1] is cache.root_node
+    _check_accounting(alloc, cache)
+
+
+def test_match_node_on_empty_cache() -> None:
+    _, cache = _make()
+    length, node = cache.match_node([1, 2, 3])
+    assert length == 0 and node is cache.root_node
+    assert cache.path_slots(node) == []
+
+
+def test_match_node_inside_an_edge_splits_so_the_node_can_be_locked() -> None:
+    """match_node splits the way match_prefix does: locking its node pins exactly the matched tokens."""
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4, 5])
+    length, node = cache.match_node([1, 2, 3, 9])
+    assert length == 3
+    assert node.key == [1, 2, 3] and node.value == value[:3]
+    assert node.parent is cache.root_node
+    (child,) = node.children.values()
+    assert child.key == [4, 5] and child.value == value[3:]
+    cache.inc_lock_ref(node)
+    assert cache.protected_size() == 3 and cache.evictable_size() == 2
+    assert cache.evict(100) == 2
+    assert cache.match_prefix([1, 2, 3, 4, 5])[0] == value[:3]
+    cache.dec_lock_ref(node)
+    _check_accounting(alloc, cache)
+
+
+def test_path_slots_concatenates_slots_from_root_to_node() -> None:
+    alloc, cache = _make()
+    a = _insert_new(alloc, cache, [1, 2, 3, 4])
+    b = _insert_new(alloc, cache, [1, 2, 7, 8, 9])
+    _, upper = cache.match_node([1, 2])
+    _, leaf_a = cache.match_node([1, 2, 3, 4])
+    _, leaf_b = cache.match_node([1, 2, 7, 8, 9])
+    assert leaf_a.parent is upper and leaf_b.parent is upper
+    assert cache.path_slots(upper) == a[:2]
+    assert cache.path_slots(leaf_a) == a
+    assert cache.path_slots(leaf_b) == a[:2] + b[2:]
+    assert cache.path_slots(cache.root_node) == []
+
+
+def test_match_node_refreshes_lru_order() -> None:
+    """The scheduler re-matches waiting requests with match_node: that counts as an access."""
+    alloc, cache = _make()
+    a = _insert_new(alloc, cache, [1, 1])
+    _insert_new(alloc, cache, [2, 2])
+    cache.match_node([1, 1])
+    assert cache.evict(1) == 2
+    assert cache.match_prefix([1, 1])[0] == a
+    assert cache.match_prefix([2, 2])[0] == []
+    _check_accounting(alloc, cache)
 
 
 def test_insert_diverging_mid_edge_creates_branch() -> None:
@@ -135,8 +201,8 @@ def test_insert_diverging_mid_edge_creates_branch() -> None:
     alloc.free(b[:2])
     got_a, node_a = cache.match_prefix([1, 2, 3, 4])
     got_b, node_b = cache.match_prefix([1, 2, 7, 8])
-    assert torch.equal(got_a, a)
-    assert torch.equal(got_b, torch.cat([a[:2], b[2:]]))
+    assert got_a == a
+    assert got_b == a[:2] + b[2:]
     assert node_a.parent is node_b.parent
     assert node_a.parent is not None and node_a.parent.key == [1, 2]
     assert cache.total_size() == 6
@@ -147,15 +213,15 @@ def test_insert_after_match_on_split_path() -> None:
     alloc, cache = _make()
     a = _insert_new(alloc, cache, [5, 6, 7, 8])
     prefix, node = cache.match_prefix([5, 6, 9])
-    assert torch.equal(prefix, a[:2])
+    assert prefix == a[:2]
     cache.inc_lock_ref(node)
     new = alloc.alloc(2)
     assert new is not None
-    value = torch.cat([prefix, new])
+    value = prefix + new
     assert cache.insert([5, 6, 9, 10], value) == 2
     cache.dec_lock_ref(node)
     got, _ = cache.match_prefix([5, 6, 9, 10])
-    assert torch.equal(got, value)
+    assert got == value
     assert cache.protected_size() == 0 and cache.evictable_size() == 6
     _check_accounting(alloc, cache)
 
@@ -163,19 +229,33 @@ def test_insert_after_match_on_split_path() -> None:
 def test_insert_rejects_mismatched_value_length() -> None:
     _, cache = _make()
     with pytest.raises(ValueError):
-        cache.insert([1, 2, 3], torch.tensor([1, 2]))
+        cache.insert([1, 2, 3], [1, 2])
 
 
 def test_insert_copies_value() -> None:
-    """Callers pass views of req_to_token rows that are later overwritten."""
+    """Callers pass their request's token and slot lists, which they keep appending to (decode
+    tokens) or overwrite after the insert."""
     alloc, cache = _make()
     slots = alloc.alloc(3)
     assert slots is not None
-    row = slots.clone()
-    cache.insert([1, 2, 3], row)
-    row.fill_(0)
+    key, row = [1, 2, 3], list(slots)
+    cache.insert(key, row)
+    row[:] = [0, 0, 0]
+    row.append(7)
+    key[:] = [9, 9, 9]
+    got, node = cache.match_prefix([1, 2, 3])
+    assert got == slots and node.key == [1, 2, 3]
+
+
+def test_match_prefix_returns_a_list_the_caller_owns() -> None:
+    """A request extends its matched prefix with fresh slots in place; the tree must not see it."""
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3])
     got, _ = cache.match_prefix([1, 2, 3])
-    assert torch.equal(got, slots)
+    got.append(50)
+    got[0] = 0
+    assert cache.match_prefix([1, 2, 3])[0] == value
+    assert cache.path_slots(cache.match_node([1, 2, 3])[1]) == value
 
 
 def test_lock_moves_tokens_between_counters_along_the_path() -> None:
@@ -218,11 +298,12 @@ def test_evict_frees_least_recently_used_leaf_first() -> None:
     old = _insert_new(alloc, cache, [1, 1, 1])
     new = _insert_new(alloc, cache, [2, 2, 2])
     assert cache.evict(1) == 3
-    assert cache.match_prefix([1, 1, 1])[0].numel() == 0
-    assert torch.equal(cache.match_prefix([2, 2, 2])[0], new)
+    assert cache.match_prefix([1, 1, 1])[0] == []
+    assert cache.match_prefix([2, 2, 2])[0] == new
     assert alloc.available_size() == 64 - 3
     # The freed slots are exactly the evicted node's: they can be allocated again.
-    assert set(old.tolist()) <= set(alloc.alloc(alloc.available_size()).tolist())
+    rest = alloc.alloc(alloc.available_size())
+    assert rest is not None and set(old) <= set(rest)
 
 
 def test_access_refreshes_lru_order() -> None:
@@ -232,9 +313,9 @@ def test_access_refreshes_lru_order() -> None:
     _insert_new(alloc, cache, [3, 3])
     cache.match_prefix([1, 1])  # [1, 1] is now the most recently used
     assert cache.evict(3) == 4
-    assert torch.equal(cache.match_prefix([1, 1])[0], a)
-    assert cache.match_prefix([2, 2])[0].numel() == 0
-    assert cache.match_prefix([3, 3])[0].numel() == 0
+    assert cache.match_prefix([1, 1])[0] == a
+    assert cache.match_prefix([2, 2])[0] == []
+    assert cache.match_prefix([3, 3])[0] == []
     _check_accounting(alloc, cache)
 
 
@@ -242,11 +323,11 @@ def test_evict_climbs_to_parent_once_its_last_child_goes() -> None:
     alloc, cache = _make()
     _insert_new(alloc, cache, [1, 2, 3])
     _insert_new(alloc, cache, [1, 2, 4])
-    _insert_new(alloc, cache, [9, 9])  # newest, so evicted last
+    newest = _insert_new(alloc, cache, [9, 9])  # newest, so evicted last
     assert cache.evict(4) == 4
     # [3], [4] and then their parent [1, 2] went before the newer [9, 9].
-    assert cache.match_prefix([1])[0].numel() == 0
-    assert cache.match_prefix([9, 9])[0].numel() == 2
+    assert cache.match_prefix([1])[0] == []
+    assert cache.match_prefix([9, 9])[0] == newest
     assert cache.total_size() == 2
     _check_accounting(alloc, cache)
 
@@ -260,8 +341,8 @@ def test_locked_paths_are_never_evicted() -> None:
     cache.inc_lock_ref(node)
     # Ask for everything: only the unlocked branch [5, 6] and [7, 8] can go.
     assert cache.evict(100) == 4
-    assert torch.equal(cache.match_prefix([1, 2, 3, 4])[0], locked)
-    assert cache.match_prefix([7])[0].numel() == 0
+    assert cache.match_prefix([1, 2, 3, 4])[0] == locked
+    assert cache.match_prefix([7])[0] == []
     assert cache.protected_size() == 4 and cache.evictable_size() == 0
     assert cache.evict(1) == 0
     cache.dec_lock_ref(node)
@@ -274,11 +355,11 @@ def test_locked_paths_are_never_evicted() -> None:
 
 def test_locked_inner_node_protects_only_its_path() -> None:
     alloc, cache = _make()
-    _insert_new(alloc, cache, [1, 2, 3, 4])
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
     _, inner = cache.match_prefix([1, 2])
     cache.inc_lock_ref(inner)
     assert cache.evict(100) == 2
-    assert cache.match_prefix([1, 2, 3])[0].numel() == 2
+    assert cache.match_prefix([1, 2, 3])[0] == value[:2]
     assert cache.total_size() == 2 and cache.protected_size() == 2
     cache.dec_lock_ref(inner)
     _check_accounting(alloc, cache)
@@ -310,7 +391,7 @@ def test_reset_frees_everything() -> None:
     cache.reset()
     assert cache.total_size() == 0 and cache.evictable_size() == 0
     assert alloc.available_size() == 16
-    assert cache.match_prefix([1, 2, 3])[0].numel() == 0
+    assert cache.match_prefix([1, 2, 3])[0] == []
     # The cache is usable again after a reset.
     _insert_new(alloc, cache, [1, 2, 3])
     assert cache.total_size() == 3
@@ -332,9 +413,9 @@ def test_reset_refuses_while_locked() -> None:
 
 def test_pretty_print_lists_every_node() -> None:
     alloc, cache = _make()
-    _insert_new(alloc, cache, [1, 2, 3])
-    _insert_new(alloc, cache, [1, 2, 4])
+    a = _insert_new(alloc, cache, [1, 2, 3])
+    b = _insert_new(alloc, cache, [1, 2, 4])
     text = cache.pretty_print()
     assert "total=4" in text
-    for key in ("[1, 2]", "[3]", "[4]"):
-        assert f"key={key}" in text
+    for key, value in (([1, 2], a[:2]), ([3], a[2:]), ([4], b[2:])):
+        assert f"key={key} value={value} " in text

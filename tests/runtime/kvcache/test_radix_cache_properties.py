@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -30,7 +29,7 @@ class Request:
     """A running request: its matched prefix is locked, the rest of value is its own fresh slots."""
 
     key: list[int]
-    value: torch.Tensor
+    value: list[int]
     prefix_len: int
     node: TreeNode
 
@@ -44,11 +43,11 @@ def _tree_contents(cache: RadixCache) -> dict[Prefix, int]:
         for first, child in node.children.items():
             assert child.parent is node
             assert len(child.key) > 0 and child.key[0] == first
-            assert child.value.dtype == torch.int64
-            assert child.value.numel() == len(child.key)
+            assert isinstance(child.value, list) and all(type(s) is int for s in child.value)
+            assert len(child.value) == len(child.key)
             assert 0 <= child.lock_ref <= node.lock_ref or node is cache.root_node
             path = prefix
-            for tok, slot in zip(child.key, child.value.tolist(), strict=True):
+            for tok, slot in zip(child.key, child.value, strict=True):
                 path = (*path, tok)
                 out[path] = slot
             stack.append((child, path))
@@ -112,8 +111,13 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(key=keys)
     def match(self, key: list[int]) -> None:
         value, node = self.cache.match_prefix(key)
-        assert value.tolist() == self._expected_match(key)
-        assert self._path_of(node) == tuple(key[: value.numel()])
+        assert value == self._expected_match(key)
+        assert self._path_of(node) == tuple(key[: len(value)])
+        # match_node finds the same node (already split by the match above) without gathering slots,
+        # and path_slots gathers exactly them.
+        length, same = self.cache.match_node(key)
+        assert length == len(value) and same is node
+        assert self.cache.path_slots(node) == value
 
     @rule(key=keys)
     def start_request(self, key: list[int]) -> None:
@@ -123,9 +127,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     def _start(self, key: list[int]) -> Request | None:
         prefix, node = self.cache.match_prefix(key)
-        assert prefix.tolist() == self._expected_match(key)
+        assert prefix == self._expected_match(key)
         self.cache.inc_lock_ref(node)
-        need = len(key) - prefix.numel()
+        need = len(key) - len(prefix)
         self._evict_for(need)
         fresh = self.alloc.alloc(need)
         if fresh is None:
@@ -133,8 +137,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             self.cache.dec_lock_ref(node)
             return None
         # The locked prefix must have survived the eviction made for this very request.
-        assert self.cache.match_prefix(key)[0][: prefix.numel()].tolist() == prefix.tolist()
-        return Request(key, torch.cat([prefix, fresh]), prefix.numel(), node)
+        assert self.cache.match_prefix(key)[0][: len(prefix)] == prefix
+        assert self.cache.path_slots(node) == prefix
+        return Request(key, prefix + fresh, len(prefix), node)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -157,14 +162,14 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for i in range(len(req.key)):
             path = tuple(req.key[: i + 1])
             if i < req.prefix_len:
-                assert self.model[path] == int(req.value[i])
+                assert self.model[path] == req.value[i]
             elif i >= cached:
                 assert path not in self.model
-                self.model[path] = int(req.value[i])
+                self.model[path] = req.value[i]
         self.cache.dec_lock_ref(req.node)
         got, node = self.cache.match_prefix(req.key)
-        assert got.numel() == len(req.key)
-        assert got.tolist() == [self.model[tuple(req.key[: i + 1])] for i in range(len(req.key))]
+        assert len(got) == len(req.key)
+        assert got == [self.model[tuple(req.key[: i + 1])] for i in range(len(req.key))]
         assert self._path_of(node) == tuple(req.key)
 
     @precondition(lambda self: self.requests)
@@ -176,7 +181,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @rule(key=keys)
     def lock(self, key: list[int]) -> None:
-        _, node = self.cache.match_prefix(key)
+        # The scheduler pins a waiting request's prefix through match_node (no slots gathered).
+        length, node = self.cache.match_node(key)
+        assert length == len(self._expected_match(key))
+        assert self._path_of(node) == tuple(key[:length])
         self.cache.inc_lock_ref(node)
         self.locks.append(node)
 
@@ -219,9 +227,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
         free = self.alloc.alloc(self.alloc.available_size())
         assert free is not None
         self.alloc.free(free)
-        free_slots = free.tolist()
+        free_slots = free
         tree_slots = list(self.model.values())
-        caller_slots = [s for r in self.requests for s in r.value[r.prefix_len :].tolist()]
+        caller_slots = [s for r in self.requests for s in r.value[r.prefix_len :]]
         everything = free_slots + tree_slots + caller_slots
         assert len(everything) == len(set(everything)), "a slot is in two places"
         assert set(everything) == set(range(1, self.alloc.size + 1)), "a slot leaked"

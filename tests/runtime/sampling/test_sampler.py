@@ -30,7 +30,7 @@ def build(
     banned: list[list[int]] | None = None,
     seeded: bool = True,
 ) -> SamplingBatchInfo:
-    gens = [make_generator(p) for p in params] if seeded else [None] * len(params)
+    gens = [None if p.seed is None or not seeded else make_generator(p.seed) for p in params]
     return SamplingBatchInfo.build(params, gens, history, vocab_size, banned_token_ids=banned)
 
 
@@ -100,7 +100,7 @@ def test_seeded_request_samples_the_same_in_any_batch() -> None:
 
     def run(position: int, others: list[SamplingParams]) -> list[int]:
         params = others[:position] + [target] + others[position:]
-        gens = [make_generator(p) for p in params]
+        gens = [None if p.seed is None else make_generator(p.seed) for p in params]
         logits = random_logits(len(params), vocab, seed=4)
         logits[position] = target_logits
         sampler = Sampler(seed=position)
@@ -122,7 +122,7 @@ def test_different_seeds_differ_and_same_seed_repeats() -> None:
 
     def sequence(seed: int) -> list[int]:
         params = [sp(seed=seed)]
-        gens = [make_generator(params[0])]
+        gens = [make_generator(params[0].seed)]
         sampler = Sampler(seed=0)
         return [
             int(sampler(logits, SamplingBatchInfo.build(params, gens, None, 100)).next_token_ids)

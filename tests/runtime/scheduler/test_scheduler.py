@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scheduler_helpers import assert_no_leak
+from scheduler_helpers import assert_no_leak, make_req, message
 
 import radixlm_runtime as rt
-from radixlm_runtime.kvcache.pool import TokenAllocator
+from radixlm_runtime.kvcache.allocator import TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache
-from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.policy import SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 
@@ -86,16 +85,15 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
     )
     sched = engine.scheduler
     prompts = _prompts(12)
-    reqs = [Req(f"r{i}", p, SamplingParams.from_dict(GREEDY)) for i, p in enumerate(prompts)]
-    sched.add_request(reqs[0])
+    msgs = [message(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    reqs = [sched.submit(msgs[0])]
     steps = 0
     while len(reqs[0].output_ids) < 2:
         sched.step()
         steps += 1
     # A 46-token prompt under a 24-token budget: two prefill chunks, then one decode.
-    assert steps == 3 and sched.running == [reqs[0]]
-    for r in reqs[1:]:
-        sched.add_request(r)
+    assert steps == 3 and sched.admission.running == [reqs[0]]
+    reqs += [sched.submit(m) for m in msgs[1:]]
     sched.step()
     # The decode kept going in the same step the newcomers started prefilling.
     assert len(reqs[0].output_ids) == 3
@@ -109,14 +107,13 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
 def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
     sched = engine.scheduler
-    reqs = [Req(f"r{i}", p, SamplingParams.from_dict(GREEDY)) for i, p in enumerate(_prompts(4))]
-    for r in reqs:
-        sched.add_request(r)
+    reqs = [sched.submit(message(f"r{i}", p, GREEDY)) for i, p in enumerate(_prompts(4))]
     sched.step()
     sched.step()
     sched.abort("r1")
     finished = sched.step()
-    assert reqs[1] in finished and reqs[1].finished_reason["type"] == "abort"
+    assert [o.rid for o in finished if o.finished_reason is not None] == ["r1"]
+    assert reqs[1].finished_reason is not None and reqs[1].finished_reason.kind == "abort"
     while sched.has_work():
         sched.step()
     assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == [reference[i] for i in (0, 2, 3)]
@@ -136,7 +133,7 @@ def test_finished_requests_leave_kv_in_tree(tiny_llama_dir: Path) -> None:
 
 
 def _req(rid: str, ids: list[int]) -> Req:
-    return Req(rid, ids, SamplingParams())
+    return make_req(rid, ids)
 
 
 def test_lpm_orders_by_cached_prefix() -> None:
@@ -146,7 +143,7 @@ def test_lpm_orders_by_cached_prefix() -> None:
     waiting = [_req("none", [9, 9, 9]), _req("short", [1, 2, 7, 7]), _req("long", [1, 2, 3, 4, 5, 8])]
     ordered = SchedulePolicy("lpm", tree).order(waiting)
     assert [r.rid for r in ordered] == ["long", "short", "none"]
-    assert [len(r.prefix_indices) for r in ordered] == [5, 2, 0]
+    assert [r.prefix_len for r in ordered] == [5, 2, 0]
     assert [r.rid for r in SchedulePolicy("fcfs", tree).order(waiting)] == ["none", "short", "long"]
 
 
@@ -169,4 +166,4 @@ def test_dfs_weight_keeps_prefix_groups_together() -> None:
 
 def test_unknown_policy_rejected() -> None:
     with pytest.raises(ValueError, match="schedule_policy"):
-        rt.ServerArgs(schedule_policy="random")
+        rt.ServerArgs.from_kwargs(schedule_policy="random")

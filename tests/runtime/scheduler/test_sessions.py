@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from scheduler_helpers import make_req, message
 
 import radixlm_runtime as rt
-from radixlm_runtime.kvcache.pool import ReqToTokenPool, TokenAllocator
+from radixlm_runtime.io.messages import GenerateReq
+from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache
-from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.cache import CacheManager
 from radixlm_runtime.scheduler.policy import SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
@@ -29,7 +30,7 @@ class FakeClock:
 
 
 def _cache(size: int = 128, disable: bool = False, max_pinned: int = 0) -> tuple[CacheManager, FakeClock]:
-    cm = CacheManager(TokenAllocator(size), ReqToTokenPool(8, 256), disable)
+    cm = CacheManager(TokenAllocator(size), RowAllocator(8), disable)
     clock = FakeClock()
     cm.sessions = SessionTable(cm.tree, TIMEOUT_S, max_pinned, clock)
     return cm, clock
@@ -38,17 +39,17 @@ def _cache(size: int = 128, disable: bool = False, max_pinned: int = 0) -> tuple
 def _serve(cm: CacheManager, rid: str, prompt: list[int], output: list[int], sid: str | None) -> Req:
     """Runs a request through the cache the way the scheduler does: open its session, admit it on
     its cached prefix, compute the KV of prompt + output, finish."""
-    req = Req(rid, list(prompt), SamplingParams(), session_id=sid)
+    req = make_req(rid, prompt, session_id=sid)
     if sid is not None:
         cm.sessions.open(sid, rid)
     if cm.tree is not None:
-        req.prefix_indices, req.last_node = cm.tree.match_prefix(req.fill_ids)
+        req.prefix_len, req.last_node = cm.tree.match_node(req.token_ids)
     assert cm.admit(req)
-    req.output_ids = list(output)
-    n = len(req.fill_ids) - req.kv_len
+    req.token_ids.extend(output)
+    n = len(req.token_ids) - req.kv_len
     slots = cm.alloc_slots(n)
     assert slots is not None
-    cm.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots
+    req.kv_slots.extend(slots)
     req.kv_len += n
     cm.finish(req)
     return req
@@ -121,11 +122,12 @@ def test_close_releases_the_pin() -> None:
 
 def test_closed_while_running_pins_nothing() -> None:
     cm, _ = _cache()
-    req = Req("r", _seq(1, 10), SamplingParams(), session_id="prog")
+    req = make_req("r", _seq(1, 10), session_id="prog")
     cm.sessions.open("prog", "r")
     assert cm.admit(req)
     slots = cm.alloc_slots(10)
-    cm.req_to_token[req.req_pool_idx, :10] = slots
+    assert slots is not None
+    req.kv_slots.extend(slots)
     req.kv_len = 10
     assert cm.sessions.close("prog") is True
     cm.finish(req)
@@ -215,11 +217,11 @@ def test_policy_admits_pinned_sessions_first() -> None:
     tree = RadixCache(alloc)
     tree.insert(_seq(1, 8), alloc.alloc(8))
     waiting = [
-        Req("long-match", _seq(1, 8) + [40], SamplingParams()),
-        Req("new-session", [9, 9, 9], SamplingParams(), session_id="fresh"),
-        Req("program", [7, 7], SamplingParams(), session_id="running"),
-        Req("short-match", _seq(1, 3) + [41], SamplingParams()),
-        Req("program-2", _seq(1, 4) + [42], SamplingParams(), session_id="running"),
+        make_req("long-match", _seq(1, 8) + [40]),
+        make_req("new-session", [9, 9, 9], session_id="fresh"),
+        make_req("program", [7, 7], session_id="running"),
+        make_req("short-match", _seq(1, 3) + [41]),
+        make_req("program-2", _seq(1, 4) + [42], session_id="running"),
     ]
     policy = SchedulePolicy("lpm", tree)
     assert [r.rid for r in policy.order(waiting)] == [
@@ -255,20 +257,20 @@ def _ids(seed: int, n: int) -> list[int]:
     return [(seed * 31 + 7 * j) % 250 + 3 for j in range(n)]
 
 
-def _run(engine: rt.Engine, reqs: list[Req], max_steps: int = 2000) -> None:
+def _run(engine: rt.Engine, msgs: list[GenerateReq], max_steps: int = 2000) -> list[Req]:
     sched = engine.scheduler
-    for r in reqs:
-        sched.add_request(r)
+    reqs = [sched.submit(m) for m in msgs]
     steps = 0
     while sched.has_work():
         sched.step()
         steps += 1
         assert steps < max_steps, f"no progress: {engine.get_server_info()}"
     assert all(r.finished for r in reqs)
+    return reqs
 
 
-def _req(rid: str, ids: list[int], max_new: int, sid: str | None) -> Req:
-    return Req(rid, ids, SamplingParams.from_dict(GREEDY | {"max_new_tokens": max_new}), session_id=sid)
+def _req(rid: str, ids: list[int], max_new: int, sid: str | None) -> GenerateReq:
+    return message(rid, ids, GREEDY | {"max_new_tokens": max_new}, session_id=sid)
 
 
 def _program_after_other_traffic(engine: rt.Engine, sid: str | None) -> tuple[int, list[int]]:
@@ -294,8 +296,8 @@ def test_pinned_history_is_rehit_after_other_traffic(tiny_llama_dir: Path) -> No
     assert engine.close_session("p") and not engine.close_session("p")
     info = engine.get_server_info()
     assert info["num_sessions"] == 0 and info["pinned_tokens"] == 0 and info["protected_tokens"] == 0
-    runner = engine.runner
-    assert runner.allocator.available_size() + info["cached_tokens_in_tree"] == runner.max_total_tokens
+    cache = engine.scheduler.cache
+    assert cache.allocator.available_size() + info["cached_tokens_in_tree"] == info["max_total_tokens"]
     # The same program without a session loses its history to the other traffic.
     control = rt.Engine(str(tiny_llama_dir), max_total_tokens=256, log_level="warning")
     assert _program_after_other_traffic(control, None)[0] < len(history) - 1
@@ -306,16 +308,13 @@ def test_pins_give_way_instead_of_deadlocking(tiny_llama_dir: Path) -> None:
     what is free: each call waits on the other's pin, and neither program is idle. The last resort
     (nothing running) unpins one, both calls finish."""
     engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=128, log_level="warning")
-    a1, b1 = _req("a1", _ids(1, 40), 10, "A"), _req("b1", _ids(2, 40), 10, "B")
-    _run(engine, [a1, b1])
+    a1, b1 = _run(engine, [_req("a1", _ids(1, 40), 10, "A"), _req("b1", _ids(2, 40), 10, "B")])
     assert engine.get_server_info()["pinned_tokens"] == 2 * 49
-    a2 = _req("a2", a1.fill_ids + _ids(3, 20), 20, "A")
-    b2 = _req("b2", b1.fill_ids + _ids(4, 20), 20, "B")
-    _run(engine, [a2, b2])
-    assert len(a2.output_ids) == len(b2.output_ids) == 20
+    a2_msg = _req("a2", a1.token_ids + _ids(3, 20), 20, "A")
+    a2, b2 = _run(engine, [a2_msg, _req("b2", b1.token_ids + _ids(4, 20), 20, "B")])
+    assert a2.output_len == b2.output_len == 20
     # A third program's call does not fit beside the idle pins: the least recently used goes.
-    c1 = _req("c1", _ids(5, 80), 8, "C")
-    _run(engine, [c1])
+    _run(engine, [_req("c1", _ids(5, 80), 8, "C")])
     assert engine.scheduler.cache.sessions.pinned_ids() == {"C"}
     for sid in ("A", "B", "C"):
         engine.close_session(sid)
@@ -329,15 +328,12 @@ def test_waiting_program_call_runs_before_new_work(tiny_llama_dir: Path) -> None
     )
     sched = engine.scheduler
     prompt = _ids(1, 30)
-    first = _req("p1", prompt, 4, "prog")
-    _run(engine, [first])
+    (first,) = _run(engine, [_req("p1", prompt, 4, "prog")])
     # A request with a longer cached prefix (LPM would pick it) and then the program's next call.
-    stranger = _req("x", first.fill_ids + _ids(2, 40), 4, None)
-    nxt = _req("p2", prompt + _ids(3, 4), 4, "prog")
-    sched.add_request(stranger)
-    sched.add_request(nxt)
+    sched.submit(_req("x", first.token_ids + _ids(2, 40), 4, None))
+    nxt = sched.submit(_req("p2", prompt + _ids(3, 4), 4, "prog"))
     sched.step()
-    assert sched.running == [nxt] or sched.chunked is nxt
+    assert sched.admission.running == [nxt] or sched.admission.chunked is nxt
     _run(engine, [])
     engine.close_session("prog")
     assert engine.get_server_info()["protected_tokens"] == 0

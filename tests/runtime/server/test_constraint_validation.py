@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.server import tokenizer_manager
 from radixlm_runtime.server.http_server import create_app
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
@@ -36,7 +36,7 @@ def test_slow_constraint_check_does_not_block_other_requests(
         real_validate(regex, json_schema)
 
     monkeypatch.setattr(tokenizer_manager, "validate_constraint", held_validate)
-    args = ServerArgs(model_path=str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
+    args = ServerArgs.from_kwargs(model_path=str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
     tm = TokenizerManager(args, tiny_llama_dir, load_tokenizer(tiny_llama_dir))
     tm.start_scheduler()
 

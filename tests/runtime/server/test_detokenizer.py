@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from radixlm_runtime.engine.tokenizer import load_tokenizer
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.server.tokenizer_manager import IncrementalDetokenizer, _stop_holdback
 
 TEXTS = [

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from radixlm_runtime.engine.tokenizer import load_tokenizer
-from radixlm_runtime.server import messages as msg
+from radixlm_runtime.io import messages as msg
+from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
 from radixlm_runtime.server_args import ServerArgs

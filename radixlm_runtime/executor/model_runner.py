@@ -1,4 +1,6 @@
-"""Owns the weights, the KV pool and the attention backend; turns a ForwardBatch into logits."""
+"""The model executor: owns the weights, the KV tensors, the attention backend, the sampler and every
+tensor of a step. `run(plan)` takes the scheduler's plain-data plan and answers with plain data,
+read back from the device in one transfer."""
 
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.engine.forward_batch import ForwardBatch
-from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenPool, TokenAllocator
+from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.executor.step_io import StepOutputs, build_batch
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers.linear import prepack_linears
 from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.loader import load_weights
-from radixlm_runtime.server_args import ServerArgs
+from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_vocab_mask, make_generator
+from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -48,14 +53,14 @@ def _available_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, args: ServerArgs) -> None:
-        self.args = args
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        self.engine_config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.config = ModelConfig.from_dir(model_dir)
-        self.context_len = args.context_length or self.config.max_position_embeddings
+        self.context_len = config.context_length or self.config.max_position_embeddings
         if self.context_len > self.config.max_position_embeddings:
             logger.warning(
                 "context_length %d exceeds the model's max_position_embeddings %d",
@@ -64,7 +69,6 @@ class ModelRunner:
             )
 
         t0 = time.perf_counter()
-        torch.manual_seed(args.random_seed)
         self.model = self._load_model(model_dir)
         logger.info(
             "loaded %s weights in %.2fs (%s, %s)",
@@ -83,11 +87,20 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.allocator = TokenAllocator(self.max_total_tokens, self.device)
-        self.req_to_token_pool = ReqToTokenPool(
-            args.max_running_requests + 8, self.context_len + 8, self.device
+        self.req_to_token = ReqToTokenTable(
+            config.max_running_requests + 8, self.context_len + 8, self.device
         )
         self.attn_backend = self._make_attention_backend()
+        self.sampler = Sampler(device=self.device)
+        # Each sampling request's RNG, kept across steps (and retractions) until it ends.
+        self.generators: dict[int, torch.Generator] = {}
+        self.info = RunnerInfo(
+            vocab_size=self.config.vocab_size,
+            context_len=self.context_len,
+            max_total_tokens=self.max_total_tokens,
+            max_reqs=config.max_running_requests,
+            eos_token_ids=tuple(self.config.eos_token_ids),
+        )
         logger.info(
             "KV pool: %d tokens (%.2f GiB), attention backend %s",
             self.max_total_tokens,
@@ -115,28 +128,75 @@ class ModelRunner:
         return model
 
     def _kv_pool_size(self) -> int:
-        if self.args.max_total_tokens is not None:
-            return self.args.max_total_tokens
+        if self.engine_config.max_total_tokens is not None:
+            return self.engine_config.max_total_tokens
         per_token = KVPool.bytes_per_token_for(
             self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
         )
-        budget = int(_available_memory_bytes(self.device) * self.args.mem_fraction_static)
+        budget = int(_available_memory_bytes(self.device) * self.engine_config.mem_fraction_static)
         return max(1024, budget // per_token)
 
     def _make_attention_backend(self) -> AttentionBackend:
-        name = self.args.attention_backend
+        name = self.engine_config.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         scale = self.config.head_dim**-0.5
         if name == "triton":
             from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(self.kv_pool, self.req_to_token_pool, scale)
+            return TritonAttentionBackend(self.kv_pool, self.req_to_token, scale)
         from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(self.kv_pool, self.req_to_token_pool, scale)
+        return TorchAttentionBackend(self.kv_pool, self.req_to_token, scale)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepResult:
+        """One step: write the plan's table entries, forward, sample, gather logprobs, and read
+        everything back to the host at once."""
+        batch, writes = build_batch(plan, self.device)
+        if writes is not None:
+            self.req_to_token.write(*writes)
+        logits = self.forward(batch)
+        outputs = StepOutputs(plan)
+        specs = outputs.sample_specs()
+        if specs:
+            rows = torch.tensor(outputs.sample_rows(), device=self.device)
+            sampled = self.sampler(
+                logits.index_select(0, rows),
+                self._sampling_info(specs),
+                return_logprob=any(s.return_logprob for s in specs),
+                top_logprobs_num=max(s.top_logprobs_num for s in specs),
+            )
+            outputs.add_samples(sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs)
+        outputs.add_prompt_logprobs(logits)
+        return outputs.read()
+
+    def release(self, uid: int) -> None:
+        self.generators.pop(uid, None)
+
+    def _sampling_info(self, specs: list[SampleSpec]) -> SamplingBatchInfo:
+        params = [s.params for s in specs]
+        generators = [None if s.params.is_greedy else self._generator(s) for s in specs]
+        histories = [s.history or ([], []) for s in specs]
+        banned = [s.banned_ids for s in specs]
+        info = SamplingBatchInfo.build(
+            params,
+            generators,
+            histories if any(s.history for s in specs) else None,
+            self.config.vocab_size,
+            self.device,
+            banned_token_ids=banned if any(banned) else None,
+        )
+        info.vocab_mask = build_vocab_mask([s.allowed for s in specs], self.config.vocab_size, self.device)
+        return info
+
+    def _generator(self, spec: SampleSpec) -> torch.Generator:
+        gen = self.generators.get(spec.uid)
+        if gen is None:
+            gen = self.generators[spec.uid] = make_generator(spec.seed, self.device)
+        return gen

@@ -6,27 +6,54 @@ only ever send data, not code. Requests and replies are tagged unions so one soc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
 
-# (logprob, token_id) pairs, as the scheduler records them.
-TopLogprobs = list[tuple[float, int]]
+from radixlm_runtime.io.finish import FinishReason
+from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.step import TopLogprobs
 
 
 # -- HTTP process -> scheduler ------------------------------------------------------------------
 class GenerateReq(msgspec.Struct, tag="generate"):
-    """One tokenized, validated request (one of n samples); the scheduler builds a Req from it."""
+    """One tokenized, validated request (one of n samples): what both the HTTP server and the
+    offline Engine send the scheduler, which builds its Req from it."""
 
     rid: str
     input_ids: list[int]
-    sampling_params: dict[str, Any]
-    seed: int | None = None
+    sampling_params: SamplingParams
+    seed: int | None = None  # this sample's seed (the params' seed + its index), None: none given
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    stream: bool = False
     session_id: str | None = None
+
+
+def sample_request(
+    rid: str,
+    index: int,
+    input_ids: list[int],
+    params: SamplingParams,
+    return_logprob: bool = False,
+    logprob_start_len: int = -1,
+    top_logprobs_num: int = 0,
+    session_id: str | None = None,
+) -> GenerateReq:
+    """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
+    when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
+    n = params.n
+    return GenerateReq(
+        rid=rid if n == 1 else f"{rid}-{index}",
+        input_ids=input_ids,
+        sampling_params=dataclasses.replace(params, n=1),
+        seed=None if params.seed is None else params.seed + index,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        session_id=session_id,
+    )
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -81,7 +108,7 @@ class ReqOutput(msgspec.Struct):
 
     rid: str
     new_token_ids: list[int]
-    finished_reason: dict[str, Any] | None
+    finished_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int

@@ -1,4 +1,8 @@
-"""The offline engine: the whole runtime in the caller's process, mirroring SGLang's `Engine`."""
+"""The offline engine: the whole runtime in the caller's process, mirroring SGLang's `Engine`.
+
+It sends the scheduler the same messages the HTTP server sends and formats the same outputs, so
+the two entry points accept, run and answer requests identically.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm_runtime.constrained import validate_constraint
-from radixlm_runtime.engine.inputs import logprob_args, per_prompt, prompt_ids
-from radixlm_runtime.engine.tokenizer import decode_output, encode_prompt, load_tokenizer
+from radixlm_runtime.constrained.compiler import validate_constraint
+from radixlm_runtime.entrypoints.runtime import build_scheduler
+from radixlm_runtime.io.inputs import logprob_args, per_prompt, prompt_ids
+from radixlm_runtime.io.limits import RequestLimits
+from radixlm_runtime.io.messages import GenerateReq, sample_request
+from radixlm_runtime.io.outputs import OutputState, native_output
+from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.scheduler.req import Req
-from radixlm_runtime.scheduler.scheduler import Scheduler
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger, setup_logging
@@ -26,17 +32,18 @@ ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
 
 
 class Engine:
-    """`Engine()` runs the embedded default model; keyword arguments are ServerArgs fields."""
+    """`Engine()` runs the embedded default model; keyword arguments are ServerArgs flags."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         setup_logging(self.server_args.log_level)
         t0 = time.perf_counter()
-        self.model_dir = resolve_model_path(self.server_args.model_path)
+        self.model_dir = resolve_model_path(self.server_args.engine.model_path)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.scheduler = Scheduler.build(self.model_dir, self.server_args, self.tokenizer)
+        self.scheduler = build_scheduler(self.model_dir, self.server_args, self.tokenizer)
         self.runner = self.scheduler.runner
-        self.limits = self.scheduler.limits
+        info = self.scheduler.runner_info
+        self.limits = RequestLimits(info.vocab_size, info.context_len, info.max_total_tokens)
         logger.info("engine ready in %.2fs (model %s)", time.perf_counter() - t0, self.model_dir)
 
     # -- public API ---------------------------------------------------------------------------
@@ -58,7 +65,7 @@ class Engine:
 
         With session_id, the KV of each finished sequence stays pinned for the session's next call
         (a program whose prompts extend each other) until close_session or the session timeout."""
-        reqs, single = self._build_requests(
+        messages, single = self._build_requests(
             prompt,
             sampling_params,
             input_ids,
@@ -68,14 +75,13 @@ class Engine:
             rid,
             session_id,
         )
-        for req in reqs:
-            self.scheduler.add_request(req)
-        pending = {req.rid for req in reqs}
+        states = self._submit(messages)
+        pending = set(states)
         while pending:
-            for req in self._step():
-                if req.finished:
-                    pending.discard(req.rid)
-        outs = [self._output(req, return_text_in_logprobs) for req in reqs]
+            for rid_ in self._step(states):
+                if states[rid_].finished:
+                    pending.discard(rid_)
+        outs = [self._output(states[m.rid], return_text_in_logprobs) for m in messages]
         return outs[0] if single and len(outs) == 1 else outs
 
     def generate_stream(
@@ -88,21 +94,16 @@ class Engine:
         """Yields {"text": cumulative text, "output_ids", "meta_info"} after every step that adds
         tokens: one, or several when jump-forward appends a constraint's forced text. Tokens once
         yielded are never changed, so output_ids only ever grows."""
-        reqs, _ = self._build_requests(
+        messages, _ = self._build_requests(
             prompt, sampling_params, input_ids, False, None, None, None, session_id
         )
-        if len(reqs) != 1:
+        if len(messages) != 1:
             raise ValueError("generate_stream takes one prompt with n == 1")
-        req = reqs[0]
-        self.scheduler.add_request(req)
-        while not req.finished:
-            if any(r is req for r in self._step()):
-                yield self._output(req, False)
-
-    def _step(self) -> list[Req]:
-        if not self.scheduler.has_work():
-            raise RuntimeError("scheduler went idle with requests still pending (a runtime bug)")
-        return self.scheduler.step()
+        states = self._submit(messages)
+        state = states[messages[0].rid]
+        while not state.finished:
+            if state.req.rid in self._step(states):
+                yield self._output(state, False)
 
     def flush_cache(self) -> bool:
         ok = self.scheduler.flush_cache()
@@ -113,8 +114,7 @@ class Engine:
     def close_session(self, session_id: str) -> bool:
         """Releases the session's pinned KV; False when no such session is open (never opened,
         closed already, or expired)."""
-        check_session_id(session_id)
-        return self.scheduler.cache.sessions.close(session_id)
+        return self.scheduler.close_session(session_id)
 
     def get_server_info(self) -> dict[str, Any]:
         return {"model_path": str(self.model_dir), **self.scheduler.info()}
@@ -129,7 +129,25 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # -- request building ---------------------------------------------------------------------
+    # -- the request path ---------------------------------------------------------------------
+    def _submit(self, messages: list[GenerateReq]) -> dict[str, OutputState]:
+        states = {m.rid: OutputState(req=m) for m in messages}
+        for m in messages:
+            self.scheduler.submit(m)
+        return states
+
+    def _step(self, states: dict[str, OutputState]) -> set[str]:
+        """Runs one scheduler step; returns the rids of the requests that progressed in it."""
+        if not self.scheduler.has_work():
+            raise RuntimeError("scheduler went idle with requests still pending (a runtime bug)")
+        progressed: set[str] = set()
+        for out in self.scheduler.step():
+            state = states.get(out.rid)
+            if state is not None:
+                state.apply(out)
+                progressed.add(out.rid)
+        return progressed
+
     def _build_requests(
         self,
         prompt: Prompt,
@@ -140,7 +158,7 @@ class Engine:
         top_logprobs_num: int | list[int] | None,
         rid: str | list[str] | None,
         session_id: str | None,
-    ) -> tuple[list[Req], bool]:
+    ) -> tuple[list[GenerateReq], bool]:
         if session_id is not None:
             check_session_id(session_id)
         tokenize = lambda t: encode_prompt(self.tokenizer, t)
@@ -150,9 +168,9 @@ class Engine:
         rids = per_prompt(rid, n, "rid")
         logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
 
-        reqs: list[Req] = []
+        messages: list[GenerateReq] = []
         for ids, raw, base_rid, lp in zip(id_lists, params_list, rids, logprobs):
-            sp = SamplingParams.from_dict(raw, self.runner.config.vocab_size)
+            sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size)
             if sp.regex is not None or sp.json_schema is not None:
                 try:
                     validate_constraint(sp.regex, sp.json_schema)
@@ -161,58 +179,28 @@ class Engine:
             self.limits.check(ids, sp, lp.logprob_start_len)
             base = base_rid or uuid.uuid4().hex
             for i in range(sp.n):
-                seed = sp.seed + i if sp.seed is not None else None
-                reqs.append(
-                    Req(
-                        rid=base if sp.n == 1 else f"{base}-{i}",
-                        origin_input_ids=list(ids),
-                        sampling_params=sp,
-                        return_logprob=lp.return_logprob,
-                        logprob_start_len=lp.logprob_start_len,
-                        top_logprobs_num=lp.top_logprobs_num,
-                        generator=self.scheduler.new_generator(seed),
-                        session_id=session_id,
+                messages.append(
+                    sample_request(
+                        base,
+                        i,
+                        ids,
+                        sp,
+                        lp.return_logprob,
+                        lp.logprob_start_len,
+                        lp.top_logprobs_num,
+                        session_id,
                     )
                 )
-        return reqs, single
+        seen: set[str] = set()
+        for m in messages:
+            if m.rid in seen:
+                raise ValueError(f"rid: {m.rid!r} is given to more than one request")
+            seen.add(m.rid)
+        return messages, single
 
-    # -- outputs ------------------------------------------------------------------------------
-    def _output(self, req: Req, text_in_logprobs: bool) -> dict[str, Any]:
-        sp = req.sampling_params
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": req.prompt_len,
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": max(req.cached_tokens, 0),
-            "finish_reason": req.finished_reason,
-            "e2e_latency": time.monotonic() - req.arrival_time,
-        }
-        if req.return_logprob:
-            meta.update(self._logprob_meta(req, text_in_logprobs))
-        return {
-            "text": decode_output(
-                self.tokenizer, req.output_ids, req.finished_reason, sp.skip_special_tokens, sp.no_stop_trim
-            ),
-            "output_ids": list(req.output_ids),
-            "meta_info": meta,
-        }
-
-    def _logprob_meta(self, req: Req, text: bool) -> dict[str, Any]:
-        def tok_text(tid: int) -> str | None:
-            return self.tokenizer.decode([tid]) if text else None
-
-        start = max(req.logprob_start_len, 0) if req.wants_input_logprobs else req.prompt_len
-        in_ids = req.origin_input_ids[start:]
-        return {
-            "input_token_logprobs": [(lp, t, tok_text(t)) for lp, t in zip(req.input_token_logprobs, in_ids)],
-            "input_top_logprobs": [
-                None if top is None else [(lp, t, tok_text(t)) for lp, t in top]
-                for top in req.input_top_logprobs
-            ],
-            "output_token_logprobs": [
-                (lp, t, tok_text(t)) for lp, t in zip(req.output_token_logprobs, req.output_ids)
-            ],
-            "output_top_logprobs": [
-                [(lp, t, tok_text(t)) for lp, t in top] for top in req.output_top_logprobs
-            ],
-        }
+    def _output(self, state: OutputState, text_in_logprobs: bool) -> dict[str, Any]:
+        sp = state.req.sampling_params
+        text = decode_output(
+            self.tokenizer, state.output_ids, state.finished_reason, sp.skip_special_tokens, sp.no_stop_trim
+        )
+        return native_output(state, text, self.tokenizer, text_in_logprobs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from radixlm_runtime.io.finish import FinishReason
+
 
 def load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
@@ -27,13 +29,13 @@ def eos_token_ids(tokenizer: Any, config_eos: list[int]) -> list[int]:
 def decode_output(
     tokenizer: Any,
     output_ids: list[int],
-    finished_reason: dict | None,
+    finished_reason: FinishReason | None,
     skip_special_tokens: bool = True,
     no_stop_trim: bool = False,
 ) -> str:
     """Final text of a request: a matched stop token or stop string is cut off (OpenAI semantics)
     unless no_stop_trim is set."""
-    matched = (finished_reason or {}).get("matched")
+    matched = finished_reason.matched if finished_reason is not None else None
     ids = output_ids
     if isinstance(matched, int) and not no_stop_trim and ids and ids[-1] == matched:
         ids = ids[:-1]

@@ -1,0 +1,147 @@
+"""Frozen configuration, one dataclass per layer: each layer is handed only its own part.
+
+`ServerArgs` (server_args.py) composes them into the CLI's one set of flags; each field's help
+text here is the flag's `--help`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _check_choices(config: Any) -> None:
+    for f in dataclasses.fields(config):
+        choices = f.metadata.get("choices")
+        if choices and getattr(config, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(config, f.name)!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The model executor: weights, device, KV memory."""
+
+    model_path: str | None = flag(
+        None, "Hugging Face model directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct."
+    )
+    device: str = flag("auto", "Device to run on: 'cpu', 'cuda' or 'auto' (cuda when available).")
+    dtype: str = flag(
+        "auto",
+        "Weight and activation dtype. 'auto' is float32 on CPU (bf16 matmul is very slow there) "
+        "and bfloat16 on CUDA.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    attention_backend: str = flag(
+        "auto",
+        "Attention kernels: 'torch' (default on CPU) or 'triton' (default on CUDA).",
+        ("auto", "torch", "triton"),
+    )
+    max_total_tokens: int | None = flag(
+        None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
+    )
+    mem_fraction_static: float = flag(
+        0.15,
+        "Fraction of available memory (host RAM on CPU, free GPU memory on CUDA) given to the KV "
+        "cache pool when --max-total-tokens is not set.",
+    )
+    max_running_requests: int = flag(
+        128, "Most requests decoding at once in the running batch (sizes the request-to-token table)."
+    )
+    context_length: int | None = flag(
+        None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings."
+    )
+    num_threads: int | None = flag(None, "torch intra-op threads on CPU. Default: all cores.")
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching, cache policy and program sessions."""
+
+    chunked_prefill_size: int = flag(
+        1024,
+        "Token budget of one forward step. Longer prompts are prefilled in chunks so they never "
+        "stall running decodes.",
+    )
+    schedule_policy: str = flag(
+        "lpm",
+        "Order of the waiting queue: 'lpm' (longest cached prefix first), 'dfs-weight' (walk the "
+        "radix tree so requests sharing a prefix run together) or 'fcfs' (arrival order).",
+        ("lpm", "dfs-weight", "fcfs"),
+    )
+    disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    disable_jump_forward: bool = flag(
+        False,
+        "Decode the text a regex / json_schema constraint forces (keys, punctuation, literals) token by "
+        "token instead of appending it without decode steps (for ablations). Requests that return "
+        "logprobs never jump, so every output token has its logprob.",
+    )
+    new_token_ratio: float = flag(
+        0.5,
+        "Fraction of a running request's remaining max_new_tokens reserved when admitting new "
+        "requests; lower admits more but retracts more often.",
+    )
+    random_seed: int = flag(0, "Seed for requests that give no seed of their own.")
+    session_timeout_s: float = flag(
+        60.0,
+        "Seconds a program session (requests sharing a session_id) may stay idle before it is closed "
+        "and the KV of its history, pinned between its calls, is released.",
+    )
+    session_pin_fraction: float = flag(
+        0.5,
+        "Share of the KV pool that idle sessions' pinned histories keep when requests need the "
+        "memory; beyond it they are unpinned, least recently used first. Pins never stall the "
+        "queue: when nothing else can run, any pin gives way.",
+    )
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        if self.chunked_prefill_size < 16:
+            raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
+        if not self.session_timeout_s > 0:
+            raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
+        if not 0.0 <= self.session_pin_fraction <= 1.0:
+            raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP process (radixlm-server / python -m radixlm_runtime.launch_server)."""
+
+    host: str = flag("127.0.0.1", "Address the HTTP server binds to. Use 0.0.0.0 to serve other machines.")
+    port: int = flag(30000, "Port the HTTP server listens on.")
+    api_key: str | None = flag(
+        None, "When set, every endpoint except /health requires 'Authorization: Bearer <api-key>'."
+    )
+    served_model_name: str | None = flag(
+        None, "Model name reported by /v1/models and in OpenAI responses. Default: the model directory name."
+    )
+    max_queued_requests: int = flag(
+        4096,
+        "Most requests (counting each of n samples) admitted but not finished; beyond it the server "
+        "answers 503 with Retry-After instead of queueing without bound.",
+    )
+    max_request_bytes: int = flag(
+        8 * 1024 * 1024, "Largest accepted request body in bytes; larger bodies get HTTP 413."
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")

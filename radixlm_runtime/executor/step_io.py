@@ -1,0 +1,165 @@
+"""The executor's two translations: a StepPlan into device tensors (one packed host-to-device copy),
+and a step's sampled tokens and logprobs back into plain Python (one device-to-host read)."""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.step import ItemResult, SampleSpec, StepPlan, StepResult, TopLogprobs
+
+TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, TableWrites | None]:
+    """The step's ForwardBatch, and the (rows, positions, slots) of request-to-token entries the
+    plan changes: the new tokens' slots, plus a newly admitted request's cached prefix."""
+    input_ids: list[int] = []
+    out_loc: list[int] = []
+    logit_rows: list[int] = []
+    w_rows: list[int] = []
+    w_cols: list[int] = []
+    w_slots: list[int] = []
+    offset = 0
+    for it in plan.items:
+        end = it.seq_len
+        input_ids.extend(it.input_ids)
+        out_loc.extend(it.seq_slots[it.prefix_len : end])
+        first_row = offset + it.logits_from - it.prefix_len
+        logit_rows.extend(range(first_row, first_row + it.num_logit_rows))
+        if it.write_from < end:
+            w_rows.extend([it.row] * (end - it.write_from))
+            w_cols.extend(range(it.write_from, end))
+            w_slots.extend(it.seq_slots[it.write_from : end])
+        offset += len(it.input_ids)
+    batch = ForwardBatch.build(
+        input_ids=input_ids,
+        req_pool_indices=[it.row for it in plan.items],
+        prefix_lens=[it.prefix_len for it in plan.items],
+        extend_lens=[len(it.input_ids) for it in plan.items],
+        out_cache_loc=out_loc,
+        logits_indices=logit_rows,
+        seq_slots=[it.seq_slots for it in plan.items],
+        device=device,
+    )
+    if not w_rows:
+        return batch, None
+    packed = torch.tensor(w_rows + w_cols + w_slots, dtype=torch.int64).to(device, non_blocking=True)
+    rows, cols, slots = packed.split(len(w_rows))
+    return batch, (rows, cols, slots)
+
+
+class StepOutputs:
+    """Collects a step's device results as flat float64 pieces (token ids are exact in float64)
+    and reads them all back with a single `.tolist()`."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.items = plan.items
+        # First logits row of each item: items' rows are laid out in plan order.
+        self._row_base: list[int] = []
+        base = 0
+        for it in self.items:
+            self._row_base.append(base)
+            base += it.num_logit_rows
+        self._sampled = [i for i, it in enumerate(self.items) if it.sample is not None]
+        self._parts: list[torch.Tensor] = []
+        self._sample_top = 0
+        self._has_sample_lp = False
+        self._prompt: list[int] = []  # items with prompt logprobs, in order
+        self._prompt_rows = 0
+        self._prompt_top = 0
+
+    def sample_specs(self) -> list[SampleSpec]:
+        return [s for i in self._sampled if (s := self.items[i].sample) is not None]
+
+    def sample_rows(self) -> list[int]:
+        """Logits row of each sampled item: its last row."""
+        return [self._row_base[i] + self.items[i].num_logit_rows - 1 for i in self._sampled]
+
+    def add_samples(
+        self,
+        next_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        top: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        self._parts.append(next_ids.double())
+        if logprobs is not None:
+            self._has_sample_lp = True
+            self._parts.append(logprobs.double())
+        if top is not None:
+            values, ids = top
+            self._sample_top = values.shape[1]
+            self._parts += [values.double().flatten(), ids.double().flatten()]
+
+    def add_prompt_logprobs(self, logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens the plan asks for, all items' rows in one gather."""
+        rows: list[int] = []
+        targets: list[int] = []
+        top = 0
+        for i, it in enumerate(self.items):
+            spec = it.prompt_logprobs
+            if spec is None:
+                continue
+            self._prompt.append(i)
+            rows.extend(self._row_base[i] + r for r in spec.rows)
+            targets.extend(spec.targets)
+            if spec.rows:
+                top = max(top, spec.top_logprobs_num)
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1)
+        self._parts.append(chosen.double())
+        self._prompt_rows = len(rows)
+        if top:
+            values, ids = logprobs.topk(top, dim=-1)
+            self._prompt_top = top
+            self._parts += [values.double().flatten(), ids.double().flatten()]
+
+    def read(self) -> StepResult:
+        flat = torch.cat(self._parts).tolist() if self._parts else []
+        results = [ItemResult() for _ in self.items]
+        pos = 0
+
+        def take(n: int) -> list[float]:
+            nonlocal pos
+            pos += n
+            return flat[pos - n : pos]
+
+        n = len(self._sampled)
+        if n:
+            ids = take(n)
+            lps = take(n) if self._has_sample_lp else None
+            k = self._sample_top
+            top_vals, top_ids = (take(n * k), take(n * k)) if k else ([], [])
+            for j, i in enumerate(self._sampled):
+                res = results[i]
+                res.next_token = int(ids[j])
+                res.logprob = lps[j] if lps is not None else None
+                spec = self.items[i].sample
+                if k and spec is not None and spec.top_logprobs_num:
+                    res.top_logprobs = _top_entries(top_vals, top_ids, j, k, spec.top_logprobs_num)
+        if self._prompt_rows:
+            chosen = take(self._prompt_rows)
+            k = self._prompt_top
+            top_vals, top_ids = (take(self._prompt_rows * k), take(self._prompt_rows * k)) if k else ([], [])
+            r = 0
+            for i in self._prompt:
+                spec = self.items[i].prompt_logprobs
+                assert spec is not None
+                res = results[i]
+                res.prompt_logprobs = chosen[r : r + len(spec.rows)]
+                if spec.top_logprobs_num:
+                    res.prompt_top_logprobs = [
+                        _top_entries(top_vals, top_ids, r + q, k, spec.top_logprobs_num)
+                        for q in range(len(spec.rows))
+                    ]
+                r += len(spec.rows)
+        return StepResult(results)
+
+
+def _top_entries(values: list[float], ids: list[float], row: int, width: int, k: int) -> TopLogprobs:
+    """The first k of a row of a flattened [rows, width] top-k result."""
+    start = row * width
+    return list(zip(values[start : start + k], map(int, ids[start : start + k])))

@@ -1,0 +1,98 @@
+"""The free lists of KV memory, on the host: which pool slots and which request-table rows are
+taken. Slots are plain integers the scheduler owns; the tensors they index live in the executor
+(kvcache/pool.py), so handing out or taking back memory never touches the device.
+"""
+
+from __future__ import annotations
+
+
+class TokenAllocator:
+    """Free list of KV slots 1..size (slot 0 is the pool's dummy slot).
+
+    Frees are validated: freeing a slot twice or a slot that is not allocated raises, so leaks and
+    double frees surface in tests instead of corrupting another request's KV.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size <= 0:
+            raise ValueError(f"TokenAllocator size must be positive, got {size}")
+        self.size = size
+        self.clear()
+
+    def clear(self) -> None:
+        # Kept in descending order so that taking from the end hands out the lowest slots first,
+        # which keeps a prefix prefilled in one piece contiguous in the pool.
+        self._free: list[int] = list(range(self.size, 0, -1))
+        # Freed slots are parked unsorted and merged only when the free list runs short, so a free
+        # is a cheap append.
+        self._released: list[int] = []
+        self._allocated = bytearray(self.size + 1)
+
+    def available_size(self) -> int:
+        return len(self._free) + len(self._released)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """Returns n slots, or None without allocating anything when fewer than n are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of slots ({n})")
+        if n > self.available_size():
+            return None
+        if n == 0:
+            return []
+        if n > len(self._free):
+            self._free = sorted(self._free + self._released, reverse=True)
+            self._released = []
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()
+        allocated = self._allocated
+        for s in out:
+            allocated[s] = 1
+        return out
+
+    def free(self, slots: list[int]) -> None:
+        """Returns slots to the free list; raises RuntimeError on a double free or an invalid slot."""
+        if not slots:
+            return
+        allocated = self._allocated
+        if len(set(slots)) != len(slots):
+            raise RuntimeError("freeing the same slot twice in one call")
+        bad = [s for s in slots if not 1 <= s <= self.size or not allocated[s]]
+        if bad:
+            raise RuntimeError(f"freeing slots that are not allocated (double free?): {bad[:16]}")
+        for s in slots:
+            allocated[s] = 0
+        self._released.extend(slots)
+
+
+class RowAllocator:
+    """Rows of the request-to-token table: one per request holding KV."""
+
+    def __init__(self, max_reqs: int) -> None:
+        if max_reqs <= 0:
+            raise ValueError(f"RowAllocator needs at least one row, got {max_reqs}")
+        self.max_reqs = max_reqs
+        self.clear()
+
+    def clear(self) -> None:
+        # Reversed so pop() hands out the lowest free row first.
+        self._free_rows: list[int] = list(range(self.max_reqs - 1, -1, -1))
+        self._in_use = [False] * self.max_reqs
+
+    def available_size(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        if not self._free_rows:
+            return None
+        idx = self._free_rows.pop()
+        self._in_use[idx] = True
+        return idx
+
+    def free(self, idx: int) -> None:
+        if not 0 <= idx < self.max_reqs:
+            raise RuntimeError(f"request row {idx} outside 0..{self.max_reqs - 1}")
+        if not self._in_use[idx]:
+            raise RuntimeError(f"request row {idx} is not allocated (double free?)")
+        self._in_use[idx] = False
+        self._free_rows.append(idx)

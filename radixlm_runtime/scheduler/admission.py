@@ -1,0 +1,152 @@
+"""Which requests run in the next step: the running requests' pending tokens first, then the
+chunked prefill in progress, then waiting requests in cache-aware order while the step's token
+budget and the KV pool allow; when decode runs out of KV the newest requests are retracted."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from radixlm_runtime.config import SchedulerConfig
+from radixlm_runtime.scheduler.cache import CacheManager
+from radixlm_runtime.scheduler.policy import SchedulePolicy
+from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.scheduler.stats import SchedulerStats
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# After a retraction, admission reserves KV for every remaining token of running requests, then
+# relaxes back to SchedulerConfig.new_token_ratio step by step.
+NEW_TOKEN_RATIO_DECAY = 0.002
+# Requests whose uncached parts start with this many identical tokens are not prefilled in the
+# same step: the second one will find the first one's KV in the tree next step.
+IN_BATCH_PREFIX_CHECK = 32
+# A chunked prefill always advances by at least this many tokens, however many requests decode.
+MIN_CHUNK = 16
+
+
+@dataclass
+class ScheduledItem:
+    """One request's share of a step: extend_len new tokens on top of prefix_len computed ones."""
+
+    req: Req
+    prefix_len: int
+    extend_len: int
+    is_prefill: bool = True
+    # Whether this chunk reaches the end of the request's tokens (so a next token is due); fixed at
+    # scheduling time, before sampling appends to token_ids.
+    completes: bool = False
+
+    def __post_init__(self) -> None:
+        self.completes = self.prefix_len + self.extend_len == len(self.req.token_ids)
+
+
+class Admission:
+    def __init__(
+        self, config: SchedulerConfig, cache: CacheManager, max_running_requests: int, stats: SchedulerStats
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.max_running_requests = max_running_requests
+        self.policy = SchedulePolicy(config.schedule_policy, cache.tree)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None
+        self.new_token_ratio = config.new_token_ratio
+        self.stats = stats
+
+    def schedule(self) -> list[ScheduledItem]:
+        cfg = self.config
+        self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        pending = self.chunked
+        want = 0
+        if pending is not None:
+            room = max(cfg.chunked_prefill_size - self._pending_tokens(), MIN_CHUNK)
+            want = min(len(pending.token_ids) - pending.kv_len, room)
+        decode = self._reserve_decode(want)
+        # A running request computes its sampled token, plus any tokens jump-forward appended.
+        items = [ScheduledItem(r, r.kv_len, r.pending_len, is_prefill=False) for r in decode]
+        decode_tokens = sum(it.extend_len for it in items)
+        budget = cfg.chunked_prefill_size - decode_tokens
+        if pending is not None:
+            items.append(ScheduledItem(pending, pending.kv_len, want))
+            budget -= want
+            if pending.kv_len + want == len(pending.token_ids):
+                self.chunked = None
+        if budget > 0 and self.chunked is None and self.waiting:
+            items.extend(self._admit(budget, decode_tokens))
+        return items
+
+    def _reserve_decode(self, extra: int) -> list[Req]:
+        """Makes sure every running request can store its pending tokens (and the chunked prefill in
+        progress its next `extra` tokens), retracting the newest requests when the pool (free plus
+        evictable) is too small. Idle sessions' pins beyond their share go first."""
+        while self.running and self.cache.available_tokens() < self._pending_tokens() + extra:
+            if self.cache.sessions.give_way(stalled=False):
+                continue
+            victim = max(self.running, key=lambda r: (r.arrival_time, r.rid))
+            self.running.remove(victim)
+            self.cache.release(victim)
+            self.waiting.appendleft(victim)
+            self.new_token_ratio = 1.0
+            self.stats.num_retractions += 1
+            logger.debug("retracted %s (%d tokens generated)", victim.rid, victim.output_len)
+        return list(self.running)
+
+    def _pending_tokens(self) -> int:
+        """Tokens the running requests compute next step: one each, more after a jump-forward."""
+        return sum(r.pending_len for r in self.running)
+
+    def _admit(self, budget: int, decode_tokens: int) -> list[ScheduledItem]:
+        ordered = self.policy.order(list(self.waiting), self.cache.sessions.pinned_ids())
+        reserved = (
+            sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + decode_tokens
+        )
+        items: list[ScheduledItem] = []
+        seen_prefixes: set[tuple[int, ...]] = set()
+        admitted: set[int] = set()
+        for req in ordered:
+            if budget <= 0 or len(self.running) + len(items) >= self.max_running_requests:
+                break
+            prefix_len = req.prefix_len
+            total = len(req.token_ids)
+            probe = tuple(req.token_ids[: prefix_len + IN_BATCH_PREFIX_CHECK])
+            if len(probe) == prefix_len + IN_BATCH_PREFIX_CHECK and probe in seen_prefixes:
+                continue
+            ext = min(total - prefix_len, budget)
+            need = total - prefix_len + int(req.remaining_new_tokens() * self.new_token_ratio)
+            if not self._fits(need + reserved, req, admitted_any=bool(items)):
+                break
+            if not self.cache.admit(req):
+                break
+            seen_prefixes.add(probe)
+            admitted.add(id(req))
+            items.append(ScheduledItem(req, req.kv_len, ext))
+            budget -= ext
+            reserved += need
+            if req.kv_len + ext < total:
+                self.chunked = req
+                break
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
+        return items
+
+    def _fits(self, need: int, req: Req, admitted_any: bool) -> bool:
+        """Whether req's KV needs fit, once session pins gave way as far as they must (see
+        SessionTable.give_way): when nothing runs nor was admitted this step, waiting would stall
+        the queue for good."""
+        while need > self.cache.available_tokens() - self._pinned_by_admission(req):
+            stalled = not self.running and not admitted_any
+            if not self.cache.sessions.give_way(stalled, spare=req.session_id):
+                return False
+        return True
+
+    def _pinned_by_admission(self, req: Req) -> int:
+        """Tokens of req's prefix that are evictable now but become pinned once it is admitted."""
+        node = req.last_node
+        pinned = 0
+        while node is not None and node.lock_ref == 0:
+            pinned += len(node.key)
+            node = node.parent
+        return pinned

@@ -1,0 +1,173 @@
+"""What a step's results do to its requests: KV progress, sampled tokens and logprobs, the
+constraint's forced text (jump-forward), stop tokens and strings, and the deltas reported to the
+entry points."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from radixlm_runtime.config import SchedulerConfig
+from radixlm_runtime.constrained.jump_forward import plan_jump
+from radixlm_runtime.io.finish import FinishReason
+from radixlm_runtime.io.messages import ReqOutput
+from radixlm_runtime.scheduler.admission import ScheduledItem
+from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.scheduler.stats import SchedulerStats
+from radixlm_runtime.step import ForwardItem, ItemResult
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+        context_len: int,
+        stats: SchedulerStats,
+        vocab_texts: Callable[[], list[str]],
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.context_len = context_len
+        self.stats = stats
+        # The vocabulary's token texts, built on the first constrained request only.
+        self._vocab_texts = vocab_texts
+
+    def apply(
+        self, items: list[ScheduledItem], planned: list[ForwardItem], results: list[ItemResult]
+    ) -> None:
+        """Records a step's results on its requests; finishes those whose output is complete."""
+        now = time.monotonic()
+        for it, fwd, res in zip(items, planned, results):
+            req = it.req
+            req.kv_len = it.prefix_len + it.extend_len
+            if fwd.prompt_logprobs is not None:
+                if it.prefix_len == 0 and req.logprob_start_len == 0:
+                    req.input_token_logprobs.append(None)
+                    req.input_top_logprobs.append(None)
+                req.input_token_logprobs.extend(res.prompt_logprobs)
+                if req.top_logprobs_num:
+                    req.input_top_logprobs.extend(res.prompt_top_logprobs)
+            if not it.completes:
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = FinishReason.by_length(0)
+            elif res.next_token is not None:
+                self._append_sampled(req, res, now)
+        self.stats.computed_tokens += sum(it.extend_len for it in items)
+
+    def _append_sampled(self, req: Req, res: ItemResult, now: float) -> None:
+        tok = res.next_token
+        assert tok is not None
+        req.token_ids.append(tok)
+        if req.guide is not None:
+            try:
+                req.guide.advance(tok)
+            except ValueError as e:
+                # A constraint out of step with its own mask fails this request, not the loop.
+                req.finished_reason = FinishReason.abort(f"constraint error: {e}")
+        self.stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.return_logprob:
+            assert res.logprob is not None
+            req.output_token_logprobs.append(res.logprob)
+            if req.top_logprobs_num and res.top_logprobs is not None:
+                req.output_top_logprobs.append(res.top_logprobs)
+        if not req.finished:
+            self.check_finish(req)
+        if not req.finished and self.jump_forward(req, tail=1):
+            self.check_finish(req)
+
+    # -- jump-forward -------------------------------------------------------------------------
+    def jump_forward(self, req: Req, tail: int) -> bool:
+        """Appends the text req's constraint forces, tokenized together with the last `tail` output
+        tokens (the token sampled this step, not yet computed nor reported, so rewriting it changes
+        no KV and nothing a client has seen). Returns whether it jumped.
+
+        Forced tokens count as output tokens (bounded by max_new_tokens) but were not sampled, so
+        requests returning logprobs never jump; nor does a jump ever cross a stop token or string.
+        """
+        if self.config.disable_jump_forward or req.guide is None or req.return_logprob:
+            return False
+        kept = len(req.token_ids) - tail
+        out_kept = kept - req.prompt_len
+        room = min(req.sampling_params.max_new_tokens, self.context_len - req.prompt_len) - out_kept
+        jump = plan_jump(
+            req.guide,
+            req.token_ids[kept:],
+            self._vocab_texts(),
+            lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            min(room, self.config.chunked_prefill_size),
+        )
+        if jump is None or self._crosses_stop(req, kept, jump.ids):
+            return False
+        del req.token_ids[kept:]
+        req.token_ids.extend(jump.ids)
+        req.guide.advance_text(jump.text)
+        self.stats.jump_forwards += 1
+        self.stats.jump_forward_tokens += len(jump.ids) - tail
+        return True
+
+    def _crosses_stop(self, req: Req, kept: int, ids: list[int]) -> bool:
+        """Whether appending ids after token_ids[:kept] would complete a stop token or string, which
+        must end the request where decoding token by token would."""
+        sp = req.sampling_params
+        if sp.stop_token_ids and not set(ids).isdisjoint(sp.stop_token_ids):
+            return True
+        if not sp.stop:
+            return False
+        longest = max(len(s) for s in sp.stop)
+        start = max(kept - longest, req.prompt_len)
+        text = self.tokenizer.decode(req.token_ids[start:kept] + ids)
+        return any(s in text for s in sp.stop)
+
+    # -- finishing ----------------------------------------------------------------------------
+    def check_finish(self, req: Req) -> None:
+        sp = req.sampling_params
+        tok = req.token_ids[-1]
+        if tok in self.eos_ids and not sp.ignore_eos or tok in sp.stop_token_ids:
+            req.finished_reason = FinishReason.stop(tok)
+        elif sp.stop and (matched := self._match_stop_str(req)) is not None:
+            req.finished_reason = FinishReason.stop(matched)
+        elif req.guide is not None and req.guide.is_finished():
+            # The output is a complete match that no token can extend (or took EOS under ignore_eos).
+            req.finished_reason = FinishReason.stop(None)
+        elif req.output_len >= sp.max_new_tokens:
+            req.finished_reason = FinishReason.by_length(sp.max_new_tokens)
+        elif len(req.token_ids) >= self.context_len:
+            req.finished_reason = FinishReason.by_length(req.output_len)
+
+    def _match_stop_str(self, req: Req) -> str | None:
+        longest = max(len(s) for s in req.sampling_params.stop)
+        start = max(len(req.token_ids) - (longest + 2), req.prompt_len)
+        tail = self.tokenizer.decode(req.token_ids[start:])
+        for s in req.sampling_params.stop:
+            if s in tail:
+                return s
+        return None
+
+
+def req_output(req: Req) -> ReqOutput:
+    """What req gained since its last report: new tokens and logprobs (input logprobs once)."""
+    start = req.sent_tokens
+    req.sent_tokens = req.output_len
+    out = ReqOutput(
+        rid=req.rid,
+        new_token_ids=req.token_ids[req.prompt_len + start :],
+        finished_reason=req.finished_reason,
+        prompt_tokens=req.prompt_len,
+        completion_tokens=req.output_len,
+        cached_tokens=max(req.cached_tokens, 0),
+    )
+    if req.return_logprob:
+        out.output_token_logprobs = req.output_token_logprobs[start:]
+        out.output_top_logprobs = req.output_top_logprobs[start:]
+        if not req.sent_input_logprobs:
+            req.sent_input_logprobs = True
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs
+    return out

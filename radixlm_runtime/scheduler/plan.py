@@ -1,0 +1,85 @@
+"""Turns the scheduled items into the executor's StepPlan: KV slots for the new tokens, which
+logits rows each request needs, and how each next token is to be sampled."""
+
+from __future__ import annotations
+
+from radixlm_runtime.scheduler.admission import ScheduledItem
+from radixlm_runtime.scheduler.cache import CacheManager
+from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.step import ForwardItem, PromptLogprobSpec, SampleSpec, StepPlan
+
+
+def build_plan(
+    items: list[ScheduledItem], cache: CacheManager, eos_ids: frozenset[int], vocab_size: int
+) -> StepPlan:
+    total = sum(it.extend_len for it in items)
+    slots = cache.alloc_slots(total)
+    if slots is None:
+        raise RuntimeError(f"KV pool exhausted: needed {total} slots, {cache.available_tokens()} available")
+    forward: list[ForwardItem] = []
+    offset = 0
+    for it in items:
+        req = it.req
+        assert len(req.kv_slots) == it.prefix_len, "a request's slots and its computed KV disagree"
+        end = it.prefix_len + it.extend_len
+        req.kv_slots.extend(slots[offset : offset + it.extend_len])
+        offset += it.extend_len
+        first = _first_logit_pos(it)
+        wants_prompt = req.wants_input_logprobs and req.output_len == 0 and first < end
+        due = it.completes and req.sampling_params.max_new_tokens > 0
+        forward.append(
+            ForwardItem(
+                row=_row(req),
+                prefix_len=it.prefix_len,
+                input_ids=req.token_ids[it.prefix_len : end],
+                seq_slots=req.kv_slots,
+                write_from=req.table_synced,
+                logits_from=first,
+                sample=_sample_spec(req, eos_ids, vocab_size) if due else None,
+                prompt_logprobs=_prompt_logprob_spec(req, first, end) if wants_prompt else None,
+            )
+        )
+        req.table_synced = end
+    return StepPlan(forward)
+
+
+def _row(req: Req) -> int:
+    assert req.req_pool_idx is not None, "a scheduled request has a table row"
+    return req.req_pool_idx
+
+
+def _first_logit_pos(it: ScheduledItem) -> int:
+    """First position of this chunk whose logits are needed: the prompt-logprob range when asked
+    for, else only the last token (and only when the chunk completes the request's tokens)."""
+    req = it.req
+    last = it.prefix_len + it.extend_len - 1
+    if req.wants_input_logprobs and req.output_len == 0:
+        return max(it.prefix_len, req.logprob_start_len - 1, 0)
+    return last if it.completes else last + 1
+
+
+def _prompt_logprob_spec(req: Req, first: int, end: int) -> PromptLogprobSpec:
+    """Row i (position first + i) predicts the token at first + i + 1, which is a prompt token
+    whose logprob is wanted while logprob_start_len <= first + i + 1 < prompt_len."""
+    keep = [i for i in range(end - first) if req.logprob_start_len <= first + i + 1 < req.prompt_len]
+    return PromptLogprobSpec(
+        rows=keep,
+        targets=[req.token_ids[first + i + 1] for i in keep],
+        top_logprobs_num=req.top_logprobs_num,
+    )
+
+
+def _sample_spec(req: Req, eos_ids: frozenset[int], vocab_size: int) -> SampleSpec:
+    sp = req.sampling_params
+    banned = sorted(eos_ids | set(sp.stop_token_ids)) if req.output_len < sp.min_new_tokens else []
+    penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
+    return SampleSpec(
+        uid=req.uid,
+        params=sp,
+        seed=req.seed,
+        banned_ids=banned,
+        history=(req.origin_input_ids, req.output_ids) if penalised else None,
+        allowed=req.guide.allowed_mask(vocab_size) if req.guide is not None else None,
+        return_logprob=req.return_logprob,
+        top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+    )

@@ -1,0 +1,107 @@
+"""The contract between the scheduler and the model executor, in plain Python data.
+
+The scheduler decides what runs (which requests, which KV slots, which tokens, what sampling and
+logprobs each wants) and hands the executor a `StepPlan`; the executor owns every tensor, runs the
+forward and the sampler, and answers with a `StepResult` of Python numbers read back from the
+device once. Nothing here imports torch, so the scheduler never does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from radixlm_runtime.sampling.params import SamplingParams
+
+# (logprob, token id) pairs, most likely first.
+TopLogprobs = list[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """What the scheduler must know of the executor to size and validate its work."""
+
+    vocab_size: int
+    context_len: int
+    max_total_tokens: int  # KV pool slots (1..max_total_tokens)
+    max_reqs: int  # rows of the request-to-token table
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class SampleSpec:
+    """How to pick a request's next token from the last row of its logits."""
+
+    uid: int  # the executor keeps the request's RNG under this id until `Executor.release`
+    params: SamplingParams
+    seed: int
+    banned_ids: list[int] = field(default_factory=list)  # blocked until min_new_tokens is reached
+    # (prompt ids, output ids), given only when a penalty needs the history.
+    history: tuple[list[int], list[int]] | None = None
+    # Bool array over the vocabulary (True = allowed) from a constraint; None = unconstrained.
+    allowed: Any = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class PromptLogprobSpec:
+    """Prompt logprobs wanted from this step's logits rows of one request."""
+
+    rows: list[int]  # offsets among the request's logits rows
+    targets: list[int]  # the token each of those rows predicts
+    top_logprobs_num: int = 0
+
+
+@dataclass
+class ForwardItem:
+    """One request's part of a step: its new tokens, where their KV goes, and what it wants back."""
+
+    row: int  # row of the request-to-token table
+    prefix_len: int  # tokens whose KV is already in the pool
+    input_ids: list[int]  # tokens computed this step, at positions prefix_len...
+    # KV slots of the whole sequence after this step (the host mirror of the table row); entries
+    # from `write_from` on are written to the device table before the forward.
+    seq_slots: list[int]
+    write_from: int
+    logits_from: int  # first position whose logits are needed (past the end: none)
+    sample: SampleSpec | None = None  # None: no next token is due this step
+    prompt_logprobs: PromptLogprobSpec | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + len(self.input_ids)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return max(self.seq_len - self.logits_from, 0)
+
+
+@dataclass
+class StepPlan:
+    items: list[ForwardItem]
+
+
+@dataclass
+class ItemResult:
+    next_token: int | None = None
+    logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    items: list[ItemResult]  # aligned with StepPlan.items
+
+
+class Executor(Protocol):
+    """What the scheduler calls: one forward step, plain data in and out."""
+
+    info: RunnerInfo
+
+    def run(self, plan: StepPlan) -> StepResult: ...
+
+    def release(self, uid: int) -> None:
+        """The request ended: its RNG state may go."""
