@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.backend.base import BaseBackend, Prompt
 from radixlm.lang import ir
+from radixlm.lang.backend_api import BaseBackend, Prompt
 from radixlm.lang.speculative import ChatTurn, HeldText, eligible, speculative_params
 from radixlm.lang.state_base import StateGroup, StateMethods
 from radixlm_runtime.utils.logging import get_logger
