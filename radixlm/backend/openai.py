@@ -11,7 +11,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm.backend.base import BackendConnectionError, BaseBackend, Prompt
+from radixlm.backend.base import BackendConnectionError
+from radixlm.lang.backend_api import BaseBackend, Prompt
 from radixlm.lang.chat_template import get_chat_template, guess_chat_template
 from radixlm.lang.choices import ChoicesMethod, decide
 from radixlm.lang.ir import ChoiceDecision, GenParams

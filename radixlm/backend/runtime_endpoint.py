@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from radixlm.backend.base import BackendConnectionError, BaseBackend, Prompt
+from radixlm.backend.base import BackendConnectionError
+from radixlm.lang.backend_api import BaseBackend, Prompt
 from radixlm.lang.chat_template import ChatTemplate, get_chat_template, guess_chat_template
 from radixlm.lang.choices import ChoicesMethod, decide
 from radixlm.lang.ir import ChoiceDecision, GenParams

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixlm.backend.base import BaseBackend
 from radixlm.lang import ir
+from radixlm.lang.backend_api import BaseBackend
 from radixlm.lang.interpreter import ProgramError, ProgramState, run_program
 from radixlm.lang.tracer import CallGraph, trace_program
 

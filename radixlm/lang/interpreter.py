@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.backend.base import BaseBackend, Prompt
 from radixlm.lang import ir
+from radixlm.lang.backend_api import BaseBackend, Prompt
 from radixlm.lang.speculative import ChatTurn, HeldText, eligible, speculative_params
 from radixlm.lang.state_base import StateGroup, StateMethods
 from radixlm_runtime.utils.logging import get_logger
@@ -164,63 +164,27 @@ class StreamExecutor:
             self._cond.notify_all()
 
     def _execute(self, expr: ir.Expr) -> None:
-        backend = self.run.backend
         if self.chat_turn is not None and not isinstance(expr, (ir.ConstantText, ir.Gen, ir.RoleEnd)):
             raise ValueError(
                 f"{type(expr).__name__} inside an assistant turn under num_api_spec_tokens: a chat model's "
                 "turn is generated whole, so only constant text and gen can appear in it"
             )
-        if isinstance(expr, ir.ConstantText):
-            if self.chat_turn is not None:
-                self.chat_turn.terms.append(expr.text)
-                return
-            self.held.fill(expr.text)
-            self._append(expr.text)
-        elif isinstance(expr, ir.Gen):
-            if self.chat_turn is not None:
-                self.chat_turn.terms.append(expr)
-                return
-            self._execute_gen(expr)
-        elif isinstance(expr, ir.Select):
-            decision = backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
-            self.held.fill(decision.decision)
-            self._append(decision.decision, expr.name)
-            self._record(expr.name, decision.decision, decision.meta_info)
-        elif isinstance(expr, ir.RoleBegin):
-            if self.cur_role is not None:
-                raise ValueError(f"role {expr.role!r} begins inside role {self.cur_role!r}")
-            self._append(backend.chat_template.begin(expr.role))
-            self.cur_role, self.cur_role_begin = expr.role, len(self.text_)
-            self.held = HeldText()
-            spec = self.run.num_api_spec_tokens is not None and getattr(backend, "is_chat_model", False)
-            if spec and expr.role == "assistant":
-                self.chat_turn = ChatTurn()
-        elif isinstance(expr, ir.RoleEnd):
-            if self.cur_role != expr.role:
-                raise ValueError(f"role {expr.role!r} ends but the current role is {self.cur_role!r}")
-            if self.chat_turn is not None:
-                self._generate_chat_turn()
-            self.messages_.append({"role": expr.role, "content": self.text_[self.cur_role_begin :]})
-            self._append(backend.chat_template.end(expr.role))
-            self.cur_role = None
-        elif isinstance(expr, ir.VarScopeBegin):
-            self.var_scopes[expr.name] = len(self.text_)
-        elif isinstance(expr, ir.VarScopeEnd):
-            self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name) :])
-        elif isinstance(expr, ir.ConcateAndAppend):
-            for state in expr.states:
-                branch = state.executor
-                branch.drain()
-                self._append(branch.text_[branch.fork_start :])
-        elif isinstance(expr, ir.CommitLazy):
-            if self.text_:
-                backend.commit_lazy(self.prompt())
-        elif isinstance(expr, ir.EndProgram):
-            self._end_program()
-        else:
+        handler = _HANDLERS.get(type(expr))
+        if handler is None:
             raise TypeError(f"cannot execute {type(expr).__name__}")
+        handler(self, expr)
+
+    def _execute_text(self, expr: ir.ConstantText) -> None:
+        if self.chat_turn is not None:
+            self.chat_turn.terms.append(expr.text)
+            return
+        self.held.fill(expr.text)
+        self._append(expr.text)
 
     def _execute_gen(self, expr: ir.Gen) -> None:
+        if self.chat_turn is not None:
+            self.chat_turn.terms.append(expr)
+            return
         params = expr.params.merged_over(self.run.defaults)
         ahead = self.run.num_api_spec_tokens
         if ahead is not None and not self.run.stream and eligible(params):
@@ -243,6 +207,48 @@ class StreamExecutor:
             text, meta = self.run.backend.generate(self.prompt(), params)
             self._append(text, expr.name)
         self._record(expr.name, text, meta)
+
+    def _execute_select(self, expr: ir.Select) -> None:
+        decision = self.run.backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
+        self.held.fill(decision.decision)
+        self._append(decision.decision, expr.name)
+        self._record(expr.name, decision.decision, decision.meta_info)
+
+    def _execute_role_begin(self, expr: ir.RoleBegin) -> None:
+        if self.cur_role is not None:
+            raise ValueError(f"role {expr.role!r} begins inside role {self.cur_role!r}")
+        backend = self.run.backend
+        self._append(backend.chat_template.begin(expr.role))
+        self.cur_role, self.cur_role_begin = expr.role, len(self.text_)
+        self.held = HeldText()
+        spec = self.run.num_api_spec_tokens is not None and getattr(backend, "is_chat_model", False)
+        if spec and expr.role == "assistant":
+            self.chat_turn = ChatTurn()
+
+    def _execute_role_end(self, expr: ir.RoleEnd) -> None:
+        if self.cur_role != expr.role:
+            raise ValueError(f"role {expr.role!r} ends but the current role is {self.cur_role!r}")
+        if self.chat_turn is not None:
+            self._generate_chat_turn()
+        self.messages_.append({"role": expr.role, "content": self.text_[self.cur_role_begin :]})
+        self._append(self.run.backend.chat_template.end(expr.role))
+        self.cur_role = None
+
+    def _execute_var_scope_begin(self, expr: ir.VarScopeBegin) -> None:
+        self.var_scopes[expr.name] = len(self.text_)
+
+    def _execute_var_scope_end(self, expr: ir.VarScopeEnd) -> None:
+        self.set_var(expr.name, self.text_[self.var_scopes.pop(expr.name) :])
+
+    def _execute_concate_and_append(self, expr: ir.ConcateAndAppend) -> None:
+        for state in expr.states:
+            branch = state.executor
+            branch.drain()
+            self._append(branch.text_[branch.fork_start :])
+
+    def _execute_commit_lazy(self, expr: ir.CommitLazy) -> None:
+        if self.text_:
+            self.run.backend.commit_lazy(self.prompt())
 
     def _generate_chat_turn(self) -> None:
         """One chat completion for the collected assistant turn, matched term by term."""
@@ -269,7 +275,7 @@ class StreamExecutor:
             self.meta_info[name] = meta
             self.set_var(name, value)
 
-    def _end_program(self) -> None:
+    def _execute_end_program(self, expr: ir.EndProgram) -> None:
         """Waits for fork branches, releases every pinned session of the run, stops the workers."""
         others = [e for e in self.run.executors if e is not self]
         for branch in others:
@@ -302,6 +308,21 @@ class StreamExecutor:
             branch.fork_start = len(self.text_)
             branches.append(branch)
         return branches
+
+
+# Each IR node's step, looked up by exact type: the node classes are leaves under ir.Expr.
+_HANDLERS: dict[type[ir.Expr], Callable[[StreamExecutor, Any], None]] = {
+    ir.ConstantText: StreamExecutor._execute_text,
+    ir.Gen: StreamExecutor._execute_gen,
+    ir.Select: StreamExecutor._execute_select,
+    ir.RoleBegin: StreamExecutor._execute_role_begin,
+    ir.RoleEnd: StreamExecutor._execute_role_end,
+    ir.VarScopeBegin: StreamExecutor._execute_var_scope_begin,
+    ir.VarScopeEnd: StreamExecutor._execute_var_scope_end,
+    ir.ConcateAndAppend: StreamExecutor._execute_concate_and_append,
+    ir.CommitLazy: StreamExecutor._execute_commit_lazy,
+    ir.EndProgram: StreamExecutor._execute_end_program,
+}
 
 
 class ProgramState(StateMethods):

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm_runtime.constrained.json_schema import regex_for_dtype
+
 # gen() parameter -> runtime sampling_params field.
 _GEN_TO_RUNTIME = {
     "max_new_tokens": "max_new_tokens",
@@ -99,10 +101,6 @@ _DTYPES |= {str: "str", "str": "str", "string": "str", bool: "bool", "bool": "bo
 
 
 def dtype_regex(dtype: type | str) -> str:
-    # Imported here: the regexes live with the runtime's constraint compiler (one definition), and
-    # most programs never pay for loading it.
-    from radixlm_runtime.constrained.json_schema import regex_for_dtype
-
     kind = _DTYPES.get(dtype)
     if kind is None:
         raise ValueError(f"gen: dtype must be one of int, float, str, bool; got {dtype!r}")
