@@ -165,9 +165,13 @@ class ModelRunner:
         outputs = StepOutputs(plan)
         specs = outputs.sample_specs()
         if specs:
-            rows = torch.tensor(outputs.sample_rows(), device=self.device)
+            rows = outputs.sample_rows()
+            # A pure decode step samples every logits row in order: no gather, no copy.
+            to_sample = logits
+            if rows != list(range(logits.shape[0])):
+                to_sample = logits.index_select(0, torch.tensor(rows, device=self.device))
             sampled = self.sampler(
-                logits.index_select(0, rows),
+                to_sample,
                 self._sampling_info(specs),
                 return_logprob=any(s.return_logprob for s in specs),
                 top_logprobs_num=max(s.top_logprobs_num for s in specs),

@@ -224,6 +224,8 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
     ) -> SampleOutput:
+        """Next tokens for [B, >= vocab] logits. NaN/+inf entries are sanitised in place, so the
+        caller's float32 logits are overwritten there (a copy would cost a large allocation per step)."""
         batch, width = logits.shape
         if width < info.vocab_size:
             raise ValueError(f"logits: width {width} is smaller than vocab_size {info.vocab_size}")
@@ -236,7 +238,7 @@ class Sampler:
             if rows.numel() == batch:
                 # Shifting by the max makes the best token exactly 0 and everything else <= 0,
                 # so dividing by even a tiny temperature cannot produce inf - inf.
-                shifted = x.sub_(row_max.unsqueeze(1))
+                shifted = x.sub_(row_max.unsqueeze(1)) if x is not raw else x - row_max.unsqueeze(1)
                 next_ids = self._sample(shifted.div_(info.temperatures), info)
             else:
                 shifted = x[rows].sub_(row_max[rows].unsqueeze(1))
@@ -284,10 +286,12 @@ class Sampler:
 def _allowed_logits(
     raw: torch.Tensor, info: SamplingBatchInfo
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A copy of the logits with NaN/+inf sanitised and the vocab mask, penalties and banned ids
-    applied, with their row maxima and argmax. Sanitising every row costs one elementwise pass;
-    checking first whether any row needs it would read the device back every step."""
-    x = torch.nan_to_num(raw, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+    """The logits with NaN/+inf sanitised (in place) and, on a copy, the vocab mask, penalties and
+    banned ids applied, with their row maxima and argmax. Returns `raw` itself when nothing edits it.
+    Sanitising every row costs one elementwise pass; checking first whether any row needs it would
+    read the device back every step."""
+    torch.nan_to_num_(raw, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
+    x = raw.clone() if info.has_edits else raw
     if info.vocab_mask is not None:
         if info.vocab_mask.shape != x.shape:
             got = tuple(info.vocab_mask.shape)
