@@ -29,13 +29,25 @@ class SchedulePolicy:
         """
         if self.tree is not None:
             for req in waiting:
-                key = req.token_ids[: req.max_prefix_len()]
-                req.prefix_len, req.last_node = self.tree.match_node(key)
+                self._match(req)
         ordered = self._policy_order(waiting)
         if not pinned_sessions:
             return ordered
         first = [r for r in ordered if r.session_id in pinned_sessions]
         return first + [r for r in ordered if r.session_id not in pinned_sessions]
+
+    def _match(self, req: Req) -> None:
+        """Sets req's cached prefix. A request that needs prompt logprobs takes the ones the tree
+        knows for its prefix, and uses the prefix only as far as those cover what it reports."""
+        assert self.tree is not None
+        key = req.token_ids[: req.max_prefix_len()]
+        matched, node = self.tree.match_node(key)
+        if req.needs_prompt_logprobs:
+            req.learn_logprobs(*self.tree.path_logprobs(node))
+            limit = req.logprob_limit(matched)
+            if limit < matched:
+                matched, node = self.tree.match_node(key[:limit])
+        req.prefix_len, req.last_node = matched, node
 
     def _policy_order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
