@@ -82,6 +82,18 @@ class SchedulerConfig:
         "radix tree so requests sharing a prefix run together) or 'fcfs' (arrival order).",
         ("lpm", "dfs-weight", "fcfs"),
     )
+    enable_priority_scheduling: bool = flag(
+        False,
+        "Admit waiting requests by their `priority` field first (larger values first, as in SGLang), "
+        "the schedule policy ordering requests of equal priority. Waiting raises a request's "
+        "priority by one level every --priority-aging-s seconds, so nothing starves.",
+    )
+    schedule_low_priority_values_first: bool = flag(
+        False, "With --enable-priority-scheduling, smaller `priority` values go first (vLLM's convention)."
+    )
+    priority_aging_s: float = flag(
+        10.0, "Seconds of waiting that raise a request's effective priority by one level."
+    )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
     disable_jump_forward: bool = flag(
         False,
@@ -113,6 +125,8 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
         if not self.session_timeout_s > 0:
             raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0.0 <= self.session_pin_fraction <= 1.0:
             raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
 

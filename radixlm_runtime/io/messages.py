@@ -29,6 +29,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    priority: int = 0  # used with --enable-priority-scheduling
 
 
 def sample_request(
@@ -40,6 +41,7 @@ def sample_request(
     logprob_start_len: int = -1,
     top_logprobs_num: int = 0,
     session_id: str | None = None,
+    priority: int = 0,
 ) -> GenerateReq:
     """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
     when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
@@ -53,6 +55,7 @@ def sample_request(
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
         session_id=session_id,
+        priority=priority,
     )
 
 

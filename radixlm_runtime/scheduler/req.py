@@ -27,6 +27,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     # Program session whose pin this request's whole sequence becomes when it ends (session.py).
     session_id: str | None = None
+    priority: int = 0
 
     # The prompt followed by every output token, appended in place (never rebuilt per step).
     token_ids: list[int] = field(default_factory=list)
@@ -82,6 +83,7 @@ class Req:
             logprob_start_len=m.logprob_start_len,
             top_logprobs_num=m.top_logprobs_num,
             session_id=m.session_id,
+            priority=m.priority,
         )
 
     @property
