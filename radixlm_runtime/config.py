@@ -44,10 +44,11 @@ class EngineConfig:
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
     )
-    mem_fraction_static: float = flag(
-        0.15,
-        "Fraction of available memory (host RAM on CPU, free GPU memory on CUDA) given to the KV "
-        "cache pool when --max-total-tokens is not set.",
+    mem_fraction_static: float | None = flag(
+        None,
+        "Fraction of available memory after the weights are loaded (host RAM on CPU, free GPU memory "
+        "on CUDA) given to the KV cache pool when --max-total-tokens is not set. Default: 0.15 on "
+        "CPU (the host keeps running everything else), 0.8 on CUDA (the rest is for activations).",
     )
     max_running_requests: int = flag(
         128, "Most requests decoding at once in the running batch (sizes the request-to-token table)."
@@ -61,7 +62,7 @@ class EngineConfig:
         _check_choices(self)
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
