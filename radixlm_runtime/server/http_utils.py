@@ -66,6 +66,7 @@ async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
     if not body.strip():
         raise RequestError("request body is empty; expected a JSON object")
     try:
+        body.decode()  # JSON text is UTF-8, in the fields the request type skips too
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
