@@ -8,9 +8,10 @@ from typing import Any
 
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
 # Every integer travels to the scheduler as msgpack, which holds 64 bits: larger values are refused
-# here, naming their field, instead of failing to serialize. Seeds take the whole int64 range (the
-# sampler reduces them mod 2**64, as torch does), so seed + sample index still fits in a uint64.
+# here, naming their field, instead of failing to serialize. Seeds may be any int64 or uint64 (the
+# sampler reduces them mod 2**64, as torch does); the other fields take the int64 range.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MIN, SEED_MAX = INT64_MIN, 2**64 - 1
 _FLOAT_FIELDS = {
     "temperature",
     "top_p",
@@ -130,7 +131,9 @@ def _coerce(key: str, value: Any) -> Any:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
-        if not INT64_MIN <= value <= INT64_MAX:
+        if key == "seed" and not SEED_MIN <= value <= SEED_MAX:
+            raise ValueError(f"sampling_params.seed must be in [-2**63, 2**64), got {value}")
+        if key != "seed" and not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(f"sampling_params.{key} must be in the int64 range [-2**63, 2**63), got {value}")
         return value
     if key in _FLOAT_FIELDS:
