@@ -152,6 +152,18 @@ class ServerConfig:
     max_request_bytes: int = flag(
         8 * 1024 * 1024, "Largest accepted request body in bytes; larger bodies get HTTP 413."
     )
+    max_n: int = flag(
+        128, "Most samples (n) one request may ask for per prompt, as OpenAI allows; more get HTTP 400."
+    )
+    max_logprobs: int = flag(
+        20,
+        "Most top logprobs per position (/generate top_logprobs_num, /v1 logprobs / top_logprobs); "
+        "each one costs response bytes for every sampled and prompt token. More get HTTP 400.",
+    )
+    max_stop_strings: int = flag(
+        64, "Most stop strings per request; every streamed token is checked against them. More get HTTP 400."
+    )
+    max_stop_length: int = flag(512, "Longest stop string in characters; longer ones get HTTP 400.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -160,3 +172,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        for name in ("max_n", "max_stop_strings", "max_stop_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")

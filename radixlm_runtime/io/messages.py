@@ -50,7 +50,8 @@ def sample_request(
         rid=rid if n == 1 else f"{rid}-{index}",
         input_ids=input_ids,
         sampling_params=dataclasses.replace(params, n=1),
-        seed=None if params.seed is None else params.seed + index,
+        # Reduced as the sampler reduces seeds, so seed + index stays a 64-bit value on the wire.
+        seed=None if params.seed is None else (params.seed + index) % 2**64,
         return_logprob=return_logprob,
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
