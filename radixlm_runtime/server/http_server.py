@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixlm_runtime.io import outputs
-from radixlm_runtime.io.inputs import logprob_args, per_prompt, prompt_ids
+from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -51,6 +51,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str | list[str] | None = None
     # A program session: the KV of each finished sequence stays pinned for the session's next call.
     session_id: str | None = None
+    # One for the batch or one per prompt; orders admission under --enable-priority-scheduling.
+    priority: int | list[int] | None = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -198,11 +200,12 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
         n = len(id_lists)
         params_list = per_prompt(body.sampling_params, n, "sampling_params")
         rids = per_prompt(body.rid, n, "rid")
+        priorities = [check_priority(p) for p in per_prompt(body.priority, n, "priority")]
         logprobs = logprob_args(body.return_logprob, body.logprob_start_len, body.top_logprobs_num, n)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
     inputs = []
-    for ids, raw, rid, lp in zip(id_lists, params_list, rids, logprobs):
+    for ids, raw, rid, lp, priority in zip(id_lists, params_list, rids, logprobs, priorities):
         tm.check_logprobs(lp.top_logprobs_num, "top_logprobs_num")
         sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, lp.logprob_start_len, param)
@@ -215,6 +218,7 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
                 lp.logprob_start_len,
                 lp.top_logprobs_num,
                 body.session_id,
+                priority,
             )
         )
     return inputs, single

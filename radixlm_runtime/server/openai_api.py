@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from radixlm_runtime.io.inputs import check_priority
 from radixlm_runtime.io.outputs import json_logprob
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -63,6 +64,8 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     """Sampling fields shared by both endpoints (OpenAI's plus SGLang's extensions)."""
 
     model: str | None = None
+    # vLLM's and SGLang's extension: orders admission under --enable-priority-scheduling.
+    priority: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -259,13 +262,16 @@ async def _make_input(
     if json_schema is not None:
         raw["json_schema"] = json_schema
     try:
+        priority = check_priority(body.priority)
+    except ValueError as e:
+        raise RequestError(str(e), param="priority") from None
+    try:
         sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
     except RequestError as e:
         raise _openai_names(e) from None
-    return GenerateInput(
-        ids, sp, uuid.uuid4().hex, return_logprob, 0 if prompt_logprobs else -1, top_logprobs
-    )
+    start = 0 if prompt_logprobs else -1
+    return GenerateInput(ids, sp, uuid.uuid4().hex, return_logprob, start, top_logprobs, priority=priority)
 
 
 def _openai_names(err: RequestError) -> RequestError:

@@ -66,6 +66,7 @@ class GenerateInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    priority: int = 0
 
 
 class IncrementalDetokenizer:
@@ -354,6 +355,7 @@ class TokenizerManager:
             inp.logprob_start_len,
             inp.top_logprobs_num,
             inp.session_id,
+            inp.priority,
         )
         rid = req.rid
         if rid in self.states:
