@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
-from radixlm_runtime.server.tokenizer_manager import IncrementalDetokenizer, _stop_holdback
+from radixlm_runtime.server.tokenizer_manager import IncrementalDetokenizer
 
 TEXTS = [
     "héllo wörld, naïve café",
@@ -33,11 +33,3 @@ def test_token_by_token_decode_is_exact_and_never_partial(tokenizer, text: str) 
         assert current.startswith(previous)
         previous = current
     assert previous == tokenizer.decode(ids)
-
-
-def test_stop_holdback() -> None:
-    assert _stop_holdback("the answer is", ["answer"]) == 0
-    assert _stop_holdback("the ans", ["answer"]) == 3
-    assert _stop_holdback("done\n", ["\n\n", "xyz"]) == 1
-    assert _stop_holdback("abc", []) == 0
-    assert _stop_holdback("a", ["ab", "a"]) == 1
