@@ -139,7 +139,7 @@ class ChatRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    # Ignored (README, "OpenAI-compatible API"): none of them changes the tokens generated here.
+    # Ignored (README, "API"): none of them changes the tokens generated here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -399,7 +399,7 @@ def chat_template_messages(tm: TokenizerManager, messages: list[ChatMessage]) ->
     """The template's messages. Tool calls in the history and tool/function results go to a template
     that knows them as OpenAI sends them; otherwise they become text: a call is appended to the
     assistant's turn as "[tool call ID: NAME(ARGUMENTS)]", a result is a user turn that starts with
-    "[tool result for call ID]" (README, "OpenAI-compatible API")."""
+    "[tool result for call ID]" (README, "API")."""
     if not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
     # A template that mentions tools renders tool calls and results itself.
