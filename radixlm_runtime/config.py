@@ -44,10 +44,11 @@ class EngineConfig:
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
     )
-    mem_fraction_static: float = flag(
-        0.15,
-        "Fraction of available memory (host RAM on CPU, free GPU memory on CUDA) given to the KV "
-        "cache pool when --max-total-tokens is not set.",
+    mem_fraction_static: float | None = flag(
+        None,
+        "Fraction of available memory after the weights are loaded (host RAM on CPU, free GPU memory "
+        "on CUDA) given to the KV cache pool when --max-total-tokens is not set. Default: 0.15 on "
+        "CPU (the host keeps running everything else), 0.8 on CUDA (the rest is for activations).",
     )
     max_running_requests: int = flag(
         128, "Most requests decoding at once in the running batch (sizes the request-to-token table)."
@@ -61,7 +62,7 @@ class EngineConfig:
         _check_choices(self)
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if not 0.0 < self.mem_fraction_static < 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
@@ -81,6 +82,18 @@ class SchedulerConfig:
         "Order of the waiting queue: 'lpm' (longest cached prefix first), 'dfs-weight' (walk the "
         "radix tree so requests sharing a prefix run together) or 'fcfs' (arrival order).",
         ("lpm", "dfs-weight", "fcfs"),
+    )
+    enable_priority_scheduling: bool = flag(
+        False,
+        "Admit waiting requests by their `priority` field first (larger values first, as in SGLang), "
+        "the schedule policy ordering requests of equal priority. Waiting raises a request's "
+        "priority by one level every --priority-aging-s seconds, so nothing starves.",
+    )
+    schedule_low_priority_values_first: bool = flag(
+        False, "With --enable-priority-scheduling, smaller `priority` values go first (vLLM's convention)."
+    )
+    priority_aging_s: float = flag(
+        10.0, "Seconds of waiting that raise a request's effective priority by one level."
     )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
     disable_jump_forward: bool = flag(
@@ -113,6 +126,8 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
         if not self.session_timeout_s > 0:
             raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
+        if not self.priority_aging_s > 0:
+            raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0.0 <= self.session_pin_fraction <= 1.0:
             raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
 
@@ -143,6 +158,18 @@ class ServerConfig:
     max_request_bytes: int = flag(
         8 * 1024 * 1024, "Largest accepted request body in bytes; larger bodies get HTTP 413."
     )
+    max_n: int = flag(
+        128, "Most samples (n) one request may ask for per prompt, as OpenAI allows; more get HTTP 400."
+    )
+    max_logprobs: int = flag(
+        20,
+        "Most top logprobs per position (/generate top_logprobs_num, /v1 logprobs / top_logprobs); "
+        "each one costs response bytes for every sampled and prompt token. More get HTTP 400.",
+    )
+    max_stop_strings: int = flag(
+        64, "Most stop strings per request; every streamed token is checked against them. More get HTTP 400."
+    )
+    max_stop_length: int = flag(512, "Longest stop string in characters; longer ones get HTTP 400.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -151,3 +178,8 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        for name in ("max_n", "max_stop_strings", "max_stop_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")

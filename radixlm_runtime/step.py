@@ -50,6 +50,7 @@ class PromptLogprobSpec:
 
     rows: list[int]  # offsets among the request's logits rows
     targets: list[int]  # the token each of those rows predicts
+    positions: list[int]  # and that token's position in the sequence
     top_logprobs_num: int = 0
 
 

@@ -269,10 +269,27 @@ class TorchAttentionBackend(AttentionBackend):
 def _flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused CPU attention, which unlike the public SDPA also returns the log-sum-exp."""
+    """Attention that also returns the log-sum-exp (to merge in a shared prefix's part): torch's
+    fused CPU kernel, which unlike the public SDPA returns it; elsewhere the plain formulation, so
+    the backend stays a reference on any device."""
+    if q.device.type != "cpu":
+        return attention_with_lse(q, k, v, mask, scale)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     out, lse = flash(q, k, v, attn_mask=mask, scale=scale)
     return out, lse
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T * scale + mask) v and the rows' log-sum-exp, in float32, for [B, H, L, D]
+    inputs and an additive mask broadcastable to [B, H, Lq, Lk]."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
 
 
 def _common_prefix_len(seqs: list[list[int]], limit: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from radixlm_runtime.constrained.compiler import validate_constraint
 from radixlm_runtime.entrypoints.runtime import build_scheduler
-from radixlm_runtime.io.inputs import logprob_args, per_prompt, prompt_ids
+from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.io.limits import RequestLimits
 from radixlm_runtime.io.messages import GenerateReq, sample_request
 from radixlm_runtime.io.outputs import OutputState, native_output
@@ -58,13 +58,16 @@ class Engine:
         return_text_in_logprobs: bool = False,
         rid: str | list[str] | None = None,
         session_id: str | None = None,
+        priority: int | list[int] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generates for one prompt (returns a dict, or a list of n dicts when n > 1) or a batch
         (returns a list, n outputs per prompt in order). Everything is validated before anything runs.
         The logprob arguments take one value for the batch or a list with one per prompt.
 
         With session_id, the KV of each finished sequence stays pinned for the session's next call
-        (a program whose prompts extend each other) until close_session or the session timeout."""
+        (a program whose prompts extend each other) until close_session or the session timeout.
+        priority (one for the batch or one per prompt) orders admission under
+        enable_priority_scheduling."""
         messages, single = self._build_requests(
             prompt,
             sampling_params,
@@ -74,6 +77,7 @@ class Engine:
             top_logprobs_num,
             rid,
             session_id,
+            priority,
         )
         states = self._submit(messages)
         pending = set(states)
@@ -158,6 +162,7 @@ class Engine:
         top_logprobs_num: int | list[int] | None,
         rid: str | list[str] | None,
         session_id: str | None,
+        priority: int | list[int] | None = None,
     ) -> tuple[list[GenerateReq], bool]:
         if session_id is not None:
             check_session_id(session_id)
@@ -166,10 +171,11 @@ class Engine:
         n = len(id_lists)
         params_list = per_prompt(sampling_params, n, "sampling_params")
         rids = per_prompt(rid, n, "rid")
+        priorities = [check_priority(p) for p in per_prompt(priority, n, "priority")]
         logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
 
         messages: list[GenerateReq] = []
-        for ids, raw, base_rid, lp in zip(id_lists, params_list, rids, logprobs):
+        for ids, raw, base_rid, lp, prio in zip(id_lists, params_list, rids, logprobs, priorities):
             sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size)
             if sp.regex is not None or sp.json_schema is not None:
                 try:
@@ -189,6 +195,7 @@ class Engine:
                         lp.logprob_start_len,
                         lp.top_logprobs_num,
                         session_id,
+                        prio,
                     )
                 )
         seen: set[str] = set()

@@ -26,6 +26,9 @@ from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+# Share of available memory for the KV pool by default: (CPU, CUDA).
+DEFAULT_MEM_FRACTION = (0.15, 0.8)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -119,11 +122,13 @@ class ModelRunner:
         )
         # Built on the meta device: every weight is overwritten by the checkpoint, so random init
         # would only cost start-up time.
+        # The dtype is set while still on meta, so parameters are allocated once, in their final
+        # dtype (not in float32 first and cast after: 3x the bf16 weights at peak on a GPU).
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.config, rotary)
+            model = LlamaForCausalLM(self.config, rotary).to(dtype=self.dtype)
         model = model.to_empty(device=self.device)
         model.load_weights(load_weights(model_dir))
-        model = model.to(device=self.device, dtype=self.dtype).eval()
+        model.eval()
         prepack_linears(model)
         return model
 
@@ -133,7 +138,10 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token_for(
             self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
         )
-        budget = int(_available_memory_bytes(self.device) * self.engine_config.mem_fraction_static)
+        fraction = self.engine_config.mem_fraction_static
+        if fraction is None:
+            fraction = DEFAULT_MEM_FRACTION[self.device.type == "cuda"]
+        budget = int(_available_memory_bytes(self.device) * fraction)
         return max(1024, budget // per_token)
 
     def _make_attention_backend(self) -> AttentionBackend:

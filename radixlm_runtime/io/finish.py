@@ -15,6 +15,9 @@ class FinishReason:
     matched: int | str | None = None
     length: int | None = None  # length: how many tokens were generated
     message: str | None = None  # abort: why
+    # abort: the request field at fault (e.g. a regex this tokenizer cannot spell), None when the
+    # request itself was fine; the HTTP side turns such an abort into a 400 naming the field.
+    param: str | None = None
 
     @classmethod
     def stop(cls, matched: int | str | None) -> FinishReason:
@@ -25,8 +28,8 @@ class FinishReason:
         return cls("length", length=length)
 
     @classmethod
-    def abort(cls, message: str) -> FinishReason:
-        return cls("abort", message=message)
+    def abort(cls, message: str, param: str | None = None) -> FinishReason:
+        return cls("abort", message=message, param=param)
 
     def to_json(self) -> dict[str, Any]:
         """SGLang's meta_info `finish_reason` object."""

@@ -80,3 +80,16 @@ def logprob_args(
             raise ValueError(f"top_logprobs_num must be >= 0, got {top}")
         out.append(LogprobArgs(want, -1 if start is None else start, top or 0))
     return out
+
+
+# Priorities travel as int64; a wider value is a client error, not a serialization crash.
+PRIORITY_LIMIT = 2**31
+
+
+def check_priority(value: Any) -> int:
+    """A request's priority (None: 0), as an integer in [-2**31, 2**31)."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not -PRIORITY_LIMIT <= value < PRIORITY_LIMIT:
+        raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {value!r}")
+    return value

@@ -29,6 +29,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    priority: int = 0  # used with --enable-priority-scheduling
 
 
 def sample_request(
@@ -40,6 +41,7 @@ def sample_request(
     logprob_start_len: int = -1,
     top_logprobs_num: int = 0,
     session_id: str | None = None,
+    priority: int = 0,
 ) -> GenerateReq:
     """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
     when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
@@ -48,11 +50,13 @@ def sample_request(
         rid=rid if n == 1 else f"{rid}-{index}",
         input_ids=input_ids,
         sampling_params=dataclasses.replace(params, n=1),
-        seed=None if params.seed is None else params.seed + index,
+        # Reduced as the sampler reduces seeds, so seed + index stays a 64-bit value on the wire.
+        seed=None if params.seed is None else (params.seed + index) % 2**64,
         return_logprob=return_logprob,
         logprob_start_len=logprob_start_len,
         top_logprobs_num=top_logprobs_num,
         session_id=session_id,
+        priority=priority,
     )
 
 

@@ -34,12 +34,13 @@ def decode_output(
     no_stop_trim: bool = False,
 ) -> str:
     """Final text of a request: a matched stop token or stop string is cut off (OpenAI semantics)
-    unless no_stop_trim is set."""
+    unless no_stop_trim is set, and so is a character that the last token left incomplete (it
+    decodes as U+FFFD), as streaming holds it back: both ways give the same text."""
     matched = finished_reason.matched if finished_reason is not None else None
     ids = output_ids
     if isinstance(matched, int) and not no_stop_trim and ids and ids[-1] == matched:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).rstrip("\ufffd")
     if isinstance(matched, str) and not no_stop_trim:
         pos = text.find(matched)
         if pos >= 0:

@@ -3,14 +3,23 @@
 Ownership model: a slot inside the tree belongs to the tree and is freed only by `evict`/`reset`.
 Callers lock the node their prefix ends in while a request runs, which pins the whole path. Slots
 are host integers: matching, inserting and evicting never touch the device.
+
+Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
+computed by a request that asked for them: a token's logprob depends only on the tokens before it,
+so a later request that wants prompt logprobs can take them from the tree instead of recomputing
+the whole prompt (loglikelihood scoring with `echo`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
+
+# (logprob, token id) pairs, most likely first.
+TopLogprobs = list[tuple[float, int]]
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -25,7 +34,17 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
 class TreeNode:
     """One edge of the tree: `key` tokens and the KV slots (`value`) holding them."""
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time", "id")
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "lock_ref",
+        "last_access_time",
+        "id",
+        "logprobs",
+        "top",
+    )
 
     _ids = itertools.count()
 
@@ -44,6 +63,10 @@ class TreeNode:
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.id = next(TreeNode._ids)
+        # Per key token: its logprob (NaN: unknown) and its position's top alternatives (None:
+        # unknown); None when no request that computed these tokens asked for logprobs.
+        self.logprobs: list[float] | None = None
+        self.top: list[TopLogprobs | None] | None = None
 
     def __lt__(self, other: TreeNode) -> bool:
         # Heap order for eviction: least recently used first, creation order breaks ties.
@@ -104,11 +127,19 @@ class RadixCache:
             node = node.parent
         return [s for part in reversed(parts) for s in part]
 
-    def insert(self, key: list[int], value: list[int]) -> int:
+    def insert(
+        self,
+        key: list[int],
+        value: list[int],
+        logprobs: list[float] | None = None,
+        top: list[TopLogprobs | None] | None = None,
+    ) -> int:
         """Inserts key with its KV indices; returns how many leading tokens were already cached.
 
         The tree keeps its own slots for that prefix, so the caller must free its copies of them
-        (value[caller_prefix_len:returned_len]) unless they are the very same slots.
+        (value[caller_prefix_len:returned_len]) unless they are the very same slots. Known token
+        logprobs (`logprobs`, NaN where unknown; `top`, None where unknown), aligned with key, fill
+        in what the tree does not know yet.
         """
         if len(value) != len(key):
             raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
@@ -120,6 +151,7 @@ class RadixCache:
             child = node.children.get(key[pos])
             if child is None:
                 leaf = TreeNode(key[pos:], value[pos:], node, now)
+                _learn_logprobs(leaf, logprobs, top, pos)
                 node.children[key[pos]] = leaf
                 self._evictable_size += len(leaf.key)
                 return pos
@@ -127,9 +159,25 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
+            _learn_logprobs(child, logprobs, top, pos)
             node = child
             pos += n
         return pos
+
+    def path_logprobs(self, node: TreeNode) -> tuple[list[float], list[TopLogprobs | None]]:
+        """Known logprobs (NaN: unknown) and top alternatives (None: unknown) of every token from
+        the root down to node."""
+        nodes: list[TreeNode] = []
+        while node is not self.root_node:
+            nodes.append(node)
+            assert node.parent is not None, "path_logprobs on a node detached from the tree"
+            node = node.parent
+        logprobs: list[float] = []
+        top: list[TopLogprobs | None] = []
+        for n in reversed(nodes):
+            logprobs.extend(n.logprobs if n.logprobs is not None else [math.nan] * len(n.key))
+            top.extend(n.top if n.top is not None else [None] * len(n.key))
+        return logprobs, top
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cuts child's edge after n tokens and returns the new upper node.
@@ -140,6 +188,10 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
         upper = TreeNode(child.key[:n], child.value[:n], parent, child.last_access_time, child.lock_ref)
+        if child.logprobs is not None:
+            upper.logprobs, child.logprobs = child.logprobs[:n], child.logprobs[n:]
+        if child.top is not None:
+            upper.top, child.top = child.top[:n], child.top[n:]
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
@@ -246,3 +298,23 @@ class RadixCache:
             children = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)
             stack.extend((c, depth + 1) for c in children)
         return "\n".join(lines)
+
+
+def _learn_logprobs(
+    node: TreeNode, logprobs: list[float] | None, top: list[TopLogprobs | None] | None, start: int
+) -> None:
+    """Records what the caller knows of node's tokens (key[start:start + len(node.key)]) where the
+    node does not know it yet."""
+    n = len(node.key)
+    if logprobs is not None:
+        given = logprobs[start : start + n]
+        if any(not math.isnan(v) for v in given):
+            own = node.logprobs or [math.nan] * n
+            node.logprobs = [g if math.isnan(o) else o for o, g in zip(own, given)]
+    if top is not None:
+        given_top = top[start : start + n]
+        if any(t is not None for t in given_top):
+            own_top = node.top or [None] * n
+            node.top = [
+                o if o is not None and len(o) >= len(g or ()) else g for o, g in zip(own_top, given_top)
+            ]

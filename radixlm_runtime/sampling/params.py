@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
+# Every integer travels to the scheduler as msgpack, which holds 64 bits: larger values are refused
+# here, naming their field, instead of failing to serialize. Seeds may be any int64 or uint64 (the
+# sampler reduces them mod 2**64, as torch does); the other fields take the int64 range.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+SEED_MIN, SEED_MAX = INT64_MIN, 2**64 - 1
 _FLOAT_FIELDS = {
     "temperature",
     "top_p",
@@ -133,6 +138,17 @@ class SamplingParams:
                         f"sampling_params.logit_bias: token id {tid} is outside [0, {vocab_size})"
                     )
 
+    def check_min_new_tokens(self, vocab_size: int, eos_ids: list[int]) -> None:
+        """Refuses a min_new_tokens that no output can honour: when every token of the vocabulary
+        stops the request (stop_token_ids, plus EOS unless ignored), banning stops until
+        min_new_tokens would leave nothing to sample."""
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+        if self.min_new_tokens > 0 and sum(0 <= t < vocab_size for t in stops) >= vocab_size:
+            raise ValueError(
+                f"sampling_params.min_new_tokens={self.min_new_tokens} cannot be honoured: every token "
+                "of the vocabulary is a stop token (stop_token_ids / EOS)"
+            )
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
@@ -144,6 +160,10 @@ def _coerce(key: str, value: Any) -> Any:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"sampling_params.{key} must be an integer, got {value!r}")
+        if key == "seed" and not SEED_MIN <= value <= SEED_MAX:
+            raise ValueError(f"sampling_params.seed must be in [-2**63, 2**64), got {value}")
+        if key != "seed" and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"sampling_params.{key} must be in the int64 range [-2**63, 2**63), got {value}")
         return value
     if key in _FLOAT_FIELDS:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

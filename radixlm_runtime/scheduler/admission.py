@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from radixlm_runtime.config import SchedulerConfig
 from radixlm_runtime.scheduler.cache import CacheManager
-from radixlm_runtime.scheduler.policy import SchedulePolicy
+from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.utils.logging import get_logger
@@ -49,7 +49,12 @@ class Admission:
         self.config = config
         self.cache = cache
         self.max_running_requests = max_running_requests
-        self.policy = SchedulePolicy(config.schedule_policy, cache.tree)
+        priority = (
+            PriorityRule(config.schedule_low_priority_values_first, config.priority_aging_s)
+            if config.enable_priority_scheduling
+            else None
+        )
+        self.policy = SchedulePolicy(config.schedule_policy, cache.tree, priority)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None

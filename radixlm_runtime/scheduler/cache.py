@@ -111,7 +111,10 @@ class CacheManager:
         computed them concurrently), req's duplicate slots are freed and req reads the tree's
         from now on (its table row is rewritten from there)."""
         assert self.tree is not None
-        already = self.tree.insert(ids, slots)
+        n = len(ids)
+        logprobs = req.token_logprobs[:n] if req.token_logprobs is not None else None
+        top = req.token_top[:n] if req.token_top is not None else None
+        already = self.tree.insert(ids, slots, logprobs, top)
         own_from = req.prefix_len
         if already > own_from:
             self.allocator.free(slots[own_from:already])

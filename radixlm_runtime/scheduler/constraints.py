@@ -56,7 +56,7 @@ class ConstraintQueue:
             if exc is not None:
                 field_name = "regex" if req.sampling_params.regex is not None else "json_schema"
                 message = str(exc) if str(exc).startswith(field_name) else f"{field_name}: {exc}"
-                req.finished_reason = FinishReason.abort(message)
+                req.finished_reason = FinishReason.abort(message, param=field_name)
             else:
                 req.guide = RegexGuide(future.result())
             done.append(req)

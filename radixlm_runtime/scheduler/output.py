@@ -44,13 +44,11 @@ class OutputProcessor:
         for it, fwd, res in zip(items, planned, results):
             req = it.req
             req.kv_len = it.prefix_len + it.extend_len
-            if fwd.prompt_logprobs is not None:
-                if it.prefix_len == 0 and req.logprob_start_len == 0:
-                    req.input_token_logprobs.append(None)
-                    req.input_top_logprobs.append(None)
-                req.input_token_logprobs.extend(res.prompt_logprobs)
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.extend(res.prompt_top_logprobs)
+            spec = fwd.prompt_logprobs
+            if spec is not None:
+                tops = res.prompt_top_logprobs or [None] * len(spec.positions)
+                for pos, lp, top in zip(spec.positions, res.prompt_logprobs, tops, strict=True):
+                    req.record_logprob(pos, lp, top)
             if not it.completes:
                 continue
             if req.sampling_params.max_new_tokens == 0:
@@ -77,6 +75,7 @@ class OutputProcessor:
             req.output_token_logprobs.append(res.logprob)
             if req.top_logprobs_num and res.top_logprobs is not None:
                 req.output_top_logprobs.append(res.top_logprobs)
+            req.record_logprob(len(req.token_ids) - 1, res.logprob, res.top_logprobs)
         if not req.finished:
             self.check_finish(req)
         if not req.finished and self.jump_forward(req, tail=1):
@@ -168,6 +167,5 @@ def req_output(req: Req) -> ReqOutput:
         out.output_top_logprobs = req.output_top_logprobs[start:]
         if not req.sent_input_logprobs:
             req.sent_input_logprobs = True
-            out.input_token_logprobs = req.input_token_logprobs
-            out.input_top_logprobs = req.input_top_logprobs
+            out.input_token_logprobs, out.input_top_logprobs = req.input_logprobs()
     return out

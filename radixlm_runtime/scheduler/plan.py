@@ -25,7 +25,7 @@ def build_plan(
         req.kv_slots.extend(slots[offset : offset + it.extend_len])
         offset += it.extend_len
         first = _first_logit_pos(it)
-        wants_prompt = req.wants_input_logprobs and req.output_len == 0 and first < end
+        wants_prompt = req.needs_prompt_logprobs and first < end
         due = it.completes and req.sampling_params.max_new_tokens > 0
         forward.append(
             ForwardItem(
@@ -53,7 +53,7 @@ def _first_logit_pos(it: ScheduledItem) -> int:
     for, else only the last token (and only when the chunk completes the request's tokens)."""
     req = it.req
     last = it.prefix_len + it.extend_len - 1
-    if req.wants_input_logprobs and req.output_len == 0:
+    if req.needs_prompt_logprobs:
         return max(it.prefix_len, req.logprob_start_len - 1, 0)
     return last if it.completes else last + 1
 
@@ -65,6 +65,7 @@ def _prompt_logprob_spec(req: Req, first: int, end: int) -> PromptLogprobSpec:
     return PromptLogprobSpec(
         rows=keep,
         targets=[req.token_ids[first + i + 1] for i in keep],
+        positions=[first + i + 1 for i in keep],
         top_logprobs_num=req.top_logprobs_num,
     )
 

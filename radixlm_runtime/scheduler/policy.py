@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Set
+from collections.abc import Callable, Set
+from dataclasses import dataclass
 
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
@@ -13,29 +15,63 @@ from radixlm_runtime.scheduler.req import Req
 LPM_MAX_QUEUE = 256
 
 
+@dataclass(frozen=True)
+class PriorityRule:
+    """Request priorities with aging: a request's level is its priority (negated when low values go
+    first) plus one for every `aging_s` seconds it has waited, so a flood of important work delays
+    the rest but never starves it."""
+
+    low_values_first: bool = False
+    aging_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+
+    def level(self, req: Req, now: float) -> int:
+        own = -req.priority if self.low_values_first else req.priority
+        return own + int((now - req.arrival_time) // self.aging_s)
+
+
 class SchedulePolicy:
-    def __init__(self, policy: str, tree: RadixCache | None) -> None:
+    def __init__(self, policy: str, tree: RadixCache | None, priority: PriorityRule | None = None) -> None:
         if policy not in ("lpm", "dfs-weight", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm', 'dfs-weight' or 'fcfs', got {policy!r}")
         self.policy = policy if tree is not None else "fcfs"
         self.tree = tree
+        self.priority = priority
 
     def order(self, waiting: list[Req], pinned_sessions: Set[str] = frozenset()) -> list[Req]:
         """Returns the queue in admission order, with each request's prefix match refreshed.
 
-        Requests of a session holding pinned KV (a program run in flight) go before all others,
-        each group keeping the policy's order: a program already under way finishes, and its pin
-        stops taking memory, before new programs start and pin more.
+        With priorities, higher levels go first. Within a level, requests of a session holding
+        pinned KV (a program run in flight) go before all others, each group keeping the policy's
+        order: a program already under way finishes, and its pin stops taking memory, before new
+        programs start and pin more.
         """
         if self.tree is not None:
             for req in waiting:
-                key = req.token_ids[: req.max_prefix_len()]
-                req.prefix_len, req.last_node = self.tree.match_node(key)
+                self._match(req)
         ordered = self._policy_order(waiting)
-        if not pinned_sessions:
+        if self.priority is None and not pinned_sessions:
             return ordered
-        first = [r for r in ordered if r.session_id in pinned_sessions]
-        return first + [r for r in ordered if r.session_id not in pinned_sessions]
+        rule = self.priority
+        now = rule.clock() if rule is not None else 0.0
+
+        def key(r: Req) -> tuple[int, bool]:
+            return (-rule.level(r, now) if rule is not None else 0, r.session_id not in pinned_sessions)
+
+        return sorted(ordered, key=key)
+
+    def _match(self, req: Req) -> None:
+        """Sets req's cached prefix. A request that needs prompt logprobs takes the ones the tree
+        knows for its prefix, and uses the prefix only as far as those cover what it reports."""
+        assert self.tree is not None
+        key = req.token_ids[: req.max_prefix_len()]
+        matched, node = self.tree.match_node(key)
+        if req.needs_prompt_logprobs:
+            req.learn_logprobs(*self.tree.path_logprobs(node))
+            limit = req.logprob_limit(matched)
+            if limit < matched:
+                matched, node = self.tree.match_node(key[:limit])
+        req.prefix_len, req.last_node = matched, node
 
     def _policy_order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     # Program session whose pin this request's whole sequence becomes when it ends (session.py).
     session_id: str | None = None
+    priority: int = 0
 
     # The prompt followed by every output token, appended in place (never rebuilt per step).
     token_ids: list[int] = field(default_factory=list)
@@ -48,9 +50,11 @@ class Req:
     kv_len: int = 0  # tokens whose KV is in the pool
     table_synced: int = 0  # leading entries of kv_slots the executor's table row already holds
 
-    # Logprob accumulators, filled as chunks and decode steps complete.
-    input_token_logprobs: list[float | None] = field(default_factory=list)
-    input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    # With return_logprob: each token's logprob (NaN: unknown) and its position's top alternatives
+    # (None: unknown), aligned with token_ids. Filled from the radix tree, prefill chunks and decode
+    # steps; what the request computes joins the tree with its KV.
+    token_logprobs: list[float] | None = None
+    token_top: list[TopLogprobs | None] | None = None
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # What has been reported already (scheduler/output.py sends only what is new).
@@ -62,6 +66,9 @@ class Req:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.origin_input_ids)
+        if self.return_logprob:
+            self.token_logprobs = [math.nan] * len(self.token_ids)
+            self.token_top = [None] * len(self.token_ids)
 
     @classmethod
     def from_message(cls, m: GenerateReq, uid: int, seed: int) -> Req:
@@ -76,6 +83,7 @@ class Req:
             logprob_start_len=m.logprob_start_len,
             top_logprobs_num=m.top_logprobs_num,
             session_id=m.session_id,
+            priority=m.priority,
         )
 
     @property
@@ -109,14 +117,68 @@ class Req:
     def wants_input_logprobs(self) -> bool:
         return self.return_logprob and 0 <= self.logprob_start_len < self.prompt_len
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are still to be produced (they are, with the first prefill)."""
+        return self.wants_input_logprobs and self.output_len == 0
+
     def max_prefix_len(self) -> int:
-        """How much of token_ids may come from the cache. At least one token is always recomputed
-        (its logits give the next token); prompt logprobs need the positions from
-        logprob_start_len - 1 on to be computed, not read from the cache."""
-        limit = len(self.token_ids) - 1
-        if self.wants_input_logprobs and self.output_len == 0:
-            limit = min(limit, max(self.logprob_start_len - 1, 0))
-        return limit
+        """How much of token_ids may come from the cache: at least one token is always recomputed
+        (its logits give the next token). Prompt logprobs may limit it further (logprob_limit)."""
+        return len(self.token_ids) - 1
+
+    def logprob_limit(self, matched: int) -> int:
+        """How much of a `matched`-token cached prefix the request may use when it needs prompt
+        logprobs: every prompt position it reports from the first recomputed one on is computed
+        (row p - 1 gives token p), so each earlier one it reports must be known already."""
+        first = max(self.logprob_start_len, 1)
+        if first > matched:
+            return matched
+        for p in range(first, matched):
+            if not self._knows(p):
+                return p - 1
+        return matched - 1
+
+    def _knows(self, p: int) -> bool:
+        assert self.token_logprobs is not None and self.token_top is not None
+        if math.isnan(self.token_logprobs[p]):
+            return False
+        top = self.token_top[p]
+        return not self.top_logprobs_num or (top is not None and len(top) >= self.top_logprobs_num)
+
+    def learn_logprobs(self, logprobs: list[float], top: list[TopLogprobs | None]) -> None:
+        """Takes known values of the reported positions among token_ids[:len(logprobs)] (from the
+        radix tree) where the request does not know them yet."""
+        assert self.token_logprobs is not None and self.token_top is not None
+        mine, my_top = self.token_logprobs, self.token_top
+        for p in range(max(self.logprob_start_len, 1), len(logprobs)):
+            if math.isnan(mine[p]):
+                mine[p] = logprobs[p]
+            t = top[p]
+            if t is not None and len(t) > len(my_top[p] or ()):
+                my_top[p] = t
+
+    def record_logprob(self, pos: int, logprob: float, top: TopLogprobs | None) -> None:
+        """A computed logprob of token_ids[pos] (pos == len(token_logprobs) appends a new token's)."""
+        assert self.token_logprobs is not None and self.token_top is not None
+        if pos == len(self.token_logprobs):
+            self.token_logprobs.append(logprob)
+            self.token_top.append(top)
+        else:
+            self.token_logprobs[pos] = logprob
+            self.token_top[pos] = top
+
+    def input_logprobs(self) -> tuple[list[float | None], list[TopLogprobs | None]]:
+        """Prompt logprobs from logprob_start_len on (SGLang's input_token_logprobs and
+        input_top_logprobs): the first prompt token has none."""
+        if not self.wants_input_logprobs:
+            return [], []
+        assert self.token_logprobs is not None and self.token_top is not None
+        span = range(self.logprob_start_len, self.prompt_len)
+        values = [None if p == 0 else self.token_logprobs[p] for p in span]
+        k = self.top_logprobs_num
+        tops = [None if p == 0 or (t := self.token_top[p]) is None else t[:k] for p in span] if k else []
+        return values, tops
 
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - self.output_len

@@ -27,6 +27,9 @@ from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.step import Executor
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 class Scheduler:
@@ -120,7 +123,11 @@ class Scheduler:
         items = self.admission.schedule()
         if items:
             plan = build_plan(items, self.cache, self.eos_ids, self.runner_info.vocab_size)
-            result = self.runner.run(plan)
+            try:
+                result = self.runner.run(plan)
+            except Exception as e:  # a failing batch fails its own requests; the loop goes on
+                logger.exception("forward step failed; aborting its %d requests", len(items))
+                return [req_output(r) for r in updated + self._fail(items, e)]
             self.stats.forward_passes += 1
             self.output.apply(items, plan.items, result.items)
             updated += self._settle(items)
@@ -145,6 +152,22 @@ class Scheduler:
                     self.admission.running.append(req)
                 updated.append(req)
         return updated
+
+    def _fail(self, items: list[ScheduledItem], error: Exception) -> list[Req]:
+        """Ends the requests of a step whose forward raised: the slots planned for it hold no valid
+        KV and go back to the free list; what earlier steps computed stays cached as usual."""
+        failed = []
+        for it in items:
+            req = it.req
+            self.cache.allocator.free(req.kv_slots[req.kv_len :])
+            del req.kv_slots[req.kv_len :]
+            req.table_synced = min(req.table_synced, req.kv_len)
+            req.finished_reason = FinishReason.abort(f"internal error in the forward step: {error}")
+            if req is self.admission.chunked:
+                self.admission.chunked = None
+            self._finish(req)
+            failed.append(req)
+        return failed
 
     def _queue_compiled(self) -> list[Req]:
         """Queues requests whose constraint compiled, with the text it forces from the start already

@@ -43,6 +43,7 @@ class RequestError(Exception):
             401: "authentication_error",
             404: "not_found_error",
             413: "invalid_request_error",
+            415: "invalid_request_error",
             503: "service_unavailable",
         }.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

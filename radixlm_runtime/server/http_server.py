@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixlm_runtime.io import outputs
-from radixlm_runtime.io.inputs import logprob_args, per_prompt, prompt_ids
+from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -52,6 +52,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str | list[str] | None = None
     # A program session: the KV of each finished sequence stays pinned for the session's next call.
     session_id: str | None = None
+    # One for the batch or one per prompt; orders admission under --enable-priority-scheduling.
+    priority: int | list[int] | None = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -169,12 +171,12 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
     async def generate(request: Request) -> Response:
         body = await hu.parse_body(request, args.max_request_bytes, GenerateRequest)
         inputs, single = await _build_inputs(tm, body)
+        tm.check_capacity(sum(inp.params.n for inp in inputs))
         jobs = [(inp, i) for inp in inputs for i in range(inp.params.n)]
-        tm.check_capacity(len(jobs))
         single = single and len(jobs) == 1
         fmt = lambda st: native_output(tm, st, body.return_text_in_logprobs)
         if body.stream:
-            return hu.sse_response(_native_stream(tm, jobs, single, fmt))
+            return await hu.sse_stream(request, _native_stream(tm, jobs, single, fmt))
         states = await hu.unless_disconnected(request, gather_cancelling([tm.run(inp, i) for inp, i in jobs]))
         outs = [fmt(st) for st in states]
         return JSONResponse(outs[0] if single else outs)
@@ -200,11 +202,13 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
         n = len(id_lists)
         params_list = per_prompt(body.sampling_params, n, "sampling_params")
         rids = per_prompt(body.rid, n, "rid")
+        priorities = [check_priority(p) for p in per_prompt(body.priority, n, "priority")]
         logprobs = logprob_args(body.return_logprob, body.logprob_start_len, body.top_logprobs_num, n)
     except ValueError as e:
         raise RequestError.from_value_error(e) from None
     inputs = []
-    for ids, raw, rid, lp in zip(id_lists, params_list, rids, logprobs):
+    for ids, raw, rid, lp, priority in zip(id_lists, params_list, rids, logprobs, priorities):
+        tm.check_logprobs(lp.top_logprobs_num, "top_logprobs_num")
         sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, lp.logprob_start_len, param)
         inputs.append(
@@ -216,6 +220,7 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
                 lp.logprob_start_len,
                 lp.top_logprobs_num,
                 body.session_id,
+                priority,
             )
         )
     return inputs, single
@@ -226,21 +231,17 @@ async def _native_stream(
 ) -> AsyncIterator[bytes]:
     """SSE chunks with the cumulative text of one request (plus "index" when several run)."""
     done: set[int] = set()
-    try:
-        streams = [tm.generate(inp, i, stream=True) for inp, i in jobs]
-        async with contextlib.aclosing(merge_streams(streams)) as merged:
-            async for idx, st in merged:
-                if idx in done:
-                    continue
-                if st.finished:
-                    done.add(idx)
-                out = fmt(st)
-                if not single:
-                    out["index"] = idx
-                yield hu.sse(out)
-    except RequestError as e:
-        yield hu.sse(e.body())
-    yield hu.SSE_DONE
+    streams = [tm.generate(inp, i, stream=True) for inp, i in jobs]
+    async with contextlib.aclosing(merge_streams(streams)) as merged:
+        async for idx, st in merged:
+            if idx in done:
+                continue
+            if st.finished:
+                done.add(idx)
+            out = fmt(st)
+            if not single:
+                out["index"] = idx
+            yield hu.sse(out)
 
 
 def native_output(tm: TokenizerManager, st: RequestState, text_in_logprobs: bool) -> dict[str, Any]:

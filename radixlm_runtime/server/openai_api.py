@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from radixlm_runtime.io.inputs import check_priority
 from radixlm_runtime.io.outputs import json_logprob
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -26,13 +27,10 @@ from radixlm_runtime.server.tokenizer_manager import (
     GenerateInput,
     RequestState,
     TokenizerManager,
-    check_constraints,
     gather_cancelling,
     merge_streams,
 )
 
-# OpenAI caps top_logprobs / completions logprobs at 20.
-MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # OpenAI field -> SamplingParams field, for fields passed through unchanged.
 _PASSTHROUGH = {
@@ -71,6 +69,8 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     only tags the request for OpenAI's abuse monitoring."""
 
     model: str | None = None
+    # vLLM's and SGLang's extension: orders admission under --enable-priority-scheduling.
+    priority: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -213,10 +213,8 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         _check_common(body)
         check_model(body.model)
         _check_unsupported_completion_fields(body)
-        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(
-                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}", param="logprobs"
-            )
+        if body.logprobs is not None:
+            tm.check_logprobs(body.logprobs, "logprobs")
         id_lists = _completion_prompts(tm, body.prompt)
         want_lp = body.logprobs is not None
         jobs: list[_Job] = []
@@ -226,14 +224,16 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
                 tm, body, ids, max_tokens, want_lp, body.logprobs or 0, bool(body.echo) and want_lp
             )
             prompt_text = tm.tokenizer.decode(ids) if body.echo else ""
+            tm.check_capacity(len(jobs) + inp.params.n)
             jobs.extend(_Job(inp, i, len(jobs), prompt_text) for i in range(inp.params.n))
-        tm.check_capacity(len(jobs))
         resp_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": resp_id, "object": "text_completion", "created": created, "model": model_name}
         fmt_lp = lambda job, st, start: _completion_logprobs(tm, job, st, start)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return hu.sse_response(_stream(tm, jobs, base, include_usage, _completion_chunk(fmt_lp, want_lp)))
+            return await hu.sse_stream(
+                request, _stream(tm, jobs, base, include_usage, _completion_chunk(fmt_lp, want_lp))
+            )
         states = await _run_all(request, tm, jobs)
         choices = [
             {
@@ -257,12 +257,8 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         if body.top_logprobs is not None:
             if not want_lp:
                 raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-            if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise RequestError(
-                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.top_logprobs}",
-                    param="top_logprobs",
-                )
-        json_schema = await _response_format_schema(body.response_format)
+            tm.check_logprobs(body.top_logprobs, "top_logprobs")
+        json_schema = await _response_format_schema(tm, body.response_format)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
             assert tm.ready is not None
@@ -270,15 +266,17 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         inp = await _make_input(
             tm, body, ids, max_tokens, want_lp, body.top_logprobs or 0, False, "messages", json_schema
         )
+        tm.check_capacity(inp.params.n)
         jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
-        tm.check_capacity(len(jobs))
         resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": resp_id, "object": "chat.completion", "created": created, "model": model_name}
         fmt_lp = lambda st, start: _chat_logprobs(tm, st, start)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_base = base | {"object": "chat.completion.chunk"}
-            return hu.sse_response(_stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, want_lp)))
+            return await hu.sse_stream(
+                request, _stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, want_lp))
+            )
         states = await _run_all(request, tm, jobs)
         choices = [
             {
@@ -338,13 +336,16 @@ async def _make_input(
     if json_schema is not None:
         raw["json_schema"] = json_schema
     try:
+        priority = check_priority(body.priority)
+    except ValueError as e:
+        raise RequestError(str(e), param="priority") from None
+    try:
         sp = await tm.make_params(raw)
         tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
     except RequestError as e:
         raise _openai_names(e) from None
-    return GenerateInput(
-        ids, sp, uuid.uuid4().hex, return_logprob, 0 if prompt_logprobs else -1, top_logprobs
-    )
+    start = 0 if prompt_logprobs else -1
+    return GenerateInput(ids, sp, uuid.uuid4().hex, return_logprob, start, top_logprobs, priority=priority)
 
 
 def _openai_names(err: RequestError) -> RequestError:
@@ -461,7 +462,7 @@ def _text_content(content: str | list[dict[str, Any]] | None, where: str) -> str
     return "".join(texts)
 
 
-async def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
+async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | None) -> str | None:
     """The json_schema constraint that response_format asks for (None for plain text), checked here
     so that errors name response_format."""
     if fmt is None or fmt.type == "text":
@@ -474,7 +475,7 @@ async def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
             "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
         )
     schema = json.dumps(spec["schema"])
-    await check_constraints(None, schema, prefix="response_format.")
+    await tm.check_constraints(None, schema, prefix="response_format.")
     return schema
 
 
@@ -489,28 +490,24 @@ ChunkFn = Callable[[_Job, RequestState, int, int], dict[str, Any]]
 async def _stream(
     tm: TokenizerManager, jobs: list[_Job], base: dict[str, Any], include_usage: bool, make_choice: ChunkFn
 ) -> AsyncIterator[bytes]:
-    """SSE chunks carrying each choice's new text (a delta, as OpenAI streams), then usage and [DONE]."""
+    """SSE chunks carrying each choice's new text (a delta, as OpenAI streams), then usage."""
     sent_text = [0] * len(jobs)
     sent_tokens = [0] * len(jobs)
     finals: dict[int, RequestState] = {}
     usage_field = {"usage": None} if include_usage else {}
-    try:
-        streams = [tm.generate(j.inp, j.index, stream=True) for j in jobs]
-        async with contextlib.aclosing(merge_streams(streams)) as merged:
-            async for i, st in merged:
-                if i in finals or (not st.finished and len(st.output_ids) == sent_tokens[i]):
-                    continue
-                choice = make_choice(jobs[i], st, sent_text[i], sent_tokens[i])
-                sent_text[i], sent_tokens[i] = len(st.text), len(st.output_ids)
-                if st.finished:
-                    finals[i] = st
-                yield hu.sse(base | {"choices": [choice]} | usage_field)
-        if include_usage:
-            states = [finals[i] for i in range(len(jobs))]
-            yield hu.sse(base | {"choices": [], "usage": _usage(jobs, states)})
-    except RequestError as e:
-        yield hu.sse(e.body())
-    yield hu.SSE_DONE
+    streams = [tm.generate(j.inp, j.index, stream=True) for j in jobs]
+    async with contextlib.aclosing(merge_streams(streams)) as merged:
+        async for i, st in merged:
+            if i in finals or (not st.finished and len(st.output_ids) == sent_tokens[i]):
+                continue
+            choice = make_choice(jobs[i], st, sent_text[i], sent_tokens[i])
+            sent_text[i], sent_tokens[i] = len(st.text), len(st.output_ids)
+            if st.finished:
+                finals[i] = st
+            yield hu.sse(base | {"choices": [choice]} | usage_field)
+    if include_usage:
+        states = [finals[i] for i in range(len(jobs))]
+        yield hu.sse(base | {"choices": [], "usage": _usage(jobs, states)})
 
 
 def _completion_chunk(fmt_lp: Callable[[_Job, RequestState, int], dict[str, Any]], want_lp: bool) -> ChunkFn:
@@ -543,7 +540,14 @@ def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: 
 
 # -- response pieces --------------------------------------------------------------------------
 def _finish_reason(st: RequestState) -> str | None:
-    return st.finished_reason.kind if st.finished_reason is not None else None
+    """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice
+    fails the response (an error body, or an error event in a stream) instead of reporting one."""
+    reason = st.finished_reason
+    if reason is None:
+        return None
+    if reason.kind == "abort":
+        raise RequestError(f"the request was aborted: {reason.message}", status=500, code="request_aborted")
+    return reason.kind
 
 
 def _usage(jobs: list[_Job], states: list[RequestState]) -> dict[str, Any]:

@@ -23,12 +23,14 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixlm_runtime.constrained import validate_constraint
 from radixlm_runtime.io import messages as msg
+from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
 from radixlm_runtime.io.outputs import OutputState
-from radixlm_runtime.io.tokenizer import decode_output, encode_prompt
+from radixlm_runtime.io.stop_holdback import StopHoldback
+from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids
 from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.metrics import ServerMetrics
 from radixlm_runtime.server.scheduler_process import run_scheduler_process
@@ -64,6 +66,7 @@ class GenerateInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     session_id: str | None = None
+    priority: int = 0
 
 
 class IncrementalDetokenizer:
@@ -89,18 +92,6 @@ class IncrementalDetokenizer:
         return self.text
 
 
-def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that may still grow into a stop string: streaming it
-    now would show text that the final, stop-trimmed answer no longer has."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 @dataclass(eq=False)
 class RequestState(OutputState):
     """A request's accumulated outputs, updated by the receive loop, read by its handler."""
@@ -109,6 +100,7 @@ class RequestState(OutputState):
     inp: GenerateInput
     stream: bool
     detok: IncrementalDetokenizer
+    holdback: StopHoldback
     wake: asyncio.Queue[Exception | None] = field(default_factory=asyncio.Queue)
     text: str = ""  # streamed so far; the final, stop-trimmed text once finished
     last_token_time: float | None = None
@@ -127,6 +119,9 @@ class TokenizerManager:
         self.states: dict[str, RequestState] = {}
         self.ready: msg.Ready | None = None
         self.dead = False
+        # When the scheduler last showed progress (a step's outputs, or work sent to an idle loop).
+        self.last_progress = time.monotonic()
+        self.constraints = ConstraintChecker()
         self._calls: dict[int, asyncio.Future[msg.CallResult]] = {}
         self._call_ids = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="radixlm-")
@@ -177,6 +172,7 @@ class TokenizerManager:
         """Stops the scheduler process (politely, then by force) and releases the sockets."""
         for task in self._tasks:
             task.cancel()
+        self.constraints.shutdown()
         if self.proc.is_alive():
             self._send(msg.Shutdown(), quiet=True)
             self.proc.join(5)
@@ -223,6 +219,7 @@ class TokenizerManager:
         while True:
             out = msg.decode_from_scheduler(await self._recv_sock.recv())
             if isinstance(out, msg.BatchOut):
+                self.last_progress = time.monotonic()
                 self.metrics.num_running = out.num_running
                 self.metrics.num_waiting = out.num_waiting
                 now = time.monotonic()
@@ -274,10 +271,55 @@ class TokenizerManager:
         raw = _drop_empty_stop_regex(raw)
         try:
             sp = SamplingParams.from_dict(raw, self.ready.vocab_size)
+            sp.check_min_new_tokens(self.ready.vocab_size, eos_token_ids(self.tokenizer, []))
         except ValueError as e:
             raise RequestError.from_value_error(e) from None
-        await check_constraints(sp.regex, sp.json_schema)
+        self._check_server_bounds(sp)
+        await self.check_constraints(sp.regex, sp.json_schema)
         return sp
+
+    def _check_server_bounds(self, sp: SamplingParams) -> None:
+        """The operator's bounds on what one request may cost (--max-n, --max-stop-*), checked
+        before any per-sample or per-token work is done for it."""
+        args = self.args.server
+        if sp.n > args.max_n:
+            raise RequestError(
+                f"sampling_params.n must be in [1, {args.max_n}] (--max-n), got {sp.n}",
+                param="sampling_params.n",
+            )
+        if len(sp.stop) > args.max_stop_strings:
+            raise RequestError(
+                f"sampling_params.stop: at most {args.max_stop_strings} stop strings (--max-stop-strings), "
+                f"got {len(sp.stop)}",
+                param="sampling_params.stop",
+            )
+        longest = max(map(len, sp.stop), default=0)
+        if longest > args.max_stop_length:
+            raise RequestError(
+                f"sampling_params.stop: stop strings may be at most {args.max_stop_length} characters "
+                f"(--max-stop-length), got one of {longest}",
+                param="sampling_params.stop",
+            )
+
+    def check_logprobs(self, num: int, param: str) -> None:
+        """Top logprobs cost response bytes for every sampled and prompt position: bounded by
+        --max-logprobs."""
+        bound = self.args.server.max_logprobs
+        if not 0 <= num <= bound:
+            raise RequestError(f"{param} must be in [0, {bound}] (--max-logprobs), got {num}", param=param)
+
+    async def check_constraints(
+        self, regex: str | None, json_schema: str | None, prefix: str = "sampling_params."
+    ) -> None:
+        """Refuses (400, naming the field) a regex / JSON schema the engine could not compile, with
+        the engine's own check, before the request reaches the scheduler."""
+        if regex is None and json_schema is None:
+            return
+        try:
+            await self.constraints.check(regex, json_schema)
+        except ValueError as e:
+            field_name = "regex" if regex is not None else "json_schema"
+            raise RequestError(f"{prefix}{e}", param=field_name) from None
 
     def check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int, param: str) -> None:
         """The engine's own limits, so the server refuses exactly what the engine refuses."""
@@ -315,13 +357,16 @@ class TokenizerManager:
             inp.logprob_start_len,
             inp.top_logprobs_num,
             inp.session_id,
+            inp.priority,
         )
         rid = req.rid
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in flight", param="rid")
         self.check_capacity(1)
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-        state = RequestState(inp.rid, inp, stream, detok, req=req)
+        state = RequestState(inp.rid, inp, stream, detok, StopHoldback(sp.stop if stream else []), req=req)
+        if not self.states:
+            self.last_progress = time.monotonic()
         self.states[rid] = state
         self.metrics.requests_total += 1
         self.metrics.num_inflight = len(self.states)
@@ -335,6 +380,7 @@ class TokenizerManager:
                     raise RequestError(f"request {rid} failed: {err}", status=503)
                 if state.finished:
                     self._forget(rid)
+                    _raise_if_refused(state.finished_reason)
                     state.text = decode_output(
                         self.tokenizer,
                         state.output_ids,
@@ -346,7 +392,7 @@ class TokenizerManager:
                     return
                 if stream:
                     full = state.detok.update(state.output_ids)
-                    text = full[: len(full) - _stop_holdback(full, sp.stop)]
+                    text = full[: len(full) - state.holdback.update(full)]
                     if len(text) > len(state.text):
                         state.text = text
                         yield state
@@ -393,7 +439,12 @@ class TokenizerManager:
             self._calls.pop(call_id, None)
 
     async def probe(self) -> None:
-        """Raises (503) unless the scheduler loop itself answers, not merely its process exists."""
+        """Raises (503) unless the scheduler loop itself answers, not merely its process exists.
+        While requests run, the loop answers a probe only between steps (a long prefill step takes
+        seconds), so then a step's outputs or the start of its work within the probe timeout count
+        as the answer; a scheduler hung longer than that is probed, and fails it."""
+        if self.states and time.monotonic() - self.last_progress < HEALTH_PROBE_TIMEOUT_S:
+            return
         await self.call(lambda i: msg.HealthProbe(i), HEALTH_PROBE_TIMEOUT_S)
 
     async def server_info(self) -> dict[str, Any]:
@@ -422,19 +473,11 @@ def _drop_empty_stop_regex(raw: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: v for k, v in raw.items() if k != "stop_regex"}
 
 
-async def check_constraints(
-    regex: str | None, json_schema: str | None, prefix: str = "sampling_params."
-) -> None:
-    """Refuses (400, naming the field) a regex / JSON schema the engine could not compile, with the
-    engine's own check, before the request reaches the scheduler. The check builds a character DFA
-    (about a second for a first generic JSON object), so it runs in a worker thread: on the event
-    loop it would stall every other request meanwhile."""
-    if regex is None and json_schema is None:
-        return
-    try:
-        await asyncio.to_thread(validate_constraint, regex, json_schema)
-    except ValueError as e:
-        raise RequestError(f"{prefix}{e}", param="regex" if regex is not None else "json_schema") from None
+def _raise_if_refused(reason: FinishReason | None) -> None:
+    """An abort the scheduler blames on a request field (e.g. a regex that no token sequence of this
+    tokenizer can spell) is the request's error: a 400 naming the field, not an empty answer."""
+    if reason is not None and reason.kind == "abort" and reason.param is not None:
+        raise RequestError(reason.message or f"{reason.param}: refused", param=reason.param)
 
 
 async def gather_cancelling(awaitables: list[Awaitable[Any]]) -> list[Any]:

@@ -252,3 +252,22 @@ def test_triton_backend_forward_matches_dense_reference(extend_lens: list[int]) 
     assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
     want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_attention_with_lse_matches_the_cpu_kernel() -> None:
+    """The formulation the torch backend uses off CPU equals torch's fused CPU kernel, masked
+    rows and the log-sum-exp included."""
+    from radixlm_runtime.attention.torch_backend import _flash, attention_with_lse
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 2, 6, 16, generator=gen)
+    k = torch.randn(3, 2, 9, 16, generator=gen)
+    v = torch.randn(3, 2, 9, 16, generator=gen)
+    mask = torch.zeros(3, 1, 6, 9)
+    mask[:, :, :, 7:] = float("-inf")  # padded keys
+    mask[1, :, 2:, 4:] = float("-inf")
+    for m in (None, mask):
+        out, lse = attention_with_lse(q, k, v, m, 0.25)
+        ref_out, ref_lse = _flash(q, k, v, m, 0.25)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.reshape(ref_lse.shape), ref_lse, atol=1e-5, rtol=1e-5)

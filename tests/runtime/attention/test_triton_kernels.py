@@ -1,20 +1,13 @@
-"""Triton extend/decode attention kernels vs. a plain torch reference, under the Triton interpreter."""
+"""Triton extend/decode attention kernels vs. a plain torch reference: natively on a GPU, under the
+Triton interpreter on CPU (tests/conftest.py switches it on for the whole session, before any
+Triton import, only where there is no GPU)."""
 
-import os
+from dataclasses import dataclass
 
-# Must precede the first triton import: @triton.jit picks interpreter vs. compiler when it runs.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import importlib  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from radixlm_runtime.attention import triton_kernels  # noqa: E402
-
-# Another test module may have imported the kernels before the interpreter switch was set.
-triton_kernels = importlib.reload(triton_kernels)
+from radixlm_runtime.attention import triton_kernels
 
 MAX_REQS = 4
 MAX_CONTEXT = 160

@@ -22,7 +22,9 @@ def test_output_shape(engine: rt.Engine) -> None:
     assert len(out["output_ids"]) == 12 == meta["completion_tokens"]
     assert meta["prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
     assert meta["finish_reason"] == {"type": "length", "length": 12}
-    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    # A character the length cut left incomplete (U+FFFD) is dropped, as streaming holds it back.
+    full = engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert out["text"] == full.rstrip("\ufffd")
     assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
 
 

@@ -419,3 +419,54 @@ def test_pretty_print_lists_every_node() -> None:
     assert "total=4" in text
     for key, value in (([1, 2], a[:2]), ([3], a[2:]), ([4], b[2:])):
         assert f"key={key} value={value} " in text
+
+
+# -- token logprobs kept beside the KV --------------------------------------------------------
+NAN = float("nan")
+
+
+def _known(values: list[float]) -> list[float | None]:
+    """NaN (unknown) as None, so lists compare with ==."""
+    return [None if v != v else v for v in values]
+
+
+def test_insert_stores_logprobs_and_path_returns_them() -> None:
+    alloc, cache = _make()
+    slots = alloc.alloc(5)
+    assert slots is not None
+    top = [None, [(-0.1, 7)], None, None, [(-0.5, 9), (-1.0, 2)]]
+    cache.insert([1, 2, 3, 4, 5], slots, [NAN, -0.1, NAN, -2.0, -0.5], top)
+    _, node = cache.match_prefix([1, 2, 3, 4, 5])
+    logprobs, tops = cache.path_logprobs(node)
+    assert _known(logprobs) == [None, -0.1, None, -2.0, -0.5] and tops == top
+    # A plain insert (no logprobs asked for) knows nothing.
+    other = alloc.alloc(2)
+    assert other is not None
+    cache.insert([8, 9], other)
+    logprobs, tops = cache.path_logprobs(cache.match_prefix([8, 9])[1])
+    assert _known(logprobs) == [None, None] and tops == [None, None]
+
+
+def test_split_keeps_each_tokens_logprob_with_it() -> None:
+    alloc, cache = _make()
+    slots = alloc.alloc(4)
+    assert slots is not None
+    cache.insert([1, 2, 3, 4], slots, [NAN, -1.0, -2.0, -3.0], [None, None, [(-2.0, 3)], None])
+    _, upper = cache.match_prefix([1, 2])  # splits the edge after two tokens
+    assert _known(cache.path_logprobs(upper)[0]) == [None, -1.0]
+    _, lower = cache.match_prefix([1, 2, 3, 4])
+    logprobs, tops = cache.path_logprobs(lower)
+    assert _known(logprobs) == [None, -1.0, -2.0, -3.0] and tops[2] == [(-2.0, 3)]
+    assert lower.parent is upper and _known(lower.logprobs or []) == [-2.0, -3.0]
+
+
+def test_later_inserts_fill_in_unknown_logprobs_only() -> None:
+    alloc, cache = _make()
+    value = _insert_new(alloc, cache, [1, 2, 3, 4])
+    cache.insert([1, 2, 3, 4], value, [NAN, NAN, -3.0, NAN], [None, None, [(-3.0, 3)], None])
+    cache.insert([1, 2, 3, 4], value, [NAN, -2.0, -99.0, NAN], [None, None, [(-3.0, 3), (-4.0, 1)], None])
+    logprobs, tops = cache.path_logprobs(cache.match_prefix([1, 2, 3, 4])[1])
+    # Known values are never overwritten; wider top lists replace narrower ones.
+    assert _known(logprobs) == [None, -2.0, -3.0, None]
+    assert tops[2] == [(-3.0, 3), (-4.0, 1)]
+    _check_accounting(alloc, cache)

@@ -167,3 +167,32 @@ def test_dfs_weight_keeps_prefix_groups_together() -> None:
 def test_unknown_policy_rejected() -> None:
     with pytest.raises(ValueError, match="schedule_policy"):
         rt.ServerArgs.from_kwargs(schedule_policy="random")
+
+
+def test_a_failing_forward_fails_only_its_own_requests(
+    tiny_llama_dir: Path, reference: list[list[int]]
+) -> None:
+    """An exception inside a step (a kernel error, out of memory) aborts that step's requests with
+    the error, frees their KV, and the scheduler keeps serving the requests that come after."""
+    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    sched = engine.scheduler
+    run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated device fault")
+        return run(plan)
+
+    engine.runner.run = flaky
+    doomed = [sched.submit(message(f"d{i}", p, GREEDY)) for i, p in enumerate(_prompts(2))]
+    outs = sched.step() + sched.step()
+    assert all(r.finished_reason is not None and r.finished_reason.kind == "abort" for r in doomed)
+    assert all("simulated device fault" in (r.finished_reason.message or "") for r in doomed)
+    assert {o.rid for o in outs if o.finished_reason is not None} == {"d0", "d1"}
+    assert not sched.has_work()
+    assert_no_leak(engine)
+    outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
+    assert [o["output_ids"] for o in outs] == reference
+    assert_no_leak(engine)

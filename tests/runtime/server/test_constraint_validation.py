@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
-from radixlm_runtime.server import tokenizer_manager
+from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.http_server import create_app
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
 from radixlm_runtime.server_args import ServerArgs
@@ -27,15 +27,15 @@ def test_slow_constraint_check_does_not_block_other_requests(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started, release = threading.Event(), threading.Event()
-    real_validate = tokenizer_manager.validate_constraint
+    real_in_pool = ConstraintChecker._in_pool
 
-    def held_validate(regex: str | None, json_schema: str | None) -> None:
+    async def held_in_pool(self: ConstraintChecker, regex: str | None, json_schema: str | None) -> None:
         if regex == SLOW_REGEX:
             started.set()
-            release.wait(HOLD_S)
-        real_validate(regex, json_schema)
+            await asyncio.to_thread(release.wait, HOLD_S)
+        await real_in_pool(self, regex, json_schema)
 
-    monkeypatch.setattr(tokenizer_manager, "validate_constraint", held_validate)
+    monkeypatch.setattr(ConstraintChecker, "_in_pool", held_in_pool)
     args = ServerArgs.from_kwargs(model_path=str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
     tm = TokenizerManager(args, tiny_llama_dir, load_tokenizer(tiny_llama_dir))
     tm.start_scheduler()
