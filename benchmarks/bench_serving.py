@@ -16,17 +16,13 @@ same requests at the same arrival times; the cache is flushed before every rate.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +32,6 @@ from common import (
     Size,
     Table,
     bench_parser,
-    child_env,
     fmt,
     parse_sizes,
     percentiles,
@@ -44,6 +39,7 @@ from common import (
     save_figure,
     save_result,
 )
+from local_server import flush, running_server
 from workloads import chat_prompts, gsm8k_prompts
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
@@ -60,7 +56,6 @@ DEFAULT_RATES = "0.5,1,2,4"
 TINY_RATES = "4"
 SERVERS = {"radixlm": [], "radixlm_no_cache": ["--disable-radix-cache"]}
 LABELS = {"radixlm": "radixlm", "radixlm_no_cache": "radixlm, radix cache disabled"}
-STARTUP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -100,52 +95,6 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
         out.append(t)
         t += rng.expovariate(rate)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
-    """Starts `python -m radixlm_runtime.launch_server` on a free port, yields its URL once /health
-    answers, and stops it with SIGTERM as an operator would."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixlm_runtime.launch_server",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=child_env())
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
-                )
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def send(client: httpx.AsyncClient, url: str, req: Request, max_new_tokens: int) -> Outcome:
@@ -198,15 +147,6 @@ async def run_rate(
             return await send(client, url, req, max_new_tokens)
 
         return await asyncio.gather(*(at(r, a) for r, a in zip(reqs, arrivals)))
-
-
-def flush(url: str) -> None:
-    """Empties the radix cache; the server refuses while a finished request is still being released."""
-    for _ in range(50):
-        if httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200:
-            return
-        time.sleep(0.1)
-    raise RuntimeError("the server kept refusing /flush_cache")
 
 
 def summarize(rate: float, outs: list[Outcome]) -> dict[str, Any]:

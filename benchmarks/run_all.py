@@ -48,6 +48,7 @@ BENCHMARKS = [
     Bench("constrained_compile", "bench_constrained_compile.py", "Constrained decoding: index compile time"),
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
+    Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into
 # BENCHMARKS once it does.

@@ -120,6 +120,8 @@ class ReqOutput(msgspec.Struct):
     output_top_logprobs: list[TopLogprobs] = []
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[TopLogprobs | None] | None = None
+    # Seconds from the scheduler receiving the request to its first scheduled step; None until then.
+    queue_time: float | None = None
 
 
 class BatchOut(msgspec.Struct, tag="batch"):

@@ -4,6 +4,7 @@ budget and the KV pool allow; when decode runs out of KV the newest requests are
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -126,6 +127,8 @@ class Admission:
             if not self.cache.admit(req):
                 break
             seen_prefixes.add(probe)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             admitted.add(id(req))
             items.append(ScheduledItem(req, req.kv_len, ext))
             budget -= ext

@@ -162,6 +162,8 @@ def req_output(req: Req) -> ReqOutput:
         completion_tokens=req.output_len,
         cached_tokens=max(req.cached_tokens, 0),
     )
+    if req.first_scheduled_time is not None:
+        out.queue_time = req.first_scheduled_time - req.arrival_time
     if req.return_logprob:
         out.output_token_logprobs = req.output_token_logprobs[start:]
         out.output_top_logprobs = req.output_top_logprobs[start:]

@@ -61,6 +61,7 @@ class Req:
     sent_tokens: int = 0
     sent_input_logprobs: bool = False
 
+    first_scheduled_time: float | None = None  # first admission; a retraction does not reset it
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -18,6 +18,7 @@ from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, 
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm_runtime.server.openai_api import build_openai_router
 from radixlm_runtime.server.tokenize_api import build_tokenize_router
 from radixlm_runtime.server.tokenizer_manager import (
@@ -144,8 +145,8 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(tm.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(tm.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:

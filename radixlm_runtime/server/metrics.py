@@ -1,116 +1,100 @@
-"""Counters, gauges and histograms rendered in the Prometheus text exposition format.
+"""The server's Prometheus metrics (prometheus-client), recorded by the TokenizerManager.
 
-Small enough to write by hand, which keeps prometheus_client out of the dependencies.
+Each ServerMetrics owns its registry: tests run several servers and apps in one process, and the
+global default registry would refuse the second app's metric names.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from functools import partial
+from typing import get_args
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from radixlm_runtime.io.finish import FinishKind
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    count: int = 0
+# generate_latest writes the 0.0.4 text format whatever prometheus-client's CONTENT_TYPE_LATEST says.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
-
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{name}_sum {self.total}")
-        lines.append(f"{name}_count {self.count}")
-        return lines
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TTFT_BUCKETS += (20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1)
+ITL_BUCKETS += (0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-@dataclass
 class ServerMetrics:
-    requests_total: int = 0
-    requests_finished: dict[str, int] = field(default_factory=dict)
-    requests_rejected_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    cached_tokens_total: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    num_inflight: int = 0
-    ttft: Histogram = field(default_factory=Histogram)
-    itl: Histogram = field(default_factory=Histogram)
-    e2e: Histogram = field(default_factory=Histogram)
-
-    def render(self) -> str:
-        hit_rate = self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, lines: list[str]) -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *lines])
-
-        metric(
-            "radixlm_requests_total",
-            "counter",
-            "Generation requests accepted (each of n samples).",
-            [f"radixlm_requests_total {self.requests_total}"],
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        counter = partial(Counter, registry=self.registry)
+        gauge = partial(Gauge, registry=self.registry)
+        histogram = partial(Histogram, registry=self.registry)
+        # Counter names omit `_total`: prometheus-client appends it to the exposed sample.
+        self.requests = counter("radixlm_requests", "Generation requests accepted (each of n samples).")
+        self.finished = counter(
+            "radixlm_requests_finished",
+            "Ended requests by finish reason; abort includes requests whose client went away.",
+            ["finish_reason"],
         )
-        metric(
-            "radixlm_requests_finished_total",
-            "counter",
-            "Finished requests by finish reason.",
-            [
-                f'radixlm_requests_finished_total{{reason="{k}"}} {v}'
-                for k, v in sorted(self.requests_finished.items())
-            ],
+        for kind in get_args(FinishKind):
+            self.finished.labels(kind)
+        self.rejected = counter("radixlm_requests_rejected", "Requests refused because the queue was full.")
+        self.prompt_tokens = counter("radixlm_prompt_tokens", "Prompt tokens of ended requests.")
+        self.generation_tokens = counter("radixlm_generation_tokens", "Generated tokens.")
+        self.cached_tokens = counter(
+            "radixlm_cached_tokens", "Prompt tokens of ended requests served from the radix cache."
         )
-        metric(
-            "radixlm_requests_rejected_total",
-            "counter",
-            "Requests refused because the queue was full.",
-            [f"radixlm_requests_rejected_total {self.requests_rejected_total}"],
+        self.cache_hit_rate = gauge("radixlm_cache_hit_rate", "cached_tokens_total / prompt_tokens_total.")
+        self.num_running = gauge("radixlm_num_running_reqs", "Requests in the running (decode) batch.")
+        self.num_waiting = gauge("radixlm_num_queue_reqs", "Requests waiting in the scheduler queue.")
+        self.num_inflight = gauge(
+            "radixlm_num_inflight_reqs", "Requests accepted by the server and not ended."
         )
-        for name, value, help_text in (
-            ("radixlm_prompt_tokens_total", self.prompt_tokens_total, "Prompt tokens of finished requests."),
-            ("radixlm_generation_tokens_total", self.generation_tokens_total, "Generated tokens."),
-            (
-                "radixlm_cached_tokens_total",
-                self.cached_tokens_total,
-                "Prompt tokens served from the radix cache.",
-            ),
-        ):
-            metric(name, "counter", help_text, [f"{name} {value}"])
-        for name, value, help_text in (
-            ("radixlm_cache_hit_rate", hit_rate, "cached_tokens_total / prompt_tokens_total."),
-            ("radixlm_num_queue_reqs", self.num_waiting, "Requests waiting in the scheduler queue."),
-            ("radixlm_num_running_reqs", self.num_running, "Requests in the running (decode) batch."),
-            (
-                "radixlm_num_inflight_reqs",
-                self.num_inflight,
-                "Requests accepted by the server and not finished.",
-            ),
-        ):
-            metric(name, "gauge", help_text, [f"{name} {value}"])
-        for name, hist, help_text in (
-            ("radixlm_time_to_first_token_seconds", self.ttft, "Time from arrival to the first token."),
-            (
-                "radixlm_inter_token_latency_seconds",
-                self.itl,
-                "Time between consecutive tokens of a request.",
-            ),
-            ("radixlm_e2e_request_latency_seconds", self.e2e, "Time from arrival to the last token."),
-        ):
-            metric(name, "histogram", help_text, hist.render(name))
-        return "\n".join(out) + "\n"
+        self.ttft = histogram(
+            "radixlm_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "radixlm_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request (one observation per token after the first).",
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "radixlm_e2e_request_latency_seconds",
+            "Time from arrival to the end of the request, whatever its finish reason.",
+            buckets=E2E_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "radixlm_queue_time_seconds",
+            "Time from the scheduler receiving a request to its first scheduled step.",
+            buckets=QUEUE_BUCKETS,
+        )
+        # Running totals for the hit rate: reading a Counter back is not part of its API.
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def tokens_out(self, n: int, since_arrival: float, since_last: float | None) -> None:
+        """n new tokens of one request: its first token's TTFT, then the gap per token since its
+        previous output (several tokens arrive at once after a jump-forward)."""
+        self.generation_tokens.inc(n)
+        if n and since_last is None:
+            self.ttft.observe(since_arrival)
+            n, since_last = n - 1, 0.0
+        for _ in range(n):
+            self.itl.observe(since_last / n)
+
+    def request_ended(self, kind: FinishKind, prompt_tokens: int, cached_tokens: int, e2e: float) -> None:
+        """Called exactly once per accepted request, including those abandoned by their client."""
+        self.finished.labels(kind).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+        if self._prompt_total:
+            self.cache_hit_rate.set(self._cached_total / self._prompt_total)
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

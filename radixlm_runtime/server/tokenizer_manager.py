@@ -104,6 +104,7 @@ class RequestState(OutputState):
     wake: asyncio.Queue[Exception | None] = field(default_factory=asyncio.Queue)
     text: str = ""  # streamed so far; the final, stop-trimmed text once finished
     last_token_time: float | None = None
+    queue_time_seen: bool = False
 
     @property
     def rid(self) -> str:
@@ -220,8 +221,8 @@ class TokenizerManager:
             out = msg.decode_from_scheduler(await self._recv_sock.recv())
             if isinstance(out, msg.BatchOut):
                 self.last_progress = time.monotonic()
-                self.metrics.num_running = out.num_running
-                self.metrics.num_waiting = out.num_waiting
+                self.metrics.num_running.set(out.num_running)
+                self.metrics.num_waiting.set(out.num_waiting)
                 now = time.monotonic()
                 for o in out.outputs:
                     state = self.states.get(o.rid)
@@ -234,20 +235,16 @@ class TokenizerManager:
 
     def _apply(self, state: RequestState, o: msg.ReqOutput, now: float) -> None:
         m = self.metrics
+        if o.queue_time is not None and not state.queue_time_seen:
+            state.queue_time_seen = True
+            m.queue_time.observe(o.queue_time)
         if o.new_token_ids:
-            if state.last_token_time is None:
-                m.ttft.observe(now - state.arrival)
-            else:
-                m.itl.observe((now - state.last_token_time) / len(o.new_token_ids))
+            since_last = None if state.last_token_time is None else now - state.last_token_time
+            m.tokens_out(len(o.new_token_ids), now - state.arrival, since_last)
             state.last_token_time = now
         state.apply(o)
-        m.generation_tokens_total += len(o.new_token_ids)
         if o.finished_reason is not None:
-            kind = o.finished_reason.kind
-            m.requests_finished[kind] = m.requests_finished.get(kind, 0) + 1
-            m.prompt_tokens_total += o.prompt_tokens
-            m.cached_tokens_total += o.cached_tokens
-            m.e2e.observe(now - state.arrival)
+            m.request_ended(o.finished_reason.kind, o.prompt_tokens, o.cached_tokens, now - state.arrival)
         state.wake.put_nowait(None)
 
     # -- validation and tokenization ----------------------------------------------------------
@@ -334,7 +331,7 @@ class TokenizerManager:
         if self.dead:
             raise RequestError("the scheduler process died; the server is shutting down", status=503)
         if len(self.states) + num_requests > self.args.server.max_queued_requests:
-            self.metrics.requests_rejected_total += 1
+            self.metrics.rejected.inc()
             raise RequestError(
                 f"server busy: {len(self.states)} requests in flight (max_queued_requests="
                 f"{self.args.server.max_queued_requests}); retry later",
@@ -368,8 +365,8 @@ class TokenizerManager:
         if not self.states:
             self.last_progress = time.monotonic()
         self.states[rid] = state
-        self.metrics.requests_total += 1
-        self.metrics.num_inflight = len(self.states)
+        self.metrics.requests.inc()
+        self.metrics.num_inflight.set(len(self.states))
         try:
             self._send(req)
             while True:
@@ -402,8 +399,14 @@ class TokenizerManager:
                 self._send(msg.AbortReq(rid), quiet=True)
 
     def _forget(self, rid: str) -> None:
-        self.states.pop(rid, None)
-        self.metrics.num_inflight = len(self.states)
+        """Stops tracking rid. A request abandoned unfinished (client gone, error) counts as an abort
+        here: the scheduler's later report of its abort finds no state and is dropped."""
+        state = self.states.pop(rid, None)
+        self.metrics.num_inflight.set(len(self.states))
+        if state is not None and not state.finished:
+            prompt = state.prompt_tokens or len(state.req.input_ids)
+            elapsed = time.monotonic() - state.arrival
+            self.metrics.request_ended("abort", prompt, state.cached_tokens, elapsed)
 
     async def run(self, inp: GenerateInput, index: int) -> RequestState:
         """Runs one sample to completion."""

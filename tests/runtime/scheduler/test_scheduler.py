@@ -196,3 +196,24 @@ def test_a_failing_forward_fails_only_its_own_requests(
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
     assert_no_leak(engine)
+
+
+def test_queue_time_reported_from_first_scheduled_step(tiny_llama_dir: Path) -> None:
+    """Outputs carry arrival -> first admission (the first chunk, not the first token); a request
+    aborted before it was ever scheduled reports none."""
+    engine = rt.Engine(
+        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=24, log_level="warning"
+    )
+    sched = engine.scheduler
+    first, never = (sched.submit(message(f"q{i}", p, GREEDY)) for i, p in enumerate(_prompts(2)))
+    sched.abort("q1")
+    outputs = sched.step()
+    assert [(o.rid, o.queue_time) for o in outputs] == [("q1", None)]
+    assert first.first_scheduled_time is not None and never.first_scheduled_time is None
+    # The 46-token prompt's second chunk (24-token budget) gives its first token.
+    outputs = sched.step()
+    expected = first.first_scheduled_time - first.arrival_time
+    assert [(o.rid, o.queue_time) for o in outputs] == [("q0", expected)] and expected >= 0
+    while sched.has_work():
+        sched.step()
+    assert_no_leak(engine)

