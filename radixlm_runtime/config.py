@@ -144,6 +144,12 @@ class ServerConfig:
     served_model_name: str | None = flag(
         None, "Model name reported by /v1/models and in OpenAI responses. Default: the model directory name."
     )
+    allow_any_model_name: bool = flag(
+        False,
+        "Serve OpenAI requests whatever their `model` names. By default a `model` other than the "
+        "served model name gets 404 model_not_found, as OpenAI answers; this is for clients that "
+        "send a fixed name.",
+    )
     max_queued_requests: int = flag(
         4096,
         "Most requests (counting each of n samples) admitted but not finished; beyond it the server "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ _FLOAT_FIELDS = {
     "repetition_penalty",
 }
 _BOOL_FIELDS = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"}
+# OpenAI's logit_bias limits: each bias in [-100, 100], at most 300 tokens.
+LOGIT_BIAS_MAX = 100.0
+LOGIT_BIAS_MAX_ENTRIES = 300
 
 
 @dataclass
@@ -46,6 +50,8 @@ class SamplingParams:
     json_schema: str | None = None
     n: int = 1
     seed: int | None = None
+    # token id -> additive bias on its logit before sampling (OpenAI's and vLLM's logit_bias)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(
@@ -64,7 +70,14 @@ class SamplingParams:
             raise ValueError(f"sampling_params: unknown field(s) {unknown}; known fields are {sorted(known)}")
         kwargs: dict[str, Any] = {}
         for key, value in params.items():
-            if value is None and key not in ("seed", "regex", "json_schema", "stop", "stop_token_ids"):
+            if value is None and key not in (
+                "seed",
+                "regex",
+                "json_schema",
+                "stop",
+                "stop_token_ids",
+                "logit_bias",
+            ):
                 continue
             kwargs[key] = _coerce(key, value)
         sp = cls(**kwargs)
@@ -104,10 +117,26 @@ class SamplingParams:
             raise ValueError("sampling_params: regex and json_schema cannot both be set")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
+        if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
+            raise ValueError(
+                f"sampling_params.logit_bias has {len(self.logit_bias)} entries; at most "
+                f"{LOGIT_BIAS_MAX_ENTRIES} are allowed"
+            )
+        for tid, bias in self.logit_bias.items():
+            if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+                raise ValueError(
+                    f"sampling_params.logit_bias[{tid}] must be in "
+                    f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {bias}"
+                )
         if vocab_size is not None:
             for tid in self.stop_token_ids:
                 if not 0 <= tid < vocab_size:
                     raise ValueError(f"sampling_params.stop_token_ids: {tid} is outside [0, {vocab_size})")
+            for tid in self.logit_bias:
+                if not 0 <= tid < vocab_size:
+                    raise ValueError(
+                        f"sampling_params.logit_bias: token id {tid} is outside [0, {vocab_size})"
+                    )
 
     def check_min_new_tokens(self, vocab_size: int, eos_ids: list[int]) -> None:
         """Refuses a min_new_tokens that no output can honour: when every token of the vocabulary
@@ -162,6 +191,8 @@ def _coerce(key: str, value: Any) -> Any:
         ):
             return list(value)
         raise ValueError(f"sampling_params.stop_token_ids must be a list of integers, got {value!r}")
+    if key == "logit_bias":
+        return _coerce_logit_bias(value)
     if key in ("regex", "json_schema"):
         if value is None:
             return None
@@ -173,3 +204,22 @@ def _coerce(key: str, value: Any) -> Any:
             raise ValueError(f"sampling_params.{key} must be a string, got {type(value).__name__}")
         return value
     raise AssertionError(key)
+
+
+def _coerce_logit_bias(value: Any) -> dict[int, float]:
+    """{token id: bias}; JSON object keys are strings, so "123" and 123 both name token 123."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"sampling_params.logit_bias must be an object of token id -> bias, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tid = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tid = int(key)
+        if tid is None:
+            raise ValueError(f"sampling_params.logit_bias: key {key!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"sampling_params.logit_bias[{key}] must be a number, got {bias!r}")
+        out[tid] = float(bias)
+    return out

@@ -113,6 +113,26 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyInfo) -> None:
 
 
 @dataclass
+class LogitBias:
+    """Requests' logit_bias as sparse (row, token, bias) entries, added to the logits before sampling."""
+
+    rows: torch.Tensor  # [N] int64
+    ids: torch.Tensor  # [N] int64, unique per row
+    values: torch.Tensor  # [N] float32
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str
+    ) -> LogitBias | None:
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if not biased:
+            return None
+        rows, ids = _pairs(biased, [list(params[i].logit_bias) for i in biased], vocab_size, "logit_bias")
+        values = torch.tensor([b for i in biased for b in params[i].logit_bias.values()], dtype=torch.float32)
+        return cls(rows=rows.to(device), ids=ids.to(device), values=values.to(device))
+
+
+@dataclass
 class BannedTokens:
     """(row, token id) pairs to block, e.g. EOS/stop ids until min_new_tokens is reached."""
 
@@ -138,14 +158,20 @@ class SamplingBatchInfo:
     candidate_len: int  # topk prefix length for the filtered rows (vocab size means a full sort)
     penalties: PenaltyInfo | None
     banned: BannedTokens | None
+    logit_bias: LogitBias | None
     generators: list[torch.Generator | None]
     vocab_size: int
     vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = allowed; set by constrained decoding
 
     @property
     def has_edits(self) -> bool:
-        """Whether logits change before sampling (mask, penalties, banned ids)."""
-        return self.vocab_mask is not None or self.penalties is not None or self.banned is not None
+        """Whether logits change before sampling (mask, penalties, logit bias, banned ids)."""
+        return (
+            self.vocab_mask is not None
+            or self.penalties is not None
+            or self.logit_bias is not None
+            or self.banned is not None
+        )
 
     @classmethod
     def build(
@@ -195,6 +221,7 @@ class SamplingBatchInfo:
             candidate_len=min(candidate_len, vocab_size),
             penalties=PenaltyInfo.build(params, token_history, vocab_size, device),
             banned=banned,
+            logit_bias=LogitBias.build(params, vocab_size, device),
             generators=list(generators),
             vocab_size=vocab_size,
         )
@@ -286,8 +313,8 @@ class Sampler:
 def _allowed_logits(
     raw: torch.Tensor, info: SamplingBatchInfo
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The logits with NaN/+inf sanitised (in place) and, on a copy, the vocab mask, penalties and
-    banned ids applied, with their row maxima and argmax. Returns `raw` itself when nothing edits it.
+    """The logits with NaN/+inf sanitised (in place) and, on a copy, the vocab mask, penalties, logit
+    bias and banned ids applied, with their row maxima and argmax. Returns `raw` itself when nothing edits it.
     Sanitising every row costs one elementwise pass; checking first whether any row needs it would
     read the device back every step."""
     torch.nan_to_num_(raw, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
@@ -299,6 +326,11 @@ def _allowed_logits(
         x.masked_fill_(~info.vocab_mask, _NEG_INF)
     if info.penalties is not None:
         apply_penalties(x, info.penalties)
+    bias = info.logit_bias
+    if bias is not None:
+        # A masked (-inf) token stays masked whatever its bias; |bias| <= 100 is far below half an ulp
+        # of F32_MAX, so a sanitised logit cannot round up to inf.
+        x.index_put_((bias.rows, bias.ids), bias.values, accumulate=True)
     banned = info.banned
     if banned is not None:
         before_ban = x[banned.rows, banned.ids]

@@ -18,6 +18,7 @@ class RequestError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -25,6 +26,9 @@ class RequestError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # OpenAI's error `type` where it is not the status's usual one (model_not_found is a 404
+        # of type invalid_request_error).
+        self.kind = kind
 
     @classmethod
     def from_value_error(cls, err: ValueError) -> RequestError:
@@ -34,7 +38,7 @@ class RequestError(Exception):
         return cls(text, param=m.group(1) if m else None)
 
     def body(self) -> dict[str, Any]:
-        kind = {
+        kind = self.kind or {
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",

@@ -20,6 +20,7 @@ from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm_runtime.server.openai_api import build_openai_router
+from radixlm_runtime.server.tokenize_api import build_tokenize_router
 from radixlm_runtime.server.tokenizer_manager import (
     GenerateInput,
     RequestState,
@@ -182,6 +183,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
         return JSONResponse(outs[0] if single else outs)
 
     app.include_router(build_openai_router(tm, model_name))
+    app.include_router(build_tokenize_router(tm, model_name))
     return app
 
 

@@ -31,7 +31,7 @@ from radixlm_runtime.server.tokenizer_manager import (
     merge_streams,
 )
 
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # OpenAI field -> SamplingParams field, for fields passed through unchanged.
 _PASSTHROUGH = {
     "temperature": "temperature",
@@ -49,6 +49,7 @@ _PASSTHROUGH = {
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "no_stop_trim",
     "stop_token_ids": "stop_token_ids",
+    "logit_bias": "logit_bias",
     "regex": "regex",  # SGLang's extension
 }
 # response_format {"type": "json_object"}: any JSON object, as a schema for the json_schema constraint.
@@ -57,11 +58,15 @@ _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    # Ignored: it asks for random padding against length side channels; without it the chunks are
+    # the same text.
+    include_obfuscation: bool | None = None
 
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
-    """Sampling fields shared by both endpoints (OpenAI's plus SGLang's extensions)."""
+    """Fields shared by both endpoints (OpenAI's plus SGLang's extensions). `user` is ignored: it
+    only tags the request for OpenAI's abuse monitoring."""
 
     model: str | None = None
     # vLLM's and SGLang's extension: orders admission under --enable-priority-scheduling.
@@ -71,11 +76,12 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     top_p: float | None = None
     n: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -91,13 +97,35 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[Any] = ""
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
+    # Refused unless they ask for nothing: insertion and server-side ranking are not implemented.
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """A message as OpenAI defines it, so an SDK's `message.model_dump()` can be sent back."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None  # ignored: citations of a web search, not prompt text
+    audio: dict[str, Any] | None = None
+    function_call: FunctionCall | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -108,9 +136,27 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = []
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    # Ignored (README, "API"): none of them changes the tokens generated here.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # Refused unless they ask for nothing (_check_unsupported_chat_fields).
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 @dataclass
@@ -123,9 +169,32 @@ class _Job:
     prompt_text: str = ""
 
 
+def model_checker(tm: TokenizerManager, model_name: str) -> Callable[[str | None], None]:
+    """Checks a request's `model`: the served name, or omitted, unless --allow-any-model-name."""
+
+    def check(requested: str | None) -> None:
+        if requested is None or requested == model_name or tm.args.server.allow_any_model_name:
+            return
+        raise model_not_found(requested)
+
+    return check
+
+
+def model_not_found(requested: str) -> RequestError:
+    """OpenAI's answer to an unknown model: 404, type invalid_request_error, code model_not_found."""
+    return RequestError(
+        f"The model {requested!r} does not exist",
+        status=404,
+        param="model",
+        code="model_not_found",
+        kind="invalid_request_error",
+    )
+
+
 def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
     router = APIRouter(prefix="/v1")
     limit = tm.args.server.max_request_bytes
+    check_model = model_checker(tm, model_name)
 
     @router.get("/models")
     async def models() -> dict[str, Any]:
@@ -135,14 +204,15 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         if model_id != model_name:
-            raise RequestError(
-                f"model {model_id!r} not found", status=404, param="model", code="model_not_found"
-            )
+            raise model_not_found(model_id)
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "radixlm"}
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         body = await hu.parse_body(request, limit, CompletionRequest)
+        _check_common(body)
+        check_model(body.model)
+        _check_unsupported_completion_fields(body)
         if body.logprobs is not None:
             tm.check_logprobs(body.logprobs, "logprobs")
         id_lists = _completion_prompts(tm, body.prompt)
@@ -151,7 +221,7 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         for ids in id_lists:
             max_tokens = 16 if body.max_tokens is None else body.max_tokens
             inp = await _make_input(
-                tm, body, ids, max_tokens, want_lp, body.logprobs or 0, body.echo and want_lp
+                tm, body, ids, max_tokens, want_lp, body.logprobs or 0, bool(body.echo) and want_lp
             )
             prompt_text = tm.tokenizer.decode(ids) if body.echo else ""
             tm.check_capacity(len(jobs) + inp.params.n)
@@ -179,9 +249,13 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
     @router.post("/chat/completions")
     async def chat(request: Request) -> Response:
         body = await hu.parse_body(request, limit, ChatRequest)
-        ids = tm.render_chat(_chat_messages(body.messages))
+        _check_common(body)
+        check_model(body.model)
+        _check_unsupported_chat_fields(body)
+        ids = tm.render_chat(chat_template_messages(tm, body.messages))
+        want_lp = bool(body.logprobs)
         if body.top_logprobs is not None:
-            if not body.logprobs:
+            if not want_lp:
                 raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
             tm.check_logprobs(body.top_logprobs, "top_logprobs")
         json_schema = await _response_format_schema(tm, body.response_format)
@@ -190,7 +264,7 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             assert tm.ready is not None
             max_tokens = max(min(tm.ready.context_length, tm.ready.max_total_tokens) - len(ids), 0)
         inp = await _make_input(
-            tm, body, ids, max_tokens, body.logprobs, body.top_logprobs or 0, False, "messages", json_schema
+            tm, body, ids, max_tokens, want_lp, body.top_logprobs or 0, False, "messages", json_schema
         )
         tm.check_capacity(inp.params.n)
         jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
@@ -201,14 +275,14 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_base = base | {"object": "chat.completion.chunk"}
             return await hu.sse_stream(
-                request, _stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, body.logprobs))
+                request, _stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, want_lp))
             )
         states = await _run_all(request, tm, jobs)
         choices = [
             {
                 "index": job.choice,
                 "message": {"role": "assistant", "content": st.text},
-                "logprobs": fmt_lp(st, 0) if body.logprobs else None,
+                "logprobs": fmt_lp(st, 0) if want_lp else None,
                 "finish_reason": _finish_reason(st),
             }
             for job, st in zip(jobs, states)
@@ -284,24 +358,108 @@ def _openai_names(err: RequestError) -> RequestError:
     return RequestError(message, err.status, param or None, err.code, err.headers)
 
 
-def _chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def _check_common(body: _SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _check_unsupported_completion_fields(body: CompletionRequest) -> None:
+    """OpenAI fields that would change the answer if ignored are refused unless they ask for nothing."""
+    if body.suffix:
+        raise RequestError("suffix (text insertion) is not supported by this server", param="suffix")
+    n = 1 if body.n is None else body.n
+    if body.best_of is not None and body.best_of != n:
+        raise RequestError(
+            f"best_of must equal n ({n}): this server does not rank extra samples, got {body.best_of}",
+            param="best_of",
+        )
+
+
+def _check_unsupported_chat_fields(body: ChatRequest) -> None:
+    """Tool calling, audio and web search are not implemented: a request that asks for them gets a
+    400 naming the field instead of an answer that silently lacks them. Choices that ask for nothing
+    ("none", or "auto" with no tools to call) are accepted."""
+    if body.tools:
+        raise RequestError("tools: tool calling is not supported by this server", param="tools")
+    if body.functions:
+        raise RequestError("functions: function calling is not supported by this server", param="functions")
+    for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
+        if choice not in (None, "none", "auto"):
+            raise RequestError(f"{name}: tool calling is not supported by this server", param=name)
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise RequestError("modalities: only 'text' output is supported", param="modalities")
+    if body.audio is not None:
+        raise RequestError("audio: audio output is not supported by this server", param="audio")
+    if body.web_search_options is not None:
+        raise RequestError(
+            "web_search_options: web search is not supported by this server", param="web_search_options"
+        )
+
+
+def chat_template_messages(tm: TokenizerManager, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The template's messages. Tool calls in the history and tool/function results go to a template
+    that knows them as OpenAI sends them; otherwise they become text: a call is appended to the
+    assistant's turn as "[tool call ID: NAME(ARGUMENTS)]", a result is a user turn that starts with
+    "[tool result for call ID]" (README, "API")."""
     if not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise RequestError(
-                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}", param=f"messages[{i}].role"
-            )
-        content = m.content or ""
-        if isinstance(content, list):
-            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-                raise RequestError(
-                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
-                )
-            content = "".join(part["text"] for part in content)
-        out.append({"role": m.role, "content": content})
-    return out
+    # A template that mentions tools renders tool calls and results itself.
+    knows_tools = "tool" in str(getattr(tm.tokenizer, "chat_template", None) or "")
+    return [_chat_message(i, m, knows_tools) for i, m in enumerate(messages)]
+
+
+def _chat_message(i: int, m: ChatMessage, template_knows_tools: bool) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if m.role not in CHAT_ROLES:
+        raise RequestError(f"{where}.role must be one of {sorted(CHAT_ROLES)}", param=f"{where}.role")
+    if m.audio is not None:
+        raise RequestError(f"{where}.audio: audio is not supported by this server", param=f"{where}.audio")
+    if m.role == "tool" and not m.tool_call_id:
+        raise RequestError(
+            f"{where}.tool_call_id is required for a tool message", param=f"{where}.tool_call_id"
+        )
+    content = _text_content(m.content, where)
+    if not content and m.refusal:
+        content = m.refusal
+    calls = list(m.tool_calls or [])
+    if m.function_call is not None:
+        calls.append(ToolCall(id="", function=m.function_call))
+    if template_knows_tools:
+        out: dict[str, Any] = {"role": m.role, "content": content}
+        if calls:
+            out["tool_calls"] = [msgspec.to_builtins(c) for c in calls]
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role in ("tool", "function"):
+            out["name"] = m.name
+        return out
+    if m.role == "tool":
+        return {"role": "user", "content": f"[tool result for call {m.tool_call_id}]\n{content}"}
+    if m.role == "function":
+        return {"role": "user", "content": f"[function result of {m.name}]\n{content}"}
+    texts = [content] if content else []
+    texts.extend(_call_text(c) for c in calls)
+    return {"role": m.role, "content": "\n".join(texts)}
+
+
+def _call_text(call: ToolCall) -> str:
+    """A past tool call as prompt text (a deprecated function_call has no id)."""
+    what = f"tool call {call.id}" if call.id else "function call"
+    return f"[{what}: {call.function.name}({call.function.arguments})]"
+
+
+def _text_content(content: str | list[dict[str, Any]] | None, where: str) -> str:
+    """A message's text: a string, or text (and an assistant's refusal) parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        text = part.get(kind) if kind in ("text", "refusal") else None
+        if not isinstance(text, str):
+            raise RequestError(f"{where}.content: only text parts are supported", param=f"{where}.content")
+        texts.append(text)
+    return "".join(texts)
 
 
 async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | None) -> str | None:
@@ -422,15 +580,26 @@ def _completion_logprobs(tm: TokenizerManager, job: _Job, st: RequestState, star
     tokens = [_token_text(tm, tid) for tid, _, _ in entries]
     offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
     entries, tokens, offsets = entries[first:], tokens[first:], offsets[first:]
+    tops_out = []
+    for tid, lp, top in entries:
+        alternatives = _with_sampled(tid, lp, top or [])
+        tops_out.append(
+            {_token_text(tm, t): json_logprob(v) for v, t in alternatives} if alternatives else None
+        )
     return {
         "tokens": tokens,
         "token_logprobs": [json_logprob(lp) for _, lp, _ in entries],
-        "top_logprobs": [
-            None if top is None else {_token_text(tm, t): json_logprob(lp) for lp, t in top}
-            for _, _, top in entries
-        ],
+        "top_logprobs": tops_out,
         "text_offset": offsets,
     }
+
+
+def _with_sampled(tid: int, lp: float | None, top: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """The top alternatives plus the chosen token where it is not among them (so k + 1 entries), as
+    vLLM answers; a position without a logprob (the first prompt token) has none."""
+    if lp is None or any(t == tid for _, t in top):
+        return top
+    return [*top, (lp, tid)]
 
 
 def _chat_logprobs(tm: TokenizerManager, st: RequestState, start: int) -> dict[str, Any]:
@@ -439,8 +608,11 @@ def _chat_logprobs(tm: TokenizerManager, st: RequestState, start: int) -> dict[s
         return {"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode())}
 
     tops = st.output_top_logprobs or [[] for _ in st.output_ids]
+    # top_logprobs 0 asks for no alternatives (OpenAI answers []); otherwise the chosen token is
+    # always among them.
     content = [
-        item(tid, lp) | {"top_logprobs": [item(t, tlp) for tlp, t in top]}
+        item(tid, lp)
+        | {"top_logprobs": [item(t, tlp) for tlp, t in (_with_sampled(tid, lp, top) if top else [])]}
         for tid, lp, top in list(zip(st.output_ids, st.output_token_logprobs, tops))[start:]
     ]
     return {"content": content}

@@ -251,11 +251,13 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # the template itself rejects the conversation (e.g. role order)
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

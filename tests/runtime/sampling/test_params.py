@@ -53,6 +53,12 @@ BAD_INPUTS: list[tuple[dict[str, Any], str]] = [
     ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stop_token_ids": 1.0}, "stop_token_ids"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": -101}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"regex": 5}, "regex"),
     ({"json_schema": ["not", "a", "schema"]}, "json_schema"),
     # mutually exclusive constraints
@@ -80,6 +86,15 @@ def test_stop_token_ids_checked_against_vocab() -> None:
     sp.validate(vocab_size=200)
     with pytest.raises(ValueError, match=names("stop_token_ids")):
         sp.validate(vocab_size=50)
+
+
+def test_logit_bias_keys_are_token_ids_checked_against_vocab() -> None:
+    sp = SamplingParams.from_dict({"logit_bias": {"3": 100, 7: -100, "12": 0.5}})
+    assert sp.logit_bias == {3: 100.0, 7: -100.0, 12: 0.5}
+    sp.validate(vocab_size=20)
+    with pytest.raises(ValueError, match=names("logit_bias")):
+        sp.validate(vocab_size=10)
+    assert SamplingParams.from_dict({"logit_bias": None}).logit_bias == {}
 
 
 def test_defaults_and_none() -> None:

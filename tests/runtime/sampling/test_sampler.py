@@ -391,6 +391,55 @@ def test_ban_is_lifted_only_where_it_would_leave_nothing() -> None:
     assert Sampler()(logits, info).next_token_ids.tolist() == [1, 2]
 
 
+def dense_bias(params: list[SamplingParams], vocab: int) -> torch.Tensor:
+    """Reference: each row's logit_bias as a dense [B, vocab] addend."""
+    out = torch.zeros(len(params), vocab)
+    for row, p in enumerate(params):
+        for tid, bias in p.logit_bias.items():
+            out[row, tid] = bias
+    return out
+
+
+def test_logit_bias_matches_a_dense_reference_greedy_and_sampled() -> None:
+    vocab = 64
+    logits = random_logits(6, vocab, seed=23)
+    biases = [{}, {3: 5.0, 10: -2.5}, {0: 100.0}, {}, {7: 1.5, 8: -100.0, 9: 30.0}, {1: 0.5}]
+    params = [
+        sp(temperature=0.0 if row % 2 else 0.8, seed=row, logit_bias=bias) for row, bias in enumerate(biases)
+    ]
+    biased = Sampler()(logits.clone(), build(params, vocab)).next_token_ids
+    plain = [sp(temperature=p.temperature, seed=p.seed) for p in params]
+    reference = Sampler()(logits + dense_bias(params, vocab), build(plain, vocab)).next_token_ids
+    assert torch.equal(biased, reference)
+    greedy_rows = [1, 3, 5]
+    assert torch.equal(biased[greedy_rows], (logits + dense_bias(params, vocab))[greedy_rows].argmax(-1))
+
+
+def test_logit_bias_forces_and_bans_tokens_and_never_unmasks() -> None:
+    vocab = 50
+    logits = random_logits(2, vocab, seed=29)
+    best = int(logits[0].argmax())
+    forced = (best + 1) % vocab
+    params = [sp(temperature=1.0, logit_bias={forced: 100}), sp(temperature=0.0, logit_bias={best: -100})]
+    sampler = Sampler(seed=5)
+    for _ in range(20):
+        ids = sampler(logits.clone(), build(params, vocab, seeded=False)).next_token_ids.tolist()
+        assert ids[0] == forced and ids[1] != best
+    info = build([sp(temperature=0.0, logit_bias={forced: 100})], vocab)
+    info.vocab_mask = torch.ones(1, vocab, dtype=torch.bool)
+    info.vocab_mask[0, forced] = False
+    assert int(Sampler()(logits[:1].clone(), info).next_token_ids[0]) != forced
+
+
+def test_logit_bias_leaves_reported_logprobs_raw() -> None:
+    logits = random_logits(1, 30, seed=31)
+    out = Sampler()(
+        logits.clone(), build([sp(temperature=0.0, logit_bias={4: 100})], 30), return_logprob=True
+    )
+    assert int(out.next_token_ids[0]) == 4
+    assert math.isclose(float(out.logprobs[0]), float(torch.log_softmax(logits[0], -1)[4]), rel_tol=1e-5)
+
+
 def test_empty_vocab_mask_row_is_an_error() -> None:
     info = build([sp()], 4)
     info.vocab_mask = torch.zeros(1, 4, dtype=torch.bool)

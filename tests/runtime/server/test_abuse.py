@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import requests
-from server_harness import API_KEY, HEADERS, Server, assert_no_leak, wait_idle
+from server_harness import HEADERS, Server, assert_no_leak, wait_idle
 
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.tokenizer import decode_output, load_tokenizer
@@ -35,11 +35,6 @@ def healthy_afterwards(server: Server) -> Iterator[None]:
     yield
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
     assert_no_leak(wait_idle(server))
-
-
-@pytest.fixture
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @cache
@@ -62,18 +57,18 @@ def generate(**params) -> dict:
 
 
 # -- 1. n ---------------------------------------------------------------------------------------
-def test_huge_n_is_refused_before_any_per_sample_work(url: str, client: openai.OpenAI) -> None:
+def test_huge_n_is_refused_before_any_per_sample_work(url: str, client: openai.OpenAI, model: str) -> None:
     t0 = time.monotonic()
     assert_refused(post(url, "/generate", generate(n=10**7)), "sampling_params.n")
     assert_refused(post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 10**7}), "n")
     assert time.monotonic() - t0 < 30  # 10**7 per-sample objects would take far longer
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, n=129)
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=2, n=129)
     assert e.value.body["param"] == "n"  # type: ignore[index]
 
 
 # -- 2. logprobs --------------------------------------------------------------------------------
-def test_top_logprobs_are_bounded(url: str, client: openai.OpenAI) -> None:
+def test_top_logprobs_are_bounded(url: str, client: openai.OpenAI, model: str) -> None:
     body = generate() | {"return_logprob": True, "logprob_start_len": 0}
     assert_refused(post(url, "/generate", body | {"top_logprobs_num": 1000}), "top_logprobs_num")
     assert_refused(
@@ -82,10 +77,12 @@ def test_top_logprobs_are_bounded(url: str, client: openai.OpenAI) -> None:
     ok = post(url, "/generate", body | {"top_logprobs_num": 20})
     assert ok.status_code == 200 and len(ok.json()["meta_info"]["output_top_logprobs"][0]) == 20
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="m", prompt="Hi", max_tokens=2, logprobs=21)
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, logprobs=21)
     assert e.value.body["param"] == "logprobs"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=21)
+        client.chat.completions.create(
+            model=model, messages=CHAT, max_tokens=2, logprobs=True, top_logprobs=21
+        )
     assert e.value.body["param"] == "top_logprobs"  # type: ignore[index]
 
 
@@ -211,18 +208,18 @@ def test_json_endpoints_require_a_json_content_type(url: str, content_type: str 
 
 
 # -- 9. a regex this tokenizer cannot spell -----------------------------------------------------
-def test_unspellable_regex_is_a_400(url: str, client: openai.OpenAI) -> None:
+def test_unspellable_regex_is_a_400(url: str, client: openai.OpenAI, model: str) -> None:
     body = generate(regex=UNSPELLABLE_REGEX)
     assert_refused(post(url, "/generate", body), "regex")
     assert_refused(post(url, "/generate", body | {"stream": True}), "regex")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(
-            model="m", prompt="Hi", max_tokens=2, extra_body={"regex": UNSPELLABLE_REGEX}
+            model=model, prompt="Hi", max_tokens=2, extra_body={"regex": UNSPELLABLE_REGEX}
         )
     assert e.value.body["param"] == "regex"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(
-            model="m", messages=CHAT, max_tokens=2, stream=True, extra_body={"regex": UNSPELLABLE_REGEX}
+            model=model, messages=CHAT, max_tokens=2, stream=True, extra_body={"regex": UNSPELLABLE_REGEX}
         )
 
 

@@ -9,7 +9,7 @@ import math
 
 import openai
 import pytest
-from server_harness import API_KEY, Server, assert_no_leak, wait_idle
+from server_harness import Server, assert_no_leak, wait_idle
 
 from radixlm.eval.data import load_mmlu
 from radixlm.eval.tasks import MMLU_CHOICES, mmlu_block, mmlu_fewshot_prefix
@@ -33,20 +33,20 @@ def _requests() -> list[list[int]]:
     return prompts
 
 
-def _score(client: openai.OpenAI, ids: list[int]) -> openai.types.Completion:
+def _score(client: openai.OpenAI, model: str, ids: list[int]) -> openai.types.Completion:
     return client.completions.create(
-        model="default", prompt=[ids], max_tokens=0, echo=True, logprobs=1, temperature=0
+        model=model, prompt=[ids], max_tokens=0, echo=True, logprobs=1, temperature=0
     )
 
 
-def test_echo_logprobs_hit_the_prefix_cache(server: Server) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+def test_echo_logprobs_hit_the_prefix_cache(server: Server, client: openai.OpenAI, model: str) -> None:
+    """lm-eval sends the served name (its `model=` argument), as any OpenAI client must."""
     prompts = _requests()
-    _score(client, prompts[0])
+    _score(client, model, prompts[0])
     start = wait_idle(server)["cached_tokens"]
     prompt_tokens = 0
     for ids in prompts[1:]:
-        out = _score(client, ids)
+        out = _score(client, model, ids)
         assert out.usage is not None and out.usage.prompt_tokens == len(ids)
         lps = out.choices[0].logprobs
         assert lps is not None and len(lps.token_logprobs) == len(ids) and lps.token_logprobs[0] is None

@@ -9,22 +9,12 @@ import jsonschema
 import openai
 import pytest
 import requests
-from server_harness import API_KEY, HEADERS
+from server_harness import HEADERS
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def test_models_list(client: openai.OpenAI, model: str) -> None:
@@ -69,7 +59,8 @@ def test_completion_echo_logprobs_n_stop(client: openai.OpenAI, model: str) -> N
     assert len(lp.tokens) == out.usage.prompt_tokens + 4
     assert "".join(lp.tokens) == choice.text
     assert lp.text_offset[1] == len(lp.tokens[0])
-    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    # The 2 best plus the actual token where it is not among them (vLLM's answer).
+    assert all(tok in top and len(top) <= 3 for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:]))
     sampled = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=3, seed=3
     )
