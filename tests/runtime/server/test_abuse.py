@@ -123,7 +123,9 @@ def test_exploding_regexes_do_not_stall_other_requests(url: str) -> None:
                 r = await t
                 assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
             assert gens, "the exploding regexes finished before the short requests could run"
-            assert max(probes) < 0.2 + base_health, (base_health, probes)
+            # 90% within 200 ms of the idle latency (a stalled loop would fail every probe; the
+            # rest allows for a 2-core machine's scheduling noise).
+            assert statistics.quantiles(probes, n=10)[-1] < 0.2 + base_health, (base_health, probes)
             assert statistics.median(gens) < 2 * base_gen + 0.1, (base_gen, gens)
 
     asyncio.run(scenario())
