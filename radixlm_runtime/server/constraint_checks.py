@@ -1,7 +1,7 @@
 """Constraint validation in worker processes. Checking a pattern builds its character DFA: about a
 second for a first generic JSON object, and the whole time budget for an exploding regex. In a
 thread of the HTTP process that work holds the GIL and stalls every other request and /health, so
-it runs in a small, lazily started pool of low-priority processes instead."""
+it runs in a small pool of low-priority processes, started in the background with the server."""
 
 from __future__ import annotations
 
@@ -45,14 +45,25 @@ class ConstraintChecker:
         if len(self._valid) > MAX_REMEMBERED:
             self._valid.popitem(last=False)
 
-    async def _in_pool(self, regex: str | None, json_schema: str | None) -> None:
+    def warm_up(self) -> None:
+        """Starts the workers now, in the background: a spawned worker takes over a second to import
+        the checker, which the first constrained request would otherwise wait for."""
+        pool = self._get_pool()
+        for _ in range(self.workers):
+            pool.submit(validate_constraint, "a", None)
+
+    def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 self.workers, mp_context=mp.get_context("spawn"), initializer=_lower_priority
             )
+        return self._pool
+
+    async def _in_pool(self, regex: str | None, json_schema: str | None) -> None:
+        pool = self._get_pool()
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._pool, validate_constraint, regex, json_schema)
+            await loop.run_in_executor(pool, validate_constraint, regex, json_schema)
         except BrokenProcessPool:
             # A worker died (e.g. killed for memory) on this pattern: refuse it, start afresh.
             self.shutdown(wait=False)

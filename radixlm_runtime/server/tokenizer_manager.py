@@ -168,6 +168,7 @@ class TokenizerManager:
             asyncio.create_task(self._recv_loop()),
             asyncio.create_task(self._watchdog(on_scheduler_death)),
         ]
+        self.constraints.warm_up()
 
     def shutdown(self) -> None:
         """Stops the scheduler process (politely, then by force) and releases the sockets."""
