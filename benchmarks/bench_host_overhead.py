@@ -33,7 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO_ROOT, Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
+from common import (
+    REPO_ROOT,
+    Size,
+    Table,
+    add_list_flag,
+    bench_parser,
+    fmt,
+    list_flag,
+    parse_sizes,
+    pyplot,
+    save_figure,
+    save_result,
+)
 
 NAME = "host_overhead"
 SIZES = {
@@ -278,16 +290,11 @@ def plot(path: Path, results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
-    ap.add_argument(
-        "--batch-sizes",
-        default=None,
-        help=f"Comma-separated batch sizes (default {DEFAULT_BATCH_SIZES}; --tiny: {TINY_BATCH_SIZES}).",
-    )
+    add_list_flag(ap, "--batch-sizes", "batch sizes", DEFAULT_BATCH_SIZES, TINY_BATCH_SIZES)
     ap.add_argument("--device", default="cpu", help="Engine device (the figures in the README: cpu).")
     ap.add_argument("--verbose", action="store_true", help=f"Print the top {TOP_SITES} host-read call sites.")
     args, sizes = parse_sizes(ap, argv, SIZES)
-    spec = args.batch_sizes or (TINY_BATCH_SIZES if args.tiny else DEFAULT_BATCH_SIZES)
-    batch_sizes = [int(b) for b in spec.split(",")]
+    batch_sizes = list_flag(args, "--batch-sizes", int)
     if not batch_sizes or min(batch_sizes) < 1:
         ap.error("--batch-sizes takes positive integers")
 

@@ -31,8 +31,10 @@ import httpx
 from common import (
     Size,
     Table,
+    add_list_flag,
     bench_parser,
     fmt,
+    list_flag,
     parse_sizes,
     percentiles,
     pyplot,
@@ -237,17 +239,13 @@ def notes_for(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
-    ap.add_argument(
-        "--rates",
-        default=None,
-        help=f"Comma-separated request rates (default {DEFAULT_RATES}; --tiny: {TINY_RATES}).",
-    )
+    add_list_flag(ap, "--rates", "request rates", DEFAULT_RATES, TINY_RATES)
     ap.add_argument("--no-baseline", action="store_true", help="Skip the --disable-radix-cache server.")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the arrival times.")
     args, sizes = parse_sizes(ap, argv, SIZES)
     # A SIGTERM must still run the `finally` that stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rates = [float(r) for r in (args.rates or (TINY_RATES if args.tiny else DEFAULT_RATES)).split(",")]
+    rates = list_flag(args, "--rates", float)
 
     reqs = build_requests(sizes["num_requests"], sizes["chat_turns"], sizes["num_shots"])
     servers = {k: v for k, v in SERVERS.items() if not (args.no_baseline and k != "radixlm")}

@@ -14,9 +14,10 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -52,6 +53,22 @@ def bench_parser(doc: str | None, sizes: dict[str, Size]) -> argparse.ArgumentPa
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, sizes)
     return ap
+
+
+T = TypeVar("T")
+
+
+def add_list_flag(ap: argparse.ArgumentParser, flag: str, what: str, default: str, tiny: str) -> None:
+    """A comma-separated list flag whose default depends on --tiny (read it with list_flag)."""
+    ap.add_argument(flag, default=None, help=f"Comma-separated {what} (default {default}; --tiny: {tiny}).")
+    ap.set_defaults(**{f"_{flag.lstrip('-').replace('-', '_')}_defaults": (default, tiny)})
+
+
+def list_flag(args: argparse.Namespace, flag: str, kind: Callable[[str], T]) -> list[T]:
+    name = flag.lstrip("-").replace("-", "_")
+    default, tiny = getattr(args, f"_{name}_defaults")
+    spec = getattr(args, name) or (tiny if args.tiny else default)
+    return [kind(v) for v in spec.split(",")]
 
 
 def parse_sizes(

@@ -9,8 +9,9 @@ template), so both transformers and the runtime can load them in well under a se
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 # Without a GPU the Triton kernels run under the interpreter; Triton reads this at import time.
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
@@ -124,3 +125,21 @@ def runtime() -> Iterator[sgl.Runtime]:
 @pytest.fixture
 def backend(runtime: sgl.Runtime) -> sgl.RuntimeEndpoint:
     return runtime.endpoint
+
+
+def score_prompt(engine: Any, ids: list[int], start: int = 0, top: int = 0) -> dict:
+    """meta_info of a zero-token request for ids' prompt logprobs from position start on."""
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={"max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=start,
+        top_logprobs_num=top,
+    )
+    return out["meta_info"]
+
+
+@pytest.fixture
+def prompt_logprobs() -> Callable[..., dict]:
+    """Scores a prompt through Engine.generate (shared by the engine and scheduler tests)."""
+    return score_prompt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,10 @@ def _hf_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _prompt_logprobs(engine: rt.Engine, ids: list[int], start: int, top: int = 0) -> dict:
-    out = engine.generate(
-        input_ids=ids,
-        sampling_params={"max_new_tokens": 0},
-        return_logprob=True,
-        logprob_start_len=start,
-        top_logprobs_num=top,
-    )
-    return out["meta_info"]
-
-
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_logits_match_transformers(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path, prompt_logprobs: Callable[..., dict]
+) -> None:
     model_dir: Path = request.getfixturevalue(fixture)
     if fixture == "tiny_qwen2_dir":
         model_dir = _with_random_biases(model_dir, tmp_path)
@@ -46,7 +38,7 @@ def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest,
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         ref = _hf_logprobs(model_dir, ids)
-        meta = _prompt_logprobs(engine, ids, start=0, top=8)
+        meta = prompt_logprobs(engine, ids, start=0, top=8)
         ours = meta["input_token_logprobs"]
         assert ours[0][0] is None and len(ours) == len(ids)
         for pos in range(1, len(ids)):
@@ -55,16 +47,18 @@ def test_logits_match_transformers(fixture: str, request: pytest.FixtureRequest,
             torch.testing.assert_close(top_vals, ref[pos - 1].topk(8).values, atol=1e-4, rtol=0)
 
 
-def test_cached_prefill_matches_fresh_prefill(tiny_llama_dir: Path) -> None:
+def test_cached_prefill_matches_fresh_prefill(
+    tiny_llama_dir: Path, prompt_logprobs: Callable[..., dict]
+) -> None:
     engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
     ids = engine.tokenizer.encode("the theater then an interesting answer to the question abc abc")
     start = len(ids) - 5
-    fresh = _prompt_logprobs(engine, ids, start=start, top=5)
+    fresh = prompt_logprobs(engine, ids, start=start, top=5)
     assert fresh["cached_tokens"] == 0
     # Warm a longer prefix, then ask again: the first start-1 tokens now come from the cache.
     engine.flush_cache()
     engine.generate(input_ids=ids[:start], sampling_params={"max_new_tokens": 0})
-    cached = _prompt_logprobs(engine, ids, start=start, top=5)
+    cached = prompt_logprobs(engine, ids, start=start, top=5)
     assert cached["cached_tokens"] == start - 1
     for a, b in zip(fresh["input_token_logprobs"], cached["input_token_logprobs"], strict=True):
         assert a[1] == b[1] and abs(a[0] - b[0]) < 1e-4

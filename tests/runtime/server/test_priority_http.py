@@ -7,6 +7,14 @@ import pytest
 from server_harness import HEADERS, Server, assert_no_leak, wait_idle
 
 
+def _post(server: Server, path: str, body: dict) -> httpx.Response:
+    """Posts body, naming the served model on the /v1 endpoints (which check it)."""
+    if path.startswith("/v1"):
+        model = httpx.get(f"{server.url}/v1/models", headers=HEADERS).json()["data"][0]["id"]
+        body = {"model": model, **body}
+    return httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=120)
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -20,10 +28,7 @@ from server_harness import HEADERS, Server, assert_no_leak, wait_idle
     ],
 )
 def test_priority_is_accepted(server: Server, path: str, body: dict) -> None:
-    model = httpx.get(f"{server.url}/v1/models", headers=HEADERS).json()["data"][0]["id"]
-    if path.startswith("/v1"):
-        body = {"model": model, **body}
-    r = httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=120)
+    r = _post(server, path, body)
     assert r.status_code == 200, r.text
 
 
@@ -36,10 +41,7 @@ def test_priority_is_accepted(server: Server, path: str, body: dict) -> None:
     ],
 )
 def test_bad_priority_is_a_400_naming_it(server: Server, path: str, body: dict) -> None:
-    model = httpx.get(f"{server.url}/v1/models", headers=HEADERS).json()["data"][0]["id"]
-    if path.startswith("/v1"):
-        body = {"model": model, **body}
-    r = httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=60)
+    r = _post(server, path, body)
     assert r.status_code == 400, r.text
     assert "priority" in r.text
     assert_no_leak(wait_idle(server))
