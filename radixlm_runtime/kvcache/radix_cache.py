@@ -17,9 +17,7 @@ import itertools
 import math
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
-
-# (logprob, token id) pairs, most likely first.
-TopLogprobs = list[tuple[float, int]]
+from radixlm_runtime.step import TopLogprobs
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:

@@ -86,8 +86,7 @@ class Scheduler:
         return self.cache.flush()
 
     def has_work(self) -> bool:
-        a = self.admission
-        return bool(a.waiting or a.running or a.chunked or len(self.constraints))
+        return self.num_live() > 0
 
     def queue_sizes(self) -> tuple[int, int]:
         """(running, waiting) requests, for the server's gauges."""
