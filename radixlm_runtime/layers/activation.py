@@ -10,4 +10,5 @@ from torch import nn
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        # Multiplying in place saves a pass over the activations and an allocation.
+        return F.silu(gate).mul_(up)

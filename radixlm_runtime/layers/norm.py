@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            x = x + residual
+            # The residual stream is this layer's own tensor: adding in place saves an allocation
+            # and a pass per norm.
+            x = residual.add_(x)
             residual = x
         orig_dtype = x.dtype
         xf = x.float()

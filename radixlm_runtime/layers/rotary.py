@@ -8,10 +8,21 @@ from __future__ import annotations
 
 import torch
 
+# A step's cos and sin rows, [T, 1, D/2] each.
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x [T, H, D] rotated in float32 into a new tensor of x's dtype. Each half is written in place
+    (a multiply, then a fused multiply-add) rather than built from products and concatenated: on a CPU
+    these passes over the activations, not the arithmetic, are what rotary costs."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.empty_like(xf)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
+    return out.to(x.dtype)
 
 
 class RotaryEmbedding:
@@ -31,15 +42,16 @@ class RotaryEmbedding:
         self.cos_cache = (freqs.cos() * attention_scaling).to(device)
         self.sin_cache = (freqs.sin() * attention_scaling).to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D]."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        q = _rotate(q.float(), cos, sin).to(q.dtype)
-        k = _rotate(k.float(), cos, sin).to(k.dtype)
-        return q, k
+    def cos_sin(self, positions: torch.Tensor) -> CosSin:
+        """The tables' rows for a step's positions, [T, 1, D/2] each: gathered once per forward and
+        shared by every layer."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(cos_sin: CosSin, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] rotated by the positions `cos_sin` was gathered for."""
+        cos, sin = cos_sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def build_rotary(

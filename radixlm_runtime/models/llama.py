@@ -16,7 +16,7 @@ from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.layers.activation import SiluAndMul
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
-from radixlm_runtime.layers.rotary import RotaryEmbedding
+from radixlm_runtime.layers.rotary import CosSin, RotaryEmbedding
 from radixlm_runtime.models.config import ModelConfig
 
 # HF parameter name fragment -> (fused parameter fragment, shard id)
@@ -30,7 +30,7 @@ _PACKED = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_heads
@@ -40,17 +40,16 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-        self.rotary = rotary
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self, rope: CosSin, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         o = attn.forward(q, k, v.contiguous(), self.layer_id, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -77,16 +76,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.self_attn = LlamaAttention(config, layer_id)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
@@ -97,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch, attn)
+        hidden = self.self_attn(rope, hidden, batch, attn)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -108,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = rotary
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i, rotary) for i in range(config.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -118,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         token onto a 49k vocabulary would cost more than the rest of a small model."""
         hidden = self.embed_tokens(batch.input_ids)
         residual = None
+        rope = self.rotary.cos_sin(batch.positions)
         for layer in self.layers:
-            hidden, residual = layer(batch.positions, hidden, residual, batch, attn)
+            hidden, residual = layer(rope, hidden, residual, batch, attn)
         if batch.logits_indices.numel() != batch.num_tokens:
             hidden = hidden.index_select(0, batch.logits_indices)
             residual = residual.index_select(0, batch.logits_indices)
