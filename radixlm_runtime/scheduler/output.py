@@ -5,11 +5,10 @@ entry points."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from radixlm_runtime.config import SchedulerConfig
-from radixlm_runtime.constrained.jump_forward import plan_jump
+from radixlm_runtime.constrained.jump_forward import apply_jump, plan_jump
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.messages import ReqOutput
 from radixlm_runtime.scheduler.admission import ScheduledItem
@@ -26,15 +25,12 @@ class OutputProcessor:
         eos_ids: frozenset[int],
         context_len: int,
         stats: SchedulerStats,
-        vocab_texts: Callable[[], list[str]],
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.context_len = context_len
         self.stats = stats
-        # The vocabulary's token texts, built on the first constrained request only.
-        self._vocab_texts = vocab_texts
 
     def apply(
         self, items: list[ScheduledItem], planned: list[ForwardItem], results: list[ItemResult]
@@ -95,20 +91,20 @@ class OutputProcessor:
         kept = len(req.token_ids) - tail
         out_kept = kept - req.prompt_len
         room = min(req.sampling_params.max_new_tokens, self.context_len - req.prompt_len) - out_kept
-        jump = plan_jump(
+        tail_ids = req.token_ids[kept:]
+        ids = plan_jump(
             req.guide,
-            req.token_ids[kept:],
-            self._vocab_texts(),
+            tail_ids,
+            self.tokenizer.decode,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             min(room, self.config.chunked_prefill_size),
         )
-        if jump is None or self._crosses_stop(req, kept, jump.ids):
+        if ids is None or self._crosses_stop(req, kept, ids) or not apply_jump(req.guide, tail_ids, ids):
             return False
         del req.token_ids[kept:]
-        req.token_ids.extend(jump.ids)
-        req.guide.advance_text(jump.text)
+        req.token_ids.extend(ids)
         self.stats.jump_forwards += 1
-        self.stats.jump_forward_tokens += len(jump.ids) - tail
+        self.stats.jump_forward_tokens += len(ids) - tail
         return True
 
     def _crosses_stop(self, req: Req, kept: int, ids: list[int]) -> bool:

@@ -49,10 +49,10 @@ class Scheduler:
             config.session_pin_fraction,
         )
         self.admission = Admission(config, self.cache, self.runner_info.max_reqs, self.stats)
-        self.constraints = ConstraintQueue(tokenizer, eos_ids)
-        self.output = OutputProcessor(
-            config, tokenizer, eos_ids, self.runner_info.context_len, self.stats, self.constraints.vocab_texts
+        self.constraints = ConstraintQueue(
+            tokenizer, eos_ids, self.runner_info.vocab_size, config.grammar_backend
         )
+        self.output = OutputProcessor(config, tokenizer, eos_ids, self.runner_info.context_len, self.stats)
         self._uids = itertools.count()
         self._seeds = itertools.count()
         self._aborts: set[str] = set()
