@@ -8,7 +8,9 @@ refused naming the keyword, never dropped.
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -112,25 +114,44 @@ def parse_schema(text: str) -> dict[str, Any] | bool:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"json_schema: not a valid JSON Schema: {e.message}") from None
-    _check_keywords(schema, "#")
+    _check_keywords(schema)
     return schema
 
 
-def _check_keywords(schema: Any, path: str) -> None:
+def subschemas(schema: Any, path: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every object-valued (sub)schema with its JSON pointer, the root first."""
     if not isinstance(schema, dict):
         return  # a boolean schema, or a list the metaschema already checked
+    yield path, schema
     for key, value in schema.items():
-        if key not in _CONSTRAINING and key not in _ANNOTATIONS and not key.startswith("x-"):
-            raise ValueError(f"json_schema: unsupported keyword {key!r} at {path}")
-        if key == "format" and value not in SUPPORTED_FORMATS:
-            raise ValueError(
-                f"json_schema: unsupported format {value!r} at {path}; supported: {sorted(SUPPORTED_FORMATS)}"
-            )
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                _check_keywords(sub, f"{path}/{key}/{name}")
+                yield from subschemas(sub, f"{path}/{key}/{name}")
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             for i, sub in enumerate(value):
-                _check_keywords(sub, f"{path}/{key}/{i}")
+                yield from subschemas(sub, f"{path}/{key}/{i}")
         elif key in _SCHEMA_VALUES:
-            _check_keywords(value, f"{path}/{key}")
+            yield from subschemas(value, f"{path}/{key}")
+
+
+def _check_keywords(schema: Any) -> None:
+    for path, sub in subschemas(schema):
+        for key, value in sub.items():
+            if key not in _CONSTRAINING and key not in _ANNOTATIONS and not key.startswith("x-"):
+                raise ValueError(f"json_schema: unsupported keyword {key!r} at {path}")
+            if key == "format" and value not in SUPPORTED_FORMATS:
+                supported = sorted(SUPPORTED_FORMATS)
+                raise ValueError(
+                    f"json_schema: unsupported format {value!r} at {path}; supported: {supported}"
+                )
+
+
+def closed_objects(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """A copy in which objects with `properties` but no `additionalProperties` admit no other keys,
+    as OpenAI's strict mode and SGLang's default (xgrammar's strict_mode) read them: a model should
+    not invent keys the schema does not name."""
+    schema = copy.deepcopy(schema)
+    for _, sub in subschemas(schema):
+        if "properties" in sub and "additionalProperties" not in sub:
+            sub["additionalProperties"] = False
+    return schema

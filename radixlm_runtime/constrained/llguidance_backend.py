@@ -16,7 +16,7 @@ from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark
 
 from radixlm_runtime.constrained.backend import complete_utf8_prefix, fit_bitmask
-from radixlm_runtime.constrained.constraint import JSON_SEPARATORS, Constraint, parse_schema
+from radixlm_runtime.constrained.constraint import JSON_SEPARATORS, Constraint, closed_objects, parse_schema
 
 _JSON_OPTIONS: Any = {
     "whitespace_flexible": False,
@@ -29,9 +29,10 @@ def grammar_of(constraint: Constraint) -> str:
     """The llguidance grammar for a constraint; ValueError naming its field when it cannot be
     converted. An ebnf is GBNF (`root ::= ...`, as SGLang and xgrammar take it) or Lark."""
     if constraint.kind == "regex":
-        return LLMatcher.grammar_from_regex(constraint.text)
+        # `\d` is [0-9], as xgrammar and JSON Schema read it (Rust's regex would take any Unicode digit).
+        return LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(constraint.text, 'd')}/")
     if constraint.kind == "json_schema":
-        schema = parse_schema(constraint.text)
+        schema = closed_objects(parse_schema(constraint.text))
         try:
             return LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
         except ValueError as e:

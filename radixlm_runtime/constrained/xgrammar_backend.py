@@ -12,7 +12,7 @@ import numpy as np
 import xgrammar as xgr
 
 from radixlm_runtime.constrained.backend import fit_bitmask
-from radixlm_runtime.constrained.constraint import JSON_SEPARATORS, Constraint, parse_schema
+from radixlm_runtime.constrained.constraint import JSON_SEPARATORS, Constraint, parse_schema, subschemas
 
 
 def check(constraint: Constraint) -> None:
@@ -20,12 +20,22 @@ def check(constraint: Constraint) -> None:
         if constraint.kind == "regex":
             xgr.Grammar.from_regex(constraint.text)
         elif constraint.kind == "json_schema":
-            parse_schema(constraint.text)
+            _check_xgrammar_schema(parse_schema(constraint.text))
             xgr.Grammar.from_json_schema(constraint.text, any_whitespace=False, separators=JSON_SEPARATORS)
         else:
             xgr.Grammar.from_ebnf(constraint.text)
     except RuntimeError as e:
         raise constraint.error(str(e).strip()) from None
+
+
+def _check_xgrammar_schema(schema: Any) -> None:
+    """What xgrammar would ignore with only a warning: refused instead."""
+    for path, sub in subschemas(schema):
+        if "pattern" in sub and ("minLength" in sub or "maxLength" in sub):
+            raise ValueError(
+                f"json_schema: pattern with minLength/maxLength at {path} is not supported by the xgrammar "
+                "backend (use --grammar-backend llguidance)"
+            )
 
 
 class Backend:

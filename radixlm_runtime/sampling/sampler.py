@@ -58,15 +58,23 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     expected = (rows, (vocab + 31) // 32)
     if bitmask.shape != expected:
         raise ValueError(f"vocab_mask: expected shape {expected}, got {tuple(bitmask.shape)}")
-    if logits.device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        allowed = torch.from_numpy(bits).bool()
-    else:
-        shifts = _BIT_SHIFTS.get(logits.device)
-        if shifts is None:
-            shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(rows, -1)[:, :vocab]
-    logits.masked_fill_(~allowed, _NEG_INF)
+    unpack = unpack_bits_numpy if logits.device.type == "cpu" else unpack_bits_shifts
+    logits.masked_fill_(~unpack(bitmask, vocab), _NEG_INF)
+
+
+def unpack_bits_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool from a CPU bitmask, in one numpy pass (little-endian words: byte k holds
+    tokens 8k..8k+7)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits).bool()
+
+
+def unpack_bits_shifts(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool from a bitmask on any device, with tensor ops only (no host round trip)."""
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(bitmask), -1)[:, :vocab]
 
 
 @dataclass
