@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm_runtime.constrained.backend import DEFAULT_GRAMMAR_BACKEND, GRAMMAR_BACKENDS
+# Grammar engines of constrained decoding (radixlm_runtime/constrained/), the first the default.
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 
 
 def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -99,7 +100,7 @@ class SchedulerConfig:
     )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
     grammar_backend: str = flag(
-        DEFAULT_GRAMMAR_BACKEND,
+        GRAMMAR_BACKENDS[0],
         "Grammar engine of regex / json_schema / ebnf constraints: 'llguidance' (compiles lazily in "
         "milliseconds, cheapest mask on CPU) or 'xgrammar' (precompiled masks; slower to compile "
         "large schemas). See benchmarks/bench_constrained.py.",

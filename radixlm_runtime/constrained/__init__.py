@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from radixlm_runtime.constrained.backend import (
-        DEFAULT_GRAMMAR_BACKEND,
-        GRAMMAR_BACKENDS,
         GrammarBackend,
         Guide,
         check_constraint,
@@ -33,8 +31,6 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "radixlm_runtime.constrained.backend": [
-        "DEFAULT_GRAMMAR_BACKEND",
-        "GRAMMAR_BACKENDS",
         "GrammarBackend",
         "Guide",
         "check_constraint",
@@ -55,8 +51,6 @@ _EXPORTS = {name: module for module, names in _MODULES.items() for name in names
 
 __all__ = [
     "CONSTRAINT_KINDS",
-    "DEFAULT_GRAMMAR_BACKEND",
-    "GRAMMAR_BACKENDS",
     "REGEX_BOOL",
     "REGEX_FLOAT",
     "REGEX_INT",

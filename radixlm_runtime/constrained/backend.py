@@ -14,10 +14,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from radixlm_runtime.config import GRAMMAR_BACKENDS
 from radixlm_runtime.constrained.constraint import Constraint
 
-GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
-DEFAULT_GRAMMAR_BACKEND = "llguidance"
 _MODULES = {
     "llguidance": "radixlm_runtime.constrained.llguidance_backend",
     "xgrammar": "radixlm_runtime.constrained.xgrammar_backend",

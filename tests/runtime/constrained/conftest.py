@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from radixlm_runtime.constrained.backend import GRAMMAR_BACKENDS, GrammarBackend, make_backend
+from radixlm_runtime.config import GRAMMAR_BACKENDS
+from radixlm_runtime.constrained.backend import GrammarBackend, make_backend
 from radixlm_runtime.io.tokenizer import load_tokenizer
 
 SMOL_VOCAB = 49152

@@ -139,7 +139,9 @@ def parse_arithmetic(text: str) -> int:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_ebnf_output_parses(engine: rt.Engine, seed: int) -> None:
-    out = engine.generate(PROMPT, {"ebnf": ARITHMETIC, "temperature": 1.0, "max_new_tokens": 30, "seed": seed})
+    out = engine.generate(
+        PROMPT, {"ebnf": ARITHMETIC, "temperature": 1.0, "max_new_tokens": 30, "seed": seed}
+    )
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         assert parse_arithmetic(out["text"]) == len(out["text"]), out["text"]
     assert re.fullmatch(r"[0-9+\-()]*", out["text"]), out["text"]
