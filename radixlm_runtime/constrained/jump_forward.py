@@ -23,9 +23,11 @@ def plan_jump(
     encode: Callable[[str], list[int]],
     max_tokens: int,
 ) -> list[int] | None:
-    """The ids that replace `tail_ids` (already consumed by the guide) to take in the forced text, at
-    most `max_tokens` long; None when nothing is forced or the tail cannot be respelled (a partial
-    character, or a tokenizer adding text of its own). The guide is left unchanged."""
+    """The ids that replace `tail_ids` (already consumed by the guide) to take in the forced text;
+    None when nothing is forced, when they would be more than `max_tokens` (the budget left: decoding
+    then goes on token by token, and the budget's completion takes over), or when the tail cannot be
+    respelled (a partial character, or a tokenizer adding text of its own). The guide is left
+    unchanged."""
     forced = guide.jump_forward()
     if forced is None or max_tokens <= 0:
         return None
@@ -33,7 +35,9 @@ def plan_jump(
     if "\ufffd" in tail_text:
         return None
     target = tail_text + forced
-    ids = encode(target)[:max_tokens]
+    ids = encode(target)
+    if len(ids) > max_tokens:
+        return None  # cut by the budget, the forced text would end the output mid-way
     text = decode(ids)
     if len(text) <= len(tail_text) or not target.startswith(text) or "\ufffd" in text:
         return None

@@ -8,12 +8,15 @@ from typing import Any
 
 from radixlm_runtime.constrained.backend import make_backend
 from radixlm_runtime.constrained.compiler import GrammarCompiler
+from radixlm_runtime.constrained.completion import shortest_completion, single_byte_tokens
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.scheduler.req import Req
 
 # How long a step with nothing to run waits for a compile: long enough not to spin, short enough
 # that the server loop keeps reading new requests.
 COMPILE_POLL_S = 0.01
+# Steps the search for a request's shortest output may take at submission (about 30 µs each).
+MAX_COMPLETION_STEPS = 1024
 
 
 class ConstraintQueue:
@@ -21,6 +24,7 @@ class ConstraintQueue:
         # The backend indexes the vocabulary on the first constrained request, on a compile thread,
         # so unconstrained use pays nothing at start-up.
         self.compiler = GrammarCompiler(lambda: make_backend(backend, tokenizer, eos_ids, vocab_size))
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.compiling: list[tuple[Req, Future[Any]]] = []
 
@@ -54,9 +58,32 @@ class ConstraintQueue:
             if exc is not None:
                 message = str(constraint.error(str(exc)))
                 req.finished_reason = FinishReason.abort(message, param=constraint.kind)
+            else:
+                self._check_budget(req)
             done.append(req)
         self.compiling = pending
         return done
+
+    def _check_budget(self, req: Req) -> None:
+        """Refuses a max_new_tokens below the shortest output the constraint admits (as found by
+        `shortest_completion`, an upper bound; where its walk finds none, nothing is refused)."""
+        budget = req.sampling_params.max_new_tokens
+        assert req.guide is not None
+        if budget == 0:
+            return
+        tokens = single_byte_tokens(self.tokenizer)
+        limit = min(4 * budget + 256, MAX_COMPLETION_STEPS)
+        need = shortest_completion(req.guide, tokens, self._encode, self.vocab_size, limit)
+        if need is not None and len(need) > budget:
+            kind = req.sampling_params.constraint.kind  # type: ignore[union-attr]
+            req.finished_reason = FinishReason.abort(
+                f"max_new_tokens: {budget} is fewer than the {len(need)} tokens the shortest output of "
+                f"this {kind} takes",
+                param="max_new_tokens",
+            )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def wait(self) -> None:
         """Blocks briefly until some compile finishes (when nothing else can run)."""

@@ -173,8 +173,11 @@ class Scheduler:
         appended; finishes (and returns) those whose constraint failed or forced the whole output."""
         ended: list[Req] = []
         for req in self.constraints.collect():
+            kept = len(req.token_ids)
             if not req.finished and self.output.jump_forward(req, tail=0):
                 self.output.check_finish(req)
+            if not req.finished:
+                self.output.complete_within_budget(req, kept)
             if req.finished:
                 self._finish(req)
                 ended.append(req)
