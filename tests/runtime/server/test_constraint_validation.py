@@ -1,6 +1,7 @@
 """Constraint validation runs off the HTTP process's event loop, on a worker thread: while one
-request's regex / JSON schema / EBNF is being checked, the server keeps serving other requests. Runs the real HTTP app and scheduler process in this process's event loop (tiny
-model), with the validation held until the test releases it."""
+request's regex / JSON schema / EBNF is being checked, the server keeps serving other requests.
+Runs the real HTTP app and scheduler process in this process's event loop (tiny model), with the
+validation held until the test releases it."""
 
 from __future__ import annotations
 
