@@ -108,7 +108,8 @@ def _walk(
             if len(allowed) == 0:
                 return None
             pick = next((int(i) for i in allowed if not _repeats(text, spelled[i])), int(allowed[0]))
-            guide.advance(ids[pick])
+            if not guide.advance_tokens([ids[pick]]):
+                return None
             taken.append(ids[pick])
             text.append(spelled[pick])
         return taken, text.decode("utf-8", errors="replace")
