@@ -155,7 +155,7 @@ def test_constrained(constrained: dict[str, Any]) -> None:
             assert r["unconstrained_tok_s"] > 0 and r["constrained_tok_s"] > 0
     for mode in ("jump_forward_on", "jump_forward_off"):
         for text in decode[mode]["texts"]:
-            json.loads(text)  # greedy within 4x the token budget: complete documents
+            json.loads(text)  # valid under any budget: complete documents
     assert decode["jump_forward_on"]["forward_passes"] < decode["jump_forward_off"]["forward_passes"]
 
 
