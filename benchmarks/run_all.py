@@ -45,7 +45,7 @@ BENCHMARKS = [
     Bench("programs", "bench_programs.py", "Frontend language: program workloads"),
     Bench("program_prefix", "bench_program_prefix.py", "Frontend language: shared-prefix programs"),
     Bench("startup", "bench_startup.py", "Start-up"),
-    Bench("constrained_compile", "bench_constrained_compile.py", "Constrained decoding: index compile time"),
+    Bench("constrained", "bench_constrained.py", "Constrained decoding: grammar backends, masks, throughput"),
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),

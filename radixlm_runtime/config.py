@@ -10,6 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# Grammar engines of constrained decoding (radixlm_runtime/constrained/), the first the default.
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
+
 
 def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
@@ -96,10 +99,17 @@ class SchedulerConfig:
         10.0, "Seconds of waiting that raise a request's effective priority by one level."
     )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    grammar_backend: str = flag(
+        GRAMMAR_BACKENDS[0],
+        "Grammar engine of regex / json_schema / ebnf constraints: 'llguidance' (compiles lazily in "
+        "milliseconds, cheapest mask on CPU) or 'xgrammar' (precompiled masks; slower to compile "
+        "large schemas). See benchmarks/bench_constrained.py.",
+        GRAMMAR_BACKENDS,
+    )
     disable_jump_forward: bool = flag(
         False,
-        "Decode the text a regex / json_schema constraint forces (keys, punctuation, literals) token by "
-        "token instead of appending it without decode steps (for ablations). Requests that return "
+        "Decode the text a regex / json_schema / ebnf constraint forces (keys, punctuation, literals) "
+        "token by token instead of appending it without decode steps (for ablations). Requests that return "
         "logprobs never jump, so every output token has its logprob.",
     )
     new_token_ratio: float = flag(

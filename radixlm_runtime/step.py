@@ -38,7 +38,8 @@ class SampleSpec:
     banned_ids: list[int] = field(default_factory=list)  # blocked until min_new_tokens is reached
     # (prompt ids, output ids), given only when a penalty needs the history.
     history: tuple[list[int], list[int]] | None = None
-    # Bool array over the vocabulary (True = allowed) from a constraint; None = unconstrained.
+    # int32 [ceil(vocab / 32)] bitmask from a constraint (bit t % 32 of word t // 32 set = token t
+    # allowed); None = unconstrained.
     allowed: Any = None
     return_logprob: bool = False
     top_logprobs_num: int = 0

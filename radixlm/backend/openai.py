@@ -36,6 +36,7 @@ _EXTRA = {
     "stop_token_ids": ("stop_token_ids", None),
     "ignore_eos": ("ignore_eos", False),
     "regex": ("regex", None),
+    "ebnf": ("ebnf", None),
 }
 
 

@@ -44,17 +44,26 @@ def gen(
     choices_method: ChoicesMethod | None = None,
     regex: str | None = None,
     json_schema: str | dict[str, Any] | None = None,
+    ebnf: str | None = None,
 ) -> ir.Expr:
     """Generates text into variable `name`. With `choices`, it is a select."""
     if choices is not None:
-        if regex is not None or json_schema is not None or dtype is not None:
-            raise ValueError(f"gen({name!r}): choices cannot be combined with regex, json_schema or dtype")
+        if regex is not None or json_schema is not None or ebnf is not None or dtype is not None:
+            raise ValueError(
+                f"gen({name!r}): choices cannot be combined with regex, json_schema, ebnf or dtype"
+            )
         return select(name, choices, 0.0 if temperature is None else temperature, choices_method)
     constraints = [
-        k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype)) if v is not None
+        k
+        for k, v in (("regex", regex), ("json_schema", json_schema), ("ebnf", ebnf), ("dtype", dtype))
+        if v is not None
     ]
     if len(constraints) > 1:
-        raise ValueError(f"gen({name!r}): give at most one of regex, json_schema, dtype; got {constraints}")
+        raise ValueError(
+            f"gen({name!r}): give at most one of regex, json_schema, ebnf, dtype; got {constraints}"
+        )
+    if ebnf is not None and not isinstance(ebnf, str):
+        raise ValueError(f"gen({name!r}): ebnf must be a string, got {type(ebnf).__name__}")
     ir.check_regex(regex)
     if dtype is not None:
         ir.dtype_regex(dtype)
@@ -81,6 +90,7 @@ def gen(
             dtype=dtype,
             regex=regex,
             json_schema=json_schema,
+            ebnf=ebnf,
         ),
     )
 

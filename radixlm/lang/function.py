@@ -42,7 +42,7 @@ def _run_defaults(**options: Any) -> ir.GenParams:
 
 
 # Sampling options a run takes (constraints belong to individual gens).
-_RUN_OPTIONS = {f.name for f in dataclasses.fields(ir.GenParams)} - {"dtype", "regex", "json_schema"}
+_RUN_OPTIONS = {f.name for f in dataclasses.fields(ir.GenParams)} - {"dtype", "regex", "json_schema", "ebnf"}
 
 
 class Function:

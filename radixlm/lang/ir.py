@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm_runtime.constrained.json_schema import regex_for_dtype
+from radixlm_runtime.constrained.dtypes import regex_for_dtype
 
 # gen() parameter -> runtime sampling_params field.
 _GEN_TO_RUNTIME = {
@@ -26,6 +26,7 @@ _GEN_TO_RUNTIME = {
     "ignore_eos": "ignore_eos",
     "regex": "regex",
     "json_schema": "json_schema",
+    "ebnf": "ebnf",
 }
 
 
@@ -52,6 +53,7 @@ class GenParams:
     dtype: type | str | None = None
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None  # a GBNF grammar, `root ::= ...`
 
     def merged_over(self, base: GenParams) -> GenParams:
         """self's set fields over base's."""

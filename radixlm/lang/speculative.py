@@ -27,6 +27,7 @@ def eligible(params: ir.GenParams) -> bool:
     return (
         params.regex is None
         and params.json_schema is None
+        and params.ebnf is None
         and params.dtype is None
         and not params.return_logprob
     )

@@ -1,64 +1,55 @@
 """Jump-forward decoding: append the text a constraint forces without spending decode steps on it.
 
-Where the automaton admits a single character path (JSON keys and punctuation, fixed literals), that
-text is appended at once. It is tokenized together with the output tokens the caller may still
-rewrite (the scheduler passes the token sampled this step, which nobody has seen yet), so that merges
-across the boundary give the tokens the tokenizer itself would produce, e.g. a sampled `"` followed
-by the forced `,"age":` becomes `","` `age` `":` rather than `"` `,"` `age` `":`. The model then
-reads canonical tokens, as it did in training.
+Where the grammar admits a single byte path (JSON keys and punctuation, fixed literals), that text is
+appended at once. It is tokenized together with the output tokens the caller may still rewrite (the
+scheduler passes the token sampled this step, which nobody has seen yet), so that merges across the
+boundary give the tokens the tokenizer itself would produce, e.g. a sampled `"` followed by the
+forced `,"age":` becomes `","` `age` `":` rather than `"` `,"` `age` `":`. The model then reads
+canonical tokens, as it did in training. The guide follows by rolling back the rewritten tail and
+consuming the new tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from radixlm_runtime.constrained.grammar import RegexGuide
-
-
-@dataclass(frozen=True)
-class Jump:
-    """Replace the rewritable tail of the output by `ids`; the guide then consumes `text`."""
-
-    ids: list[int]
-    text: str  # the forced text `ids` add beyond the tail's own text
+from radixlm_runtime.constrained.backend import Guide
 
 
 def plan_jump(
-    guide: RegexGuide,
+    guide: Guide,
     tail_ids: Sequence[int],
-    texts: Sequence[str | None],
+    decode: Callable[[list[int]], str],
     encode: Callable[[str], list[int]],
     max_tokens: int,
-) -> Jump | None:
-    """The jump from the guide's state (which already includes `tail_ids`), at most `max_tokens` ids
-    long; None when nothing is forced, or when the forced text cannot be spelled as whole tokens of
-    `texts` (the vocabulary's per-token text) that land on a state decoding can go on from."""
+) -> list[int] | None:
+    """The ids that replace `tail_ids` (already consumed by the guide) to take in the forced text;
+    None when nothing is forced, when they would be more than `max_tokens` (the budget left: decoding
+    then goes on token by token, and the budget's completion takes over), or when the tail cannot be
+    respelled (a partial character, or a tokenizer adding text of its own). The guide is left
+    unchanged."""
     forced = guide.jump_forward()
-    tail_text = _spell(tail_ids, texts)
-    if forced is None or tail_text is None or max_tokens <= 0:
+    if forced is None or max_tokens <= 0:
+        return None
+    tail_text = decode(list(tail_ids))
+    if "\ufffd" in tail_text:
         return None
     target = tail_text + forced
-    ids = encode(target)[:max_tokens]
-    text = _spell(ids, texts)
-    # A tokenizer that adds text of its own (a leading space) or spells the forced text with special
-    # or partial-character tokens cannot be followed by the guide: decoding goes on token by token.
-    if text is None or len(text) <= len(tail_text) or not target.startswith(text):
+    ids = encode(target)
+    if len(ids) > max_tokens:
+        return None  # cut by the budget, the forced text would end the output mid-way
+    text = decode(ids)
+    if len(text) <= len(tail_text) or not target.startswith(text) or "\ufffd" in text:
         return None
-    added = text[len(tail_text) :]
-    index = guide.index
-    state = index.dfa.walk(guide.state, added)
-    if not (index.has_continuation(state) or index.is_accepting(state)):
-        return None  # a state no token leads on from (the vocabulary cannot spell the rest from here)
-    return Jump(ids, added)
+    return ids
 
 
-def _spell(ids: Sequence[int], texts: Sequence[str | None]) -> str | None:
-    """The text of `ids`; None when one of them has none of its own (special or partial UTF-8)."""
-    pieces: list[str] = []
-    for i in ids:
-        piece = texts[i] if 0 <= i < len(texts) else None
-        if piece is None:
-            return None
-        pieces.append(piece)
-    return "".join(pieces)
+def apply_jump(guide: Guide, tail_ids: list[int], ids: list[int]) -> bool:
+    """Moves the guide from after `tail_ids` to after `ids`; False (guide unchanged) when the
+    constraint does not accept `ids` token by token."""
+    guide.rollback(len(tail_ids))
+    if guide.advance_tokens(ids):
+        return True
+    if not guide.advance_tokens(tail_ids):
+        raise ValueError(f"the constraint no longer accepts its own output tail {tail_ids}")
+    return False

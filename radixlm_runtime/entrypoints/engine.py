@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm_runtime.constrained.compiler import validate_constraint
+from radixlm_runtime.constrained.backend import check_constraint
 from radixlm_runtime.entrypoints.runtime import build_scheduler
 from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.io.limits import RequestLimits
@@ -177,9 +177,10 @@ class Engine:
         messages: list[GenerateReq] = []
         for ids, raw, base_rid, lp, prio in zip(id_lists, params_list, rids, logprobs, priorities):
             sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size)
-            if sp.regex is not None or sp.json_schema is not None:
+            constraint = sp.constraint
+            if constraint is not None:
                 try:
-                    validate_constraint(sp.regex, sp.json_schema)
+                    check_constraint(self.server_args.scheduler.grammar_backend, constraint)
                 except ValueError as e:
                     raise ValueError(f"sampling_params.{e}") from None
             self.limits.check(ids, sp, lp.logprob_start_len)

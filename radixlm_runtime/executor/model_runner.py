@@ -20,7 +20,7 @@ from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.loader import load_weights
-from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_vocab_mask, make_generator
+from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask, make_generator
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils.logging import get_logger
 
@@ -204,7 +204,7 @@ class ModelRunner:
             self.device,
             banned_token_ids=banned if any(banned) else None,
         )
-        info.vocab_mask = build_vocab_mask([s.allowed for s in specs], self.config.vocab_size, self.device)
+        info.vocab_mask = build_token_bitmask([s.allowed for s in specs], self.config.vocab_size, self.device)
         return info
 
     def _generator(self, spec: SampleSpec) -> torch.Generator:

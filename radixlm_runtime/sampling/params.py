@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm_runtime.constrained.constraint import Constraint
+
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "seed"}
 # Every integer travels to the scheduler as msgpack, which holds 64 bits: larger values are refused
 # here, naming their field, instead of failing to serialize. Seeds may be any int64 or uint64 (the
@@ -48,6 +50,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     regex: str | None = None
     json_schema: str | None = None
+    ebnf: str | None = None  # a GBNF grammar (`root ::= ...`), as SGLang takes it
     n: int = 1
     seed: int | None = None
     # token id -> additive bias on its logit before sampling (OpenAI's and vLLM's logit_bias)
@@ -74,6 +77,7 @@ class SamplingParams:
                 "seed",
                 "regex",
                 "json_schema",
+                "ebnf",
                 "stop",
                 "stop_token_ids",
                 "logit_bias",
@@ -113,8 +117,10 @@ class SamplingParams:
             )
         if self.n < 1:
             raise ValueError(f"sampling_params.n must be >= 1, got {self.n}")
-        if self.regex is not None and self.json_schema is not None:
-            raise ValueError("sampling_params: regex and json_schema cannot both be set")
+        try:
+            Constraint.of(self.regex, self.json_schema, self.ebnf)
+        except ValueError as e:
+            raise ValueError(f"sampling_params: {e}") from None
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("sampling_params.stop must be a non-empty string or a list of non-empty strings")
         if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
@@ -148,6 +154,11 @@ class SamplingParams:
                 f"sampling_params.min_new_tokens={self.min_new_tokens} cannot be honoured: every token "
                 "of the vocabulary is a stop token (stop_token_ids / EOS)"
             )
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The output constraint (regex, json_schema or ebnf), None when unconstrained."""
+        return Constraint.of(self.regex, self.json_schema, self.ebnf)
 
     @property
     def is_greedy(self) -> bool:
@@ -193,7 +204,7 @@ def _coerce(key: str, value: Any) -> Any:
         raise ValueError(f"sampling_params.stop_token_ids must be a list of integers, got {value!r}")
     if key == "logit_bias":
         return _coerce_logit_bias(value)
-    if key in ("regex", "json_schema"):
+    if key in ("regex", "json_schema", "ebnf"):
         if value is None:
             return None
         if key == "json_schema" and isinstance(value, dict):

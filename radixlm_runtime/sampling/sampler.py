@@ -32,18 +32,49 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
-def build_vocab_mask(
+def build_token_bitmask(
     allowed: Sequence[np.ndarray | None], vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor | None:
-    """`SamplingBatchInfo.vocab_mask` for a batch from each row's allowed-token array (None:
-    unconstrained): [B, vocab_size] bool; None when no row is constrained."""
+    """`SamplingBatchInfo.vocab_mask` for a batch from each row's int32 bitmask (None: unconstrained,
+    all bits set): [B, ceil(vocab_size / 32)] int32; None when no row is constrained. A copy of
+    vocab/8 bytes per row goes to the device, where `apply_token_bitmask_` expands it."""
     if all(a is None for a in allowed):
         return None
-    rows = np.ones((len(allowed), vocab_size), dtype=np.bool_)
+    rows = np.full((len(allowed), (vocab_size + 31) // 32), -1, dtype=np.int32)
     for i, a in enumerate(allowed):
         if a is not None:
             rows[i] = a
     return torch.from_numpy(rows).to(device, non_blocking=True)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets the logits of tokens whose bit is clear to -inf, in place. On CPU the bits unpack with
+    numpy (one pass over vocab/8 bytes); elsewhere with shifts on the logits' own device, so no
+    host round trip."""
+    rows, vocab = logits.shape
+    expected = (rows, (vocab + 31) // 32)
+    if bitmask.shape != expected:
+        raise ValueError(f"vocab_mask: expected shape {expected}, got {tuple(bitmask.shape)}")
+    unpack = unpack_bits_numpy if logits.device.type == "cpu" else unpack_bits_shifts
+    logits.masked_fill_(~unpack(bitmask, vocab), _NEG_INF)
+
+
+def unpack_bits_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool from a CPU bitmask, in one numpy pass (little-endian words: byte k holds
+    tokens 8k..8k+7)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits).bool()
+
+
+def unpack_bits_shifts(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] bool from a bitmask on any device, with tensor ops only (no host round trip)."""
+    shifts = _BIT_SHIFTS.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(len(bitmask), -1)[:, :vocab]
 
 
 @dataclass
@@ -161,7 +192,8 @@ class SamplingBatchInfo:
     logit_bias: LogitBias | None
     generators: list[torch.Generator | None]
     vocab_size: int
-    vocab_mask: torch.Tensor | None = None  # [B, V] bool, True = allowed; set by constrained decoding
+    # [B, ceil(V / 32)] int32 bitmask (bit set = allowed); set by constrained decoding
+    vocab_mask: torch.Tensor | None = None
 
     @property
     def has_edits(self) -> bool:
@@ -320,10 +352,7 @@ def _allowed_logits(
     torch.nan_to_num_(raw, nan=_NEG_INF, posinf=_F32_MAX, neginf=_NEG_INF)
     x = raw.clone() if info.has_edits else raw
     if info.vocab_mask is not None:
-        if info.vocab_mask.shape != x.shape:
-            got = tuple(info.vocab_mask.shape)
-            raise ValueError(f"vocab_mask: expected shape {tuple(x.shape)}, got {got}")
-        x.masked_fill_(~info.vocab_mask, _NEG_INF)
+        apply_token_bitmask_(x, info.vocab_mask)
     if info.penalties is not None:
         apply_penalties(x, info.penalties)
     bias = info.logit_bias

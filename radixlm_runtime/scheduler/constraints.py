@@ -1,42 +1,37 @@
-"""Constrained requests wait here while their regex / JSON schema compiles in the background, so
-the step loop never waits for a compile while other requests can run."""
+"""Constrained requests wait here while their constraint compiles in the background, so the step
+loop never waits for a compile while other requests can run."""
 
 from __future__ import annotations
 
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from radixlm_runtime.constrained.compiler import ConstraintCompiler
-from radixlm_runtime.constrained.grammar import RegexGuide
-from radixlm_runtime.constrained.regex_fsm import TokenIndex, TokenVocab
+from radixlm_runtime.constrained.backend import make_backend
+from radixlm_runtime.constrained.compiler import GrammarCompiler
+from radixlm_runtime.constrained.completion import shortest_completion, single_byte_tokens
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.scheduler.req import Req
 
 # How long a step with nothing to run waits for a compile: long enough not to spin, short enough
 # that the server loop keeps reading new requests.
 COMPILE_POLL_S = 0.01
+# Steps the search for a request's shortest output may take at submission (about 30 µs each).
+MAX_COMPLETION_STEPS = 1024
 
 
 class ConstraintQueue:
-    def __init__(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Any, eos_ids: frozenset[int], vocab_size: int, backend: str) -> None:
+        # The backend indexes the vocabulary on the first constrained request, on a compile thread,
+        # so unconstrained use pays nothing at start-up.
+        self.compiler = GrammarCompiler(lambda: make_backend(backend, tokenizer, eos_ids, vocab_size))
         self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
-        # Built on the first constrained request, so unconstrained use pays nothing at start-up.
-        self._compiler: ConstraintCompiler | None = None
-        self.compiling: list[tuple[Req, Future[TokenIndex]]] = []
-
-    def compiler(self) -> ConstraintCompiler:
-        if self._compiler is None:
-            vocab = TokenVocab.from_tokenizer(self.tokenizer, eos_ids=sorted(self.eos_ids))
-            self._compiler = ConstraintCompiler(vocab)
-        return self._compiler
-
-    def vocab_texts(self) -> list[str]:
-        return self.compiler().vocab.texts
+        self.vocab_size = vocab_size
+        self.compiling: list[tuple[Req, Future[Any]]] = []
 
     def submit(self, req: Req) -> None:
-        sp = req.sampling_params
-        self.compiling.append((req, self.compiler().submit_constraint(sp.regex, sp.json_schema)))
+        constraint = req.sampling_params.constraint
+        assert constraint is not None, "only constrained requests wait for a compile"
+        self.compiling.append((req, self.compiler.submit(constraint)))
 
     def __len__(self) -> int:
         return len(self.compiling)
@@ -47,21 +42,48 @@ class ConstraintQueue:
         if not any(f.done() for _, f in self.compiling):
             return []
         done: list[Req] = []
-        pending: list[tuple[Req, Future[TokenIndex]]] = []
+        pending: list[tuple[Req, Future[Any]]] = []
         for req, future in self.compiling:
             if not future.done():
                 pending.append((req, future))
                 continue
             exc = future.exception()
+            constraint = req.sampling_params.constraint
+            assert constraint is not None
+            if exc is None:
+                req.guide = self.compiler.guide(future.result())
+                if not req.guide.allowed_mask(self.vocab_size).any():
+                    # Bytes the grammar needs first that no token of this vocabulary spells.
+                    exc = ValueError("no token sequence of this model's vocabulary can match it")
             if exc is not None:
-                field_name = "regex" if req.sampling_params.regex is not None else "json_schema"
-                message = str(exc) if str(exc).startswith(field_name) else f"{field_name}: {exc}"
-                req.finished_reason = FinishReason.abort(message, param=field_name)
+                message = str(constraint.error(str(exc)))
+                req.finished_reason = FinishReason.abort(message, param=constraint.kind)
             else:
-                req.guide = RegexGuide(future.result())
+                self._check_budget(req)
             done.append(req)
         self.compiling = pending
         return done
+
+    def _check_budget(self, req: Req) -> None:
+        """Refuses a max_new_tokens below the shortest output the constraint admits (as found by
+        `shortest_completion`, an upper bound; where its walk finds none, nothing is refused)."""
+        budget = req.sampling_params.max_new_tokens
+        assert req.guide is not None
+        if budget == 0:
+            return
+        tokens = single_byte_tokens(self.tokenizer)
+        limit = min(4 * budget + 256, MAX_COMPLETION_STEPS)
+        need = shortest_completion(req.guide, tokens, self._encode, self.vocab_size, limit)
+        if need is not None and len(need) > budget:
+            kind = req.sampling_params.constraint.kind  # type: ignore[union-attr]
+            req.finished_reason = FinishReason.abort(
+                f"max_new_tokens: {budget} is fewer than the {len(need)} tokens the shortest output of "
+                f"this {kind} takes",
+                param="max_new_tokens",
+            )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def wait(self) -> None:
         """Blocks briefly until some compile finishes (when nothing else can run)."""

@@ -5,17 +5,23 @@ entry points."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from radixlm_runtime.config import SchedulerConfig
-from radixlm_runtime.constrained.jump_forward import plan_jump
+from radixlm_runtime.constrained.completion import shortest_completion, single_byte_tokens
+from radixlm_runtime.constrained.jump_forward import apply_jump, plan_jump
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.messages import ReqOutput
 from radixlm_runtime.scheduler.admission import ScheduledItem
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.step import ForwardItem, ItemResult
+
+# Remaining tokens from which a constrained request checks whether its budget still fits the shortest
+# completion of its output, and how many tokens early it completes (one sampled token may lengthen
+# the completion it needs).
+BUDGET_HORIZON = 64
+BUDGET_MARGIN = 4
 
 
 class OutputProcessor:
@@ -26,15 +32,12 @@ class OutputProcessor:
         eos_ids: frozenset[int],
         context_len: int,
         stats: SchedulerStats,
-        vocab_texts: Callable[[], list[str]],
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.context_len = context_len
         self.stats = stats
-        # The vocabulary's token texts, built on the first constrained request only.
-        self._vocab_texts = vocab_texts
 
     def apply(
         self, items: list[ScheduledItem], planned: list[ForwardItem], results: list[ItemResult]
@@ -60,6 +63,7 @@ class OutputProcessor:
     def _append_sampled(self, req: Req, res: ItemResult, now: float) -> None:
         tok = res.next_token
         assert tok is not None
+        kept = len(req.token_ids)
         req.token_ids.append(tok)
         if req.guide is not None:
             try:
@@ -80,6 +84,8 @@ class OutputProcessor:
             self.check_finish(req)
         if not req.finished and self.jump_forward(req, tail=1):
             self.check_finish(req)
+        if req.finished_reason is None or req.finished_reason.kind == "length":
+            self.complete_within_budget(req, kept)
 
     # -- jump-forward -------------------------------------------------------------------------
     def jump_forward(self, req: Req, tail: int) -> bool:
@@ -95,21 +101,71 @@ class OutputProcessor:
         kept = len(req.token_ids) - tail
         out_kept = kept - req.prompt_len
         room = min(req.sampling_params.max_new_tokens, self.context_len - req.prompt_len) - out_kept
-        jump = plan_jump(
+        tail_ids = req.token_ids[kept:]
+        ids = plan_jump(
             req.guide,
-            req.token_ids[kept:],
-            self._vocab_texts(),
+            tail_ids,
+            self.tokenizer.decode,
             lambda text: self.tokenizer.encode(text, add_special_tokens=False),
             min(room, self.config.chunked_prefill_size),
         )
-        if jump is None or self._crosses_stop(req, kept, jump.ids):
+        if ids is None or self._crosses_stop(req, kept, ids) or not apply_jump(req.guide, tail_ids, ids):
             return False
         del req.token_ids[kept:]
-        req.token_ids.extend(jump.ids)
-        req.guide.advance_text(jump.text)
+        req.token_ids.extend(ids)
         self.stats.jump_forwards += 1
-        self.stats.jump_forward_tokens += len(jump.ids) - tail
+        self.stats.jump_forward_tokens += len(ids) - tail
         return True
+
+    # -- valid under any budget ---------------------------------------------------------------
+    def complete_within_budget(self, req: Req, kept: int) -> None:
+        """When a constrained request's remaining budget comes down to the shortest completion of its
+        output (within a margin), appends that completion and ends the request (finish_reason
+        length): an output the budget cuts short still parses. Where this step's tokens (from
+        `kept` on: the token just sampled and what jump-forward added, not yet computed nor
+        reported) made the completion outgrow the budget, they are dropped and the output is
+        completed from before them. Requests returning logprobs are left alone (forced tokens have
+        none)."""
+        if req.guide is None or req.return_logprob:
+            return
+        sp = req.sampling_params
+        end = req.prompt_len + min(sp.max_new_tokens, self.context_len - req.prompt_len)
+        if end - len(req.token_ids) > BUDGET_HORIZON or req.guide.is_accepting():
+            return
+        need = self._shortest(req, end)
+        dropped: list[int] = []
+        too_long = need is None or len(need) > end - len(req.token_ids)  # None: not within 4x the budget
+        if too_long and len(req.token_ids) > kept:
+            dropped = req.token_ids[kept:]
+            req.guide.rollback(len(dropped))
+            del req.token_ids[kept:]
+            need = self._shortest(req, end)
+        left = end - len(req.token_ids)
+        # Without dropped tokens, complete only once the budget is within the margin of the need;
+        # with them, now (their continuation no longer fits).
+        if need is None or len(need) > left or (not dropped and len(need) + BUDGET_MARGIN < left):
+            if dropped:  # nothing better from before them: decoding goes on with them
+                self._force(req, dropped)
+            return
+        self._force(req, need)
+        self.stats.budget_completions += 1
+        req.finished_reason = FinishReason.by_length(req.output_len)
+
+    def _force(self, req: Req, ids: list[int]) -> None:
+        assert req.guide is not None
+        if not req.guide.advance_tokens(ids):
+            raise ValueError(f"the constraint refused its own completion {ids}")
+        req.token_ids.extend(ids)
+
+    def _shortest(self, req: Req, end: int) -> list[int] | None:
+        """The shortest completion found of req's output, searched up to the budget's end."""
+        assert req.guide is not None
+        left = end - len(req.token_ids)
+        tokens = single_byte_tokens(self.tokenizer)
+        return shortest_completion(req.guide, tokens, self._encode, len(self.tokenizer), 4 * left + 16)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _crosses_stop(self, req: Req, kept: int, ids: list[int]) -> bool:
         """Whether appending ids after token_ids[:kept] would complete a stop token or string, which

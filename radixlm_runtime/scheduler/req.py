@@ -6,7 +6,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from radixlm_runtime.constrained.grammar import RegexGuide
+from radixlm_runtime.constrained.backend import Guide
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.messages import GenerateReq
 from radixlm_runtime.kvcache.radix_cache import TreeNode
@@ -34,9 +34,9 @@ class Req:
     finished_reason: FinishReason | None = None
     # Prompt tokens served from the radix cache at first admission (what users are billed as cached).
     cached_tokens: int = -1
-    # Constrained decoding state (regex / json_schema); its state follows the output, so it survives
-    # retraction unchanged.
-    guide: RegexGuide | None = None
+    # Constrained decoding state (regex / json_schema / ebnf); its state follows the output, so it
+    # survives retraction unchanged.
+    guide: Guide | None = None
 
     # KV state while the request holds resources.
     req_pool_idx: int | None = None
@@ -108,7 +108,7 @@ class Req:
 
     @property
     def is_constrained(self) -> bool:
-        return self.sampling_params.regex is not None or self.sampling_params.json_schema is not None
+        return self.sampling_params.constraint is not None
 
     @property
     def finished(self) -> bool:

@@ -49,10 +49,10 @@ class Scheduler:
             config.session_pin_fraction,
         )
         self.admission = Admission(config, self.cache, self.runner_info.max_reqs, self.stats)
-        self.constraints = ConstraintQueue(tokenizer, eos_ids)
-        self.output = OutputProcessor(
-            config, tokenizer, eos_ids, self.runner_info.context_len, self.stats, self.constraints.vocab_texts
+        self.constraints = ConstraintQueue(
+            tokenizer, eos_ids, self.runner_info.vocab_size, config.grammar_backend
         )
+        self.output = OutputProcessor(config, tokenizer, eos_ids, self.runner_info.context_len, self.stats)
         self._uids = itertools.count()
         self._seeds = itertools.count()
         self._aborts: set[str] = set()
@@ -173,8 +173,11 @@ class Scheduler:
         appended; finishes (and returns) those whose constraint failed or forced the whole output."""
         ended: list[Req] = []
         for req in self.constraints.collect():
+            kept = len(req.token_ids)
             if not req.finished and self.output.jump_forward(req, tail=0):
                 self.output.check_finish(req)
+            if not req.finished:
+                self.output.complete_within_budget(req, kept)
             if req.finished:
                 self._finish(req)
                 ended.append(req)

@@ -18,3 +18,5 @@ class SchedulerStats:
     # Jump-forward: jumps made, and output tokens they added without a decode step.
     jump_forwards: int = 0
     jump_forward_tokens: int = 0
+    # Constrained requests whose budget ran out, completed with the shortest valid completion.
+    budget_completions: int = 0

@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from radixlm_runtime.constrained.constraint import Constraint
 from radixlm_runtime.io.inputs import check_priority
 from radixlm_runtime.io.outputs import json_logprob
 from radixlm_runtime.server import http_utils as hu
@@ -50,7 +51,8 @@ _PASSTHROUGH = {
     "no_stop_trim": "no_stop_trim",
     "stop_token_ids": "stop_token_ids",
     "logit_bias": "logit_bias",
-    "regex": "regex",  # SGLang's extension
+    "regex": "regex",  # SGLang's extensions
+    "ebnf": "ebnf",
 }
 # response_format {"type": "json_object"}: any JSON object, as a schema for the json_schema constraint.
 JSON_OBJECT_SCHEMA = json.dumps({"type": "object"})
@@ -92,6 +94,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True):
     no_stop_trim: bool | None = None
     stop_token_ids: list[int] | None = None
     regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -475,7 +478,7 @@ async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | No
             "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
         )
     schema = json.dumps(spec["schema"])
-    await tm.check_constraints(None, schema, prefix="response_format.")
+    await tm.check_constraint(Constraint("json_schema", schema), prefix="response_format.")
     return schema
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixlm_runtime.constrained.constraint import Constraint
 from radixlm_runtime.io import messages as msg
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
@@ -122,7 +123,7 @@ class TokenizerManager:
         self.dead = False
         # When the scheduler last showed progress (a step's outputs, or work sent to an idle loop).
         self.last_progress = time.monotonic()
-        self.constraints = ConstraintChecker()
+        self.constraints = ConstraintChecker(server_args.scheduler.grammar_backend)
         self._calls: dict[int, asyncio.Future[msg.CallResult]] = {}
         self._call_ids = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="radixlm-")
@@ -273,7 +274,7 @@ class TokenizerManager:
         except ValueError as e:
             raise RequestError.from_value_error(e) from None
         self._check_server_bounds(sp)
-        await self.check_constraints(sp.regex, sp.json_schema)
+        await self.check_constraint(sp.constraint)
         return sp
 
     def _check_server_bounds(self, sp: SamplingParams) -> None:
@@ -306,18 +307,15 @@ class TokenizerManager:
         if not 0 <= num <= bound:
             raise RequestError(f"{param} must be in [0, {bound}] (--max-logprobs), got {num}", param=param)
 
-    async def check_constraints(
-        self, regex: str | None, json_schema: str | None, prefix: str = "sampling_params."
-    ) -> None:
-        """Refuses (400, naming the field) a regex / JSON schema the engine could not compile, with
-        the engine's own check, before the request reaches the scheduler."""
-        if regex is None and json_schema is None:
+    async def check_constraint(self, constraint: Constraint | None, prefix: str = "sampling_params.") -> None:
+        """Refuses (400, naming the field) a regex / JSON schema / EBNF the engine could not
+        compile, with the engine's own check, before the request reaches the scheduler."""
+        if constraint is None:
             return
         try:
-            await self.constraints.check(regex, json_schema)
+            await self.constraints.check(constraint)
         except ValueError as e:
-            field_name = "regex" if regex is not None else "json_schema"
-            raise RequestError(f"{prefix}{e}", param=field_name) from None
+            raise RequestError(f"{prefix}{e}", param=constraint.kind) from None
 
     def check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int, param: str) -> None:
         """The engine's own limits, so the server refuses exactly what the engine refuses."""

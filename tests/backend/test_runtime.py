@@ -171,6 +171,26 @@ def test_openai_backend_json_schema(openai_backend: sgl.OpenAI) -> None:
     assert isinstance(json.loads(person.run(backend=openai_backend, temperature=0)["p"])["name"], str)
 
 
+ANSWER_GRAMMAR = 'root ::= "The answer is " ("yes" | "no") "."'
+
+
+def test_ebnf_gen_through_both_backends(backend: sgl.RuntimeEndpoint, openai_backend: sgl.OpenAI) -> None:
+    """gen(ebnf=...) as SGLang's language takes it: over /generate and as /v1's ebnf extra field."""
+
+    @sgl.function
+    def completion(s):
+        s += "Is Paris in France? " + sgl.gen("a", max_tokens=16, ebnf=ANSWER_GRAMMAR)
+
+    @sgl.function
+    def chat(s):
+        s += sgl.user("Is Paris in France?")
+        s += sgl.assistant(sgl.gen("a", max_tokens=16, ebnf=ANSWER_GRAMMAR))
+
+    for program, be in ((completion, backend), (chat, openai_backend)):
+        answer = program.run(backend=be, temperature=0)["a"]
+        assert re.fullmatch(r"The answer is (yes|no)\.", answer), answer
+
+
 def test_openai_backend_unreachable_names_the_url() -> None:
     be = sgl.OpenAI("m", base_url="http://127.0.0.1:9/v1", api_key="x")
 

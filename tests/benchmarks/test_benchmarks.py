@@ -76,8 +76,8 @@ def programs(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def constrained_compile(out_dir: Path) -> dict[str, Any]:
-    return run_tiny("bench_constrained_compile.py", out_dir, "constrained_compile")
+def constrained(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_constrained.py", out_dir, "constrained")
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +135,28 @@ def test_startup(startup: dict[str, Any]) -> None:
     assert all(t > 0 for t in startup["times_s"])
 
 
-def test_constrained_compile(constrained_compile: dict[str, Any]) -> None:
-    assert constrained_compile["vocab_size"] > 1000
-    assert constrained_compile["dfa_states"] > 1 and constrained_compile["index_edges"] > 0
-    assert all(t >= 0 for t in constrained_compile["seconds"].values())
+def test_constrained(constrained: dict[str, Any]) -> None:
+    assert constrained["vocab_size"] > 1000
+    assert set(constrained["compile"]) == {"llguidance", "xgrammar"}
+    for backend in constrained["compile"].values():
+        assert set(backend["cases"]) == {
+            "six_field_schema",
+            "pydantic_ref_anyof",
+            "ipv4_regex",
+            "ebnf_arithmetic",
+        }
+        assert all(
+            c["cold_s"] > 0 and c["warm_s"] >= 0 and c["mask_us"] > 0 for c in backend["cases"].values()
+        )
+    decode = constrained["decode"]
+    for backend in ("llguidance", "xgrammar"):
+        for batch in (1, 4):
+            r = decode[f"{backend}_batch{batch}"]
+            assert r["unconstrained_tok_s"] > 0 and r["constrained_tok_s"] > 0
+    for mode in ("jump_forward_on", "jump_forward_off"):
+        for text in decode[mode]["texts"]:
+            json.loads(text)  # valid under any budget: complete documents
+    assert decode["jump_forward_on"]["forward_passes"] < decode["jump_forward_off"]["forward_passes"]
 
 
 def test_jump_forward(jump_forward: dict[str, Any]) -> None:
@@ -171,7 +189,7 @@ def test_run_all_renders_readme(
     fewshot: dict[str, Any],
     serving: dict[str, Any],
     startup: dict[str, Any],
-    constrained_compile: dict[str, Any],
+    constrained: dict[str, Any],
 ) -> None:
     """Rewrites the sections between markers, appends a missing one, keeps the prose, copies figures."""
     original = (BENCH / "README.md").read_text()
@@ -196,7 +214,7 @@ def test_run_all_renders_readme(
     )
     text = readme.read_text()
     assert text.startswith(original[: original.index("<!-- results:")])
-    for result in (fewshot, serving, startup, constrained_compile):
+    for result in (fewshot, serving, startup, constrained):
         name = result["name"]
         section = text[text.index(f"<!-- results:{name} -->") : text.index(f"<!-- /results:{name} -->")]
         assert "| " + " | ".join(result["tables"][0]["headers"]) + " |" in section

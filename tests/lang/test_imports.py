@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from radixlm_runtime.constrained.json_schema import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from radixlm_runtime.constrained.dtypes import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 
 # Runs in a fresh interpreter so modules the test session already loaded do not hide a heavy import.
 PROGRAM = textwrap.dedent(
@@ -57,7 +57,7 @@ PROGRAM = textwrap.dedent(
         connection_error = None
     except sgl.BackendConnectionError as e:
         connection_error = str(e)
-    heavy = ["torch", "transformers", "radixlm_runtime.constrained.grammar"]
+    heavy = ["torch", "transformers", "llguidance", "radixlm_runtime.constrained.backend"]
     print(json.dumps({
         "trace": [type(n).__name__ for n in graph.nodes],
         "truncated": graph.truncated,

@@ -37,6 +37,11 @@ def test_gen_with_choices_is_a_select() -> None:
     assert isinstance(expr, ir.Select) and expr.choices == ["yes", "no"] and expr.temperature == 0.0
 
 
+def test_ebnf_goes_to_the_runtime_as_is() -> None:
+    grammar = 'root ::= "a" | "b"'
+    assert sgl.gen("e", ebnf=grammar).params.to_runtime()["ebnf"] == grammar
+
+
 def test_json_schema_dict_is_serialized() -> None:
     expr = sgl.gen("j", json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
     assert expr.params.to_runtime()["json_schema"].startswith('{"type": "object"')
@@ -52,7 +57,9 @@ def test_json_schema_dict_is_serialized() -> None:
         (lambda: sgl.select("pick", choices=["a"], temperature=-1), "temperature must be >= 0"),
         (lambda: sgl.gen("g", choices=["a"], regex="a"), "choices cannot be combined with regex"),
         (lambda: sgl.gen("g", regex="[a-", max_tokens=3), "gen: invalid regex"),
-        (lambda: sgl.gen("g", regex="a", json_schema="{}"), "at most one of regex, json_schema, dtype"),
+        (lambda: sgl.gen("g", regex="a", json_schema="{}"), "at most one of regex, json_schema, ebnf, dtype"),
+        (lambda: sgl.gen("g", ebnf="root ::= x", dtype=int), r"got \['ebnf', 'dtype'\]"),
+        (lambda: sgl.gen("g", choices=["a"], ebnf="root ::= x"), "choices cannot be combined"),
         (lambda: sgl.gen("g", dtype=list), "dtype must be one of int, float, str, bool"),
         (lambda: sgl.image("cat.png"), "image inputs are not supported by this model"),
         (lambda: sgl.function(num_api_spec_tokens=0), "num_api_spec_tokens must be a positive int"),

@@ -1,4 +1,5 @@
-"""Fixtures for constrained decoding: the tiny test vocabulary and the real SmolLM2 one."""
+"""Fixtures for constrained decoding: the tiny test tokenizer, the real SmolLM2 one, and each grammar
+backend bound to the latter."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from radixlm_runtime.constrained.regex_fsm import TokenVocab
+from radixlm_runtime.config import GRAMMAR_BACKENDS
+from radixlm_runtime.constrained.backend import GrammarBackend, make_backend
 from radixlm_runtime.io.tokenizer import load_tokenizer
+
+SMOL_VOCAB = 49152
 
 
 @pytest.fixture(scope="session")
@@ -17,15 +21,15 @@ def tiny_tokenizer(tiny_llama_dir: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tiny_vocab(tiny_tokenizer: Any) -> TokenVocab:
-    return TokenVocab.from_tokenizer(tiny_tokenizer)
-
-
-@pytest.fixture(scope="session")
 def smol_tokenizer(default_model_dir: Path) -> Any:
     return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="session")
-def smol_vocab(smol_tokenizer: Any) -> TokenVocab:
-    return TokenVocab.from_tokenizer(smol_tokenizer)
+def smol_eos(smol_tokenizer: Any) -> int:
+    return int(smol_tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="session", params=GRAMMAR_BACKENDS)
+def backend(request: pytest.FixtureRequest, smol_tokenizer: Any, smol_eos: int) -> GrammarBackend:
+    return make_backend(request.param, smol_tokenizer, frozenset({smol_eos}), SMOL_VOCAB)

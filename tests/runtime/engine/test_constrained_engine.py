@@ -88,7 +88,9 @@ def test_constraint_survives_retraction(tiny_llama_dir: Path) -> None:
         ({"json_schema": '{"type": 12}'}, "json_schema"),
         ({"json_schema": '{"type": "string", "minLength": "x"}'}, "json_schema"),
         ({"json_schema": "false"}, "json_schema"),
-        ({"regex": "a", "json_schema": "{}"}, "regex and json_schema"),
+        ({"regex": "a", "json_schema": "{}"}, "only one of regex, json_schema and ebnf"),
+        ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ({"json_schema": '{"type": "string", "format": "iri"}'}, "json_schema: unsupported format"),
     ],
 )
 def test_bad_constraint_raises_before_running(engine: rt.Engine, params: dict, field: str) -> None:
@@ -99,24 +101,59 @@ def test_bad_constraint_raises_before_running(engine: rt.Engine, params: dict, f
     assert not engine.scheduler.has_work()
 
 
-def test_constraint_the_vocabulary_cannot_spell_is_aborted(engine: rt.Engine) -> None:
-    """The tiny vocabulary has no token for this character: only the token-level compile can tell,
-    so the request finishes with an abort naming the field while its batch-mate completes."""
-    outs = engine.generate(
-        [PROMPT, PROMPT], [{"regex": "\u4e2d+", "max_new_tokens": 4}, {"max_new_tokens": 4}]
+def test_multibyte_characters_split_across_tokens_match(engine: rt.Engine) -> None:
+    """Matching is byte-level: the tiny vocabulary spells this character only in byte tokens, and a
+    regex over it is followed exactly."""
+    out = engine.generate(PROMPT, {"regex": "\u4e2d{1,2}!", "max_new_tokens": 16, "temperature": 0})
+    assert re.fullmatch("\u4e2d{1,2}!", out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"'
+
+
+def parse_arithmetic(text: str) -> int:
+    """Characters of `text` that ARITHMETIC parses as a prefix (recursive descent); len(text) = all."""
+
+    def expr(i: int) -> int:
+        i = term(i)
+        while i < len(text) and text[i] in "+-":
+            i = term(i + 1)
+        return i
+
+    def term(i: int) -> int:
+        if i < len(text) and text[i] == "(":
+            i = expr(i + 1)
+            if i >= len(text) or text[i] != ")":
+                raise ValueError(f"')' expected at {i} in {text!r}")
+            return i + 1
+        j = i
+        while j < len(text) and text[j].isdigit():
+            j += 1
+        if j == i:
+            raise ValueError(f"a number expected at {i} in {text!r}")
+        return j
+
+    return expr(0)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ebnf_output_parses(engine: rt.Engine, seed: int) -> None:
+    out = engine.generate(
+        PROMPT, {"ebnf": ARITHMETIC, "temperature": 1.0, "max_new_tokens": 30, "seed": seed}
     )
-    reason = outs[0]["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["message"].startswith("regex"), reason
-    assert outs[1]["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+    if out["meta_info"]["finish_reason"]["type"] == "stop":
+        assert parse_arithmetic(out["text"]) == len(out["text"]), out["text"]
+    assert re.fullmatch(r"[0-9+\-()]*", out["text"]), out["text"]
 
 
 def test_guide_out_of_step_fails_only_its_request(engine: rt.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixlm_runtime.constrained.grammar import RegexGuide
+    from radixlm_runtime.constrained.llguidance_backend import LLGuidanceGuide
 
-    def broken(self: RegexGuide, token_id: int) -> None:
+    def broken(self: LLGuidanceGuide, token_id: int) -> None:
         raise ValueError(f"token {token_id} is not allowed")
 
-    monkeypatch.setattr(RegexGuide, "advance", broken)
+    monkeypatch.setattr(LLGuidanceGuide, "advance", broken)
     outs = engine.generate(
         ["abc", "abc"], [{"regex": "(yes|no)", "temperature": 0}, {"temperature": 0, "max_new_tokens": 4}]
     )

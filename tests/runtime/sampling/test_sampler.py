@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,7 +16,11 @@ from radixlm_runtime.sampling.sampler import (
     Sampler,
     SamplingBatchInfo,
     apply_penalties,
+    apply_token_bitmask_,
+    build_token_bitmask,
     make_generator,
+    unpack_bits_numpy,
+    unpack_bits_shifts,
 )
 
 
@@ -215,7 +220,7 @@ def test_extreme_uniforms_never_pick_masked_edge_tokens(
     monkeypatch.setattr(Sampler, "_uniforms", lambda self, info: torch.full((len(info.sampled_rows),), u))
     logits = torch.tensor([[5.0, 1.0, 2.0, 3.0, 0.5, 9.0]])
     info = build([params], 6)
-    info.vocab_mask = torch.tensor([[False, True, True, True, True, False]])
+    info.vocab_mask = bitmask_of(torch.tensor([[False, True, True, True, True, False]]))
     token = int(Sampler()(logits, info).next_token_ids)
     assert token in (1, 2, 3, 4)
 
@@ -360,6 +365,37 @@ def test_top_logprobs_without_return_logprob() -> None:
 # --- masks and robustness -------------------------------------------------------------------------
 
 
+def bitmask_of(mask: torch.Tensor) -> torch.Tensor:
+    """The int32 token bitmask (bit t % 32 of word t // 32) of a [B, V] bool mask."""
+    rows, vocab = mask.shape
+    padded = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.bool)
+    padded[:, :vocab] = mask
+    packed = np.packbits(padded.numpy(), axis=1, bitorder="little")
+    return torch.from_numpy(packed.view(np.int32).copy())
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 49152])
+def test_bitmask_unpacks_the_same_on_both_paths(vocab: int) -> None:
+    mask = torch.rand(3, vocab, generator=torch.Generator().manual_seed(vocab)) < 0.5
+    bits = bitmask_of(mask)
+    assert torch.equal(unpack_bits_numpy(bits, vocab), mask)
+    assert torch.equal(unpack_bits_shifts(bits, vocab), mask)
+
+
+def test_build_token_bitmask_leaves_unconstrained_rows_open() -> None:
+    assert build_token_bitmask([None, None], 40) is None
+    only_3 = np.zeros(2, dtype=np.int32)
+    only_3[0] = 1 << 3
+    bits = build_token_bitmask([None, only_3], 40)
+    assert bits is not None and bits.dtype == torch.int32 and bits.shape == (2, 2)
+    logits = torch.zeros(2, 40)
+    apply_token_bitmask_(logits, bits)
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3]
+    with pytest.raises(ValueError, match="vocab_mask: expected shape"):
+        apply_token_bitmask_(torch.zeros(2, 80), bits)
+
+
 def test_vocab_mask_is_respected_greedy_and_sampled() -> None:
     vocab = 100
     logits = random_logits(200, vocab, seed=17)
@@ -367,7 +403,7 @@ def test_vocab_mask_is_respected_greedy_and_sampled() -> None:
     mask[:, 0] = True  # never empty
     params = [sp(temperature=0.0) if i < 100 else sp(temperature=1.5) for i in range(200)]
     info = build(params, vocab, seeded=False)
-    info.vocab_mask = mask
+    info.vocab_mask = bitmask_of(mask)
     ids = Sampler(seed=0)(logits, info).next_token_ids
     assert bool(mask.gather(1, ids[:, None]).all())
     assert torch.equal(ids[:100], logits[:100].masked_fill(~mask[:100], -math.inf).argmax(-1))
@@ -387,7 +423,7 @@ def test_banned_ids_are_respected() -> None:
 def test_ban_is_lifted_only_where_it_would_leave_nothing() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
     info = build([sp(temperature=0.0)] * 2, 3, banned=[[2], [2]])
-    info.vocab_mask = torch.tensor([[False, True, True], [False, False, True]])
+    info.vocab_mask = bitmask_of(torch.tensor([[False, True, True], [False, False, True]]))
     assert Sampler()(logits, info).next_token_ids.tolist() == [1, 2]
 
 
@@ -426,8 +462,9 @@ def test_logit_bias_forces_and_bans_tokens_and_never_unmasks() -> None:
         ids = sampler(logits.clone(), build(params, vocab, seeded=False)).next_token_ids.tolist()
         assert ids[0] == forced and ids[1] != best
     info = build([sp(temperature=0.0, logit_bias={forced: 100})], vocab)
-    info.vocab_mask = torch.ones(1, vocab, dtype=torch.bool)
-    info.vocab_mask[0, forced] = False
+    mask = torch.ones(1, vocab, dtype=torch.bool)
+    mask[0, forced] = False
+    info.vocab_mask = bitmask_of(mask)
     assert int(Sampler()(logits[:1].clone(), info).next_token_ids[0]) != forced
 
 
@@ -442,7 +479,7 @@ def test_logit_bias_leaves_reported_logprobs_raw() -> None:
 
 def test_empty_vocab_mask_row_is_an_error() -> None:
     info = build([sp()], 4)
-    info.vocab_mask = torch.zeros(1, 4, dtype=torch.bool)
+    info.vocab_mask = bitmask_of(torch.zeros(1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="vocab_mask"):
         Sampler()(torch.zeros(1, 4), info)
 
@@ -457,7 +494,7 @@ def test_tiny_temperature_is_finite_and_respects_mask(temperature: float) -> Non
         sp(temperature=temperature, top_p=0.9 if i % 2 else 1.0, min_p=0.1 * (i % 3)) for i in range(32)
     ]
     info = build(params, vocab, seeded=False)
-    info.vocab_mask = mask
+    info.vocab_mask = bitmask_of(mask)
     out = Sampler(seed=0)(logits, info, return_logprob=True)
     assert torch.equal(out.next_token_ids, logits.masked_fill(~mask, -math.inf).argmax(-1))
     assert bool(torch.isfinite(out.logprobs).all())
@@ -522,7 +559,7 @@ def test_any_params_give_allowed_in_vocab_tokens(data: st.DataObject, batch: int
     ] = True
     history = [([0, 1], [1, vocab - 1])] * batch
     info = build(params, vocab, history, banned=[[0]] * batch)
-    info.vocab_mask = mask
+    info.vocab_mask = bitmask_of(mask)
     ids = Sampler(seed=seed)(logits, info).next_token_ids
     assert ids.shape == (batch,)
     assert bool(((ids >= 0) & (ids < vocab)).all())
@@ -534,7 +571,8 @@ def test_any_params_give_allowed_in_vocab_tokens(data: st.DataObject, batch: int
 
 def _reference_masked(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Masked, penalised logits the greedy rows must take the argmax of (ban lifted on empty rows)."""
-    x = logits.masked_fill(~info.vocab_mask, -math.inf)
+    assert info.vocab_mask is not None
+    x = logits.masked_fill(~unpack_bits_shifts(info.vocab_mask, logits.shape[1]), -math.inf)
     if info.penalties is not None:
         apply_penalties(x, info.penalties)
     banned = x.clone()

@@ -141,11 +141,15 @@ LITERAL = "the theater then an answer"
 
 
 def test_forced_tokens_count_against_max_new_tokens(on: tuple[rt.Engine, list[dict]]) -> None:
+    """A budget below the forced text is refused up front; one that holds it exactly is spent on it."""
     engine = on[0]
-    out = engine.generate("abc", {"regex": f"[xy]{LITERAL}", "temperature": 0, "max_new_tokens": 6})
-    assert len(out["output_ids"]) == 6
-    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-    assert re.fullmatch(f"[xy]{LITERAL}", out["text"] + LITERAL[len(out["text"]) - 1 :])
+    params = {"regex": f"[xy]{LITERAL}", "temperature": 0}
+    need = len(engine.tokenizer.encode("x" + LITERAL, add_special_tokens=False))
+    short = engine.generate("abc", params | {"max_new_tokens": 6})
+    assert short["meta_info"]["finish_reason"]["type"] == "abort" and short["output_ids"] == []
+    assert short["meta_info"]["finish_reason"]["message"].startswith("max_new_tokens: 6 is fewer than")
+    out = engine.generate("abc", params | {"max_new_tokens": need + 1})
+    assert re.fullmatch(f"[xy]{LITERAL}", out["text"]) and len(out["output_ids"]) <= need + 1
     assert_no_leak(engine)
 
 

@@ -41,7 +41,21 @@ CASES = [
     ("unsatisfiable json schema", "/generate", sp(json_schema="false"), 400, "json_schema"),
     ("invalid json schema json", "/generate", sp(json_schema="{not json"), 400, "json_schema"),
     ("invalid json schema", "/generate", sp(json_schema='{"type": 12}'), 400, "json_schema"),
-    ("regex and json_schema", "/generate", sp(regex="a", json_schema="{}"), 400, "regex and json_schema"),
+    (
+        "regex and json_schema",
+        "/generate",
+        sp(regex="a", json_schema="{}"),
+        400,
+        "only one of regex, json_schema",
+    ),
+    ("invalid ebnf", "/generate", sp(ebnf="root ::= undefined"), 400, "sampling_params.ebnf"),
+    (
+        "unsupported schema keyword",
+        "/generate",
+        sp(json_schema={"type": "array", "uniqueItems": True}),
+        400,
+        "unsupported keyword 'uniqueItems'",
+    ),
     ("logprob_start_len too big", "/generate", OK | {"logprob_start_len": 50}, 400, "logprob_start_len"),
     (
         "logprob list of the wrong length",
@@ -68,6 +82,26 @@ CASES = [
         },
         400,
         "json_schema",
+    ),
+    (
+        "chat invalid ebnf",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "ebnf": "root ::= ("},
+        400,
+        "ebnf",
+    ),
+    (
+        "chat response_format with an unsupported keyword",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "format": "iri"}},
+            },
+        },
+        400,
+        "response_format.json_schema: unsupported format 'iri'",
     ),
     (
         "chat invalid regex",

@@ -1,7 +1,7 @@
-"""Constraint validation runs off the HTTP process's event loop: while one request's regex / JSON
-schema is being checked (about a second for a first generic JSON object), the server keeps serving
-other requests. Runs the real HTTP app and scheduler process in this process's event loop (tiny
-model), with the validation held until the test releases it."""
+"""Constraint validation runs off the HTTP process's event loop, on a worker thread: while one
+request's regex / JSON schema / EBNF is being checked, the server keeps serving other requests.
+Runs the real HTTP app and scheduler process in this process's event loop (tiny model), with the
+validation held until the test releases it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+import radixlm_runtime.server.constraint_checks as constraint_checks
+from radixlm_runtime.constrained.constraint import Constraint
 from radixlm_runtime.io.tokenizer import load_tokenizer
-from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.http_server import create_app
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
 from radixlm_runtime.server_args import ServerArgs
@@ -27,15 +28,16 @@ def test_slow_constraint_check_does_not_block_other_requests(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started, release = threading.Event(), threading.Event()
-    real_in_pool = ConstraintChecker._in_pool
+    real_check = constraint_checks.check_constraint
 
-    async def held_in_pool(self: ConstraintChecker, regex: str | None, json_schema: str | None) -> None:
-        if regex == SLOW_REGEX:
+    def held_check(backend: str, constraint: Constraint) -> None:
+        """Blocks the checking thread itself, as a slow native check would."""
+        if constraint.text == SLOW_REGEX:
             started.set()
-            await asyncio.to_thread(release.wait, HOLD_S)
-        await real_in_pool(self, regex, json_schema)
+            release.wait(HOLD_S)
+        real_check(backend, constraint)
 
-    monkeypatch.setattr(ConstraintChecker, "_in_pool", held_in_pool)
+    monkeypatch.setattr(constraint_checks, "check_constraint", held_check)
     args = ServerArgs.from_kwargs(model_path=str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
     tm = TokenizerManager(args, tiny_llama_dir, load_tokenizer(tiny_llama_dir))
     tm.start_scheduler()

@@ -256,6 +256,16 @@ def test_health_generate(url: str) -> None:
     assert requests.get(f"{url}/health_generate", headers=HEADERS, timeout=60).status_code == 200
 
 
+def test_generate_with_ebnf(url: str) -> None:
+    grammar = 'root ::= answer "."\nanswer ::= "Paris" | "Lyon" | "Marseille"'
+    body = {"text": PROMPT, "sampling_params": GREEDY | {"ebnf": grammar, "max_new_tokens": 10}}
+    out = generate(url, body)
+    assert (
+        out["text"] in ("Paris.", "Lyon.", "Marseille.")
+        and out["meta_info"]["finish_reason"]["type"] == "stop"
+    )
+
+
 def test_generate_with_regex_and_json_schema(url: str) -> None:
     ip = r"(\d{1,3}\.){3}\d{1,3}"
     out = generate(

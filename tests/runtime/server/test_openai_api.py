@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 
@@ -9,6 +10,7 @@ import jsonschema
 import openai
 import pytest
 import requests
+from pydantic import BaseModel, Field
 from server_harness import HEADERS
 
 pytestmark = pytest.mark.slow
@@ -152,6 +154,48 @@ def test_constrained_chat_completions(client: openai.OpenAI, model: str) -> None
         model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"regex": "(Paris|Lyon)"}
     )
     assert out.choices[0].text in ("Paris", "Lyon") and out.choices[0].finish_reason == "stop"
+
+
+def test_ebnf_extra_body(client: openai.OpenAI, model: str) -> None:
+    grammar = 'root ::= "The answer is " [0-9]+ "."'
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=12, temperature=0, extra_body={"ebnf": grammar}
+    )
+    assert re.fullmatch(r"The answer is [0-9]+\.", out.choices[0].message.content)
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ebnf": 'root ::= "Paris" | "Lyon"'},
+    )
+    assert out.choices[0].text in ("Paris", "Lyon") and out.choices[0].finish_reason == "stop"
+
+
+class Unit(str, enum.Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Reading(BaseModel):
+    value: int = Field(ge=-100, le=100)
+    unit: Unit
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=20)
+    today: Reading
+    tomorrow: Reading | None
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI, model: str) -> None:
+    """The SDK sends a strict json_schema ($defs, $ref, enum, anyOf with null) and parses the reply."""
+    messages = [{"role": "user", "content": "Give the weather forecast for Paris as JSON."}]
+    out = client.chat.completions.parse(
+        model=model, messages=messages, max_tokens=120, temperature=0, response_format=Forecast
+    )
+    parsed = out.choices[0].message.parsed
+    assert isinstance(parsed, Forecast) and isinstance(parsed.today.unit, Unit)
 
 
 def test_json_object_response_format(client: openai.OpenAI, model: str) -> None:

@@ -1,0 +1,157 @@
+"""What a request constrains its output to, checked the same way whatever grammar backend runs it.
+
+A constraint is one of SGLang's three kinds: `regex`, `json_schema` or `ebnf` (GBNF as xgrammar
+parses it: `root ::= ...`). The grammar libraries silently ignore JSON-schema keywords they do not
+implement, so schemas are checked here against the keywords both backends enforce: an unknown one is
+refused naming the keyword, never dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jsonschema
+
+ConstraintKind = Literal["regex", "json_schema", "ebnf"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = ("regex", "json_schema", "ebnf")
+
+# JSON output layout: no whitespace but these separators, as `json.dumps(v, separators=(",", ":"))`.
+# One layout keeps the model from wandering into whitespace and lets jump-forward append whole runs
+# such as `{"name":"`.
+JSON_SEPARATORS = (",", ":")
+
+# Keywords that constrain the output and that both backends enforce.
+_CONSTRAINING = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+    }
+)
+# Annotations: they describe the value but never restrict it, so ignoring them is exact.
+_ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
+# String formats both backends implement.
+SUPPORTED_FORMATS = frozenset(
+    {"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"}
+)
+# Keywords whose value maps names to subschemas, and those holding a subschema or a list of them.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's constraint: its kind (also the request field that carried it) and its text."""
+
+    kind: ConstraintKind
+    text: str
+
+    @classmethod
+    def of(cls, regex: str | None, json_schema: str | None, ebnf: str | None) -> Constraint | None:
+        """The constraint among a request's fields (at most one may be set); None when unconstrained."""
+        given = [(k, v) for k, v in zip(CONSTRAINT_KINDS, (regex, json_schema, ebnf)) if v is not None]
+        if len(given) > 1:
+            kinds = [k for k, _ in given]
+            raise ValueError(f"only one of regex, json_schema and ebnf may be set, got {kinds}")
+        return cls(*given[0]) if given else None
+
+    def error(self, message: str) -> ValueError:
+        """A ValueError whose message starts with the field, as the HTTP layer reports it."""
+        return ValueError(message if message.startswith(self.kind) else f"{self.kind}: {message}")
+
+
+def parse_schema(text: str) -> dict[str, Any] | bool:
+    """The schema, refused (ValueError naming json_schema and the keyword) when it is not valid JSON,
+    not a valid JSON Schema, or uses a keyword the backends would not enforce."""
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"json_schema: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("json_schema: must be a JSON object")
+    if schema is False:
+        raise ValueError("json_schema: the schema false admits no value")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"json_schema: not a valid JSON Schema: {e.message}") from None
+    _check_keywords(schema)
+    return schema
+
+
+def subschemas(schema: Any, path: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every object-valued (sub)schema with its JSON pointer, the root first."""
+    if not isinstance(schema, dict):
+        return  # a boolean schema, or a list the metaschema already checked
+    yield path, schema
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from subschemas(sub, f"{path}/{key}/{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from subschemas(sub, f"{path}/{key}/{i}")
+        elif key in _SCHEMA_VALUES:
+            yield from subschemas(value, f"{path}/{key}")
+
+
+def _check_keywords(schema: Any) -> None:
+    for path, sub in subschemas(schema):
+        for key, value in sub.items():
+            if key not in _CONSTRAINING and key not in _ANNOTATIONS and not key.startswith("x-"):
+                raise ValueError(f"json_schema: unsupported keyword {key!r} at {path}")
+            if key == "format" and value not in SUPPORTED_FORMATS:
+                supported = sorted(SUPPORTED_FORMATS)
+                raise ValueError(
+                    f"json_schema: unsupported format {value!r} at {path}; supported: {supported}"
+                )
+
+
+def closed_objects(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:
+    """A copy in which objects with `properties` but no `additionalProperties` admit no other keys,
+    as OpenAI's strict mode and SGLang's default (xgrammar's strict_mode) read them: a model should
+    not invent keys the schema does not name."""
+    schema = copy.deepcopy(schema)
+    for _, sub in subschemas(schema):
+        if "properties" in sub and "additionalProperties" not in sub:
+            sub["additionalProperties"] = False
+    return schema
