@@ -19,6 +19,10 @@ class RegexGuide:
         self.index = index
         self.state = index.initial_state
         self.terminated = False  # EOS was accepted
+        # The state before each token consumed by `advance` since the last text change (never
+        # terminated: an ended constraint advances no further), so speculative decoding can take
+        # back draft tokens (`rollback`).
+        self._trail: list[int] = []
 
     def allowed_mask(self, vocab_size: int) -> np.ndarray:
         """Bool [vocab_size], True = allowed; EOS only in accepting states. Shared per state: read-only."""
@@ -31,12 +35,25 @@ class RegexGuide:
         if self.terminated:
             raise ValueError(f"token {token_id}: the constraint already ended")
         if self.index.eos_allowed(self.state) and token_id in self.index.eos_ids:
+            self._trail.append(self.state)
             self.terminated = True
             return
         nxt = self.index.next_state(self.state, token_id)
         if nxt < 0:
             raise ValueError(f"token {token_id} is not allowed by the constraint at state {self.state}")
+        self._trail.append(self.state)
         self.state = nxt
+
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last num_tokens tokens consumed by `advance` (rejected speculative draft
+        tokens); ValueError past the tokens advanced since the guide last consumed text."""
+        if not 0 <= num_tokens <= len(self._trail):
+            raise ValueError(
+                f"num_tokens: cannot roll back {num_tokens} tokens, {len(self._trail)} were advanced"
+            )
+        if num_tokens:
+            self.state, self.terminated = self._trail[-num_tokens], False
+            del self._trail[-num_tokens:]
 
     def is_accepting(self) -> bool:
         return self.terminated or self.index.is_accepting(self.state)
@@ -58,6 +75,7 @@ class RegexGuide:
         if nxt < 0:
             raise ValueError(f"text {text!r} is not allowed by the constraint at state {self.state}")
         self.state = nxt
+        self._trail.clear()
 
     def resync(self, output_text: str) -> None:
         """Recomputes the state from the request's whole constrained output text, e.g. after the runtime
@@ -67,9 +85,11 @@ class RegexGuide:
             raise ValueError(f"output {output_text!r} is not allowed by the constraint")
         self.state = nxt
         self.terminated = False
+        self._trail.clear()
 
     def copy(self) -> RegexGuide:
         """Independent guide at the same position (parallel samples of one prompt)."""
         other = RegexGuide(self.index)
         other.state, other.terminated = self.state, self.terminated
+        other._trail = list(self._trail)
         return other

@@ -18,3 +18,7 @@ class SchedulerStats:
     # Jump-forward: jumps made, and output tokens they added without a decode step.
     jump_forwards: int = 0
     jump_forward_tokens: int = 0
+    # Speculative decoding: verify forwards of requests, draft tokens proposed and accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
