@@ -106,3 +106,41 @@ def test_random_documents_through_the_guide(tiny_vocab: TokenVocab) -> None:
             text += tiny_vocab.texts[token] or ""  # EOS contributes no text
         assert guide.is_accepting()
         assert re.fullmatch(r"(yes|no)( [0-9]{1,2})?", text)
+
+
+def test_rollback_takes_back_advanced_tokens(tiny_vocab: TokenVocab, tiny_tokenizer: Any) -> None:
+    guide = RegexGuide(build_token_index("ab+c", tiny_vocab))
+    start = guide.state
+    tokens = tiny_tokenizer.encode("abbc", add_special_tokens=False)
+    masks = []
+    for token in tokens:
+        masks.append(guide.allowed_mask(300).copy())
+        guide.advance(token)
+    assert guide.is_accepting()
+    guide.rollback(2)
+    assert np.array_equal(guide.allowed_mask(300), masks[-2])
+    for token in tokens[-2:]:
+        guide.advance(token)
+    assert guide.is_accepting()
+    eos = next(iter(guide.index.eos_ids))
+    guide.advance(eos)
+    assert guide.terminated
+    guide.rollback(1)  # EOS taken back: the constraint is live again
+    assert not guide.terminated and guide.is_accepting()
+    guide.rollback(len(tokens))
+    assert guide.state == start
+    with pytest.raises(ValueError, match="num_tokens"):
+        guide.rollback(1)
+
+
+def test_rollback_stops_at_consumed_text(tiny_vocab: TokenVocab, tiny_tokenizer: Any) -> None:
+    guide = RegexGuide(build_token_index(build_regex_from_schema(SCHEMA), tiny_vocab))
+    guide.advance_text('{"name":"')
+    after_text = guide.state
+    tokens = tiny_tokenizer.encode("Al", add_special_tokens=False)
+    for token in tokens:
+        guide.advance(token)
+    with pytest.raises(ValueError, match="num_tokens"):
+        guide.rollback(len(tokens) + 1)  # the forced text is not a token to take back
+    guide.rollback(len(tokens))
+    assert guide.state == after_text
