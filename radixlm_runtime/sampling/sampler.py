@@ -323,8 +323,21 @@ class Sampler:
         draws = []
         for row in info.sampled_rows_cpu:
             gen = info.generators[row] or self.default_generator
-            draws.append(torch.rand(1, generator=gen, device=gen.device).to(device))
+            draws.append(_uniform(gen).to(device))
         return torch.cat(draws)
+
+
+def _uniform(gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(1, generator=gen, device=gen.device)
+
+
+def replay_draws(gen: torch.Generator, state: torch.Tensor, n: int) -> None:
+    """Resets gen to `state` and makes the draws of n sampled rows: after verifying a draft, a
+    request's RNG has moved on by one draw per emitted token, as without speculation, so a seeded
+    request samples the same stream with or without it."""
+    gen.set_state(state)
+    for _ in range(n):
+        _uniform(gen)
 
 
 def _allowed_logits(
