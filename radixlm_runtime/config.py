@@ -126,10 +126,12 @@ class SchedulerConfig:
         "and output, and one forward verifies them all; outputs are distributed exactly as without "
         "it (greedy outputs are the same tokens). 0 turns it off.",
     )
-    speculative_ngram_min: int = flag(
+    speculative_ngram_min_match_window_size: int = flag(
         1, "Shortest run of last tokens that prompt lookup matches (it tries the longest first)."
     )
-    speculative_ngram_max: int = flag(3, "Longest run of last tokens that prompt lookup matches.")
+    speculative_ngram_max_match_window_size: int = flag(
+        3, "Longest run of last tokens that prompt lookup matches."
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -145,10 +147,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"speculative_num_draft_tokens must be >= 0, got {self.speculative_num_draft_tokens}"
             )
-        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
             raise ValueError(
-                "speculative_ngram_min and speculative_ngram_max must satisfy 1 <= min <= max, got "
-                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
+                "speculative_ngram_min_match_window_size and speculative_ngram_max_match_window_size "
+                f"must satisfy 1 <= min <= max, got {low} and {high}"
             )
 
 

@@ -52,8 +52,8 @@ class Scheduler:
         self.drafter = (
             Drafter(
                 config.speculative_num_draft_tokens,
-                config.speculative_ngram_min,
-                config.speculative_ngram_max,
+                config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size,
                 eos_ids,
                 self.runner_info.context_len,
                 self.runner_info.vocab_size,

@@ -286,3 +286,10 @@ def test_constrained_request_with_speculation(
     assert re.fullmatch(regex, got["text"])
     assert got["meta_info"]["spec_draft_token_num"] > 0  # the constraint let some drafts through
     assert_no_leak(spec)
+
+
+def test_bad_speculative_flags_are_rejected_by_name(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        _engine(tiny_llama_dir, -1)
+    with pytest.raises(ValueError, match="speculative_ngram_min_match_window_size"):
+        _engine(tiny_llama_dir, K, speculative_ngram_min_match_window_size=4)
