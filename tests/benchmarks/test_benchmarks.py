@@ -181,6 +181,7 @@ def test_speculative(speculative: dict[str, Any]) -> None:
             assert r["completion_tokens"] == speculative["sizes"]["max_new_tokens"]
             assert r["ttft_s"] > 0 and r["decode_tok_per_s"] > 0
             assert r["accept_length"] >= 1.0
+        assert run_k["gsm8k"]["accept_length"] >= 1.0
     # Prompt lookup finds the quoted paragraph in the RAG prompt.
     assert speculative["runs"]["2"]["rag"]["accept_rate"] > 0
 
