@@ -129,6 +129,19 @@ class SchedulerConfig:
         "memory; beyond it they are unpinned, least recently used first. Pins never stall the "
         "queue: when nothing else can run, any pin gives way.",
     )
+    speculative_num_draft_tokens: int = flag(
+        0,
+        "Speculative decoding by prompt lookup (no draft model): each decoding request proposes up "
+        "to this many tokens that followed an earlier occurrence of its last tokens in its prompt "
+        "and output, and one forward verifies them all; outputs are distributed exactly as without "
+        "it (greedy outputs are the same tokens). 0 turns it off.",
+    )
+    speculative_ngram_min_match_window_size: int = flag(
+        1, "Shortest run of last tokens that prompt lookup matches (it tries the longest first)."
+    )
+    speculative_ngram_max_match_window_size: int = flag(
+        3, "Longest run of last tokens that prompt lookup matches."
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -140,6 +153,16 @@ class SchedulerConfig:
             raise ValueError(f"priority_aging_s must be > 0, got {self.priority_aging_s}")
         if not 0.0 <= self.session_pin_fraction <= 1.0:
             raise ValueError(f"session_pin_fraction must be in [0, 1], got {self.session_pin_fraction}")
+        if self.speculative_num_draft_tokens < 0:
+            raise ValueError(
+                f"speculative_num_draft_tokens must be >= 0, got {self.speculative_num_draft_tokens}"
+            )
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ValueError(
+                "speculative_ngram_min_match_window_size and speculative_ngram_max_match_window_size "
+                f"must satisfy 1 <= min <= max, got {low} and {high}"
+            )
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ class ForwardItem:
     logits_from: int  # first position whose logits are needed (past the end: none)
     sample: SampleSpec | None = None  # None: no next token is due this step
     prompt_logprobs: PromptLogprobSpec | None = None
+    # Speculative decoding: the last draft_len of input_ids are draft tokens to verify. The row of
+    # the last real token is sampled with `sample`, the row of draft token i with draft_samples[i]
+    # (the spec that holds once draft[: i + 1] is accepted); the executor accepts drafts while each
+    # equals the token its preceding row sampled.
+    draft_len: int = 0
+    draft_samples: list[SampleSpec] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -77,6 +83,15 @@ class ForwardItem:
     @property
     def num_logit_rows(self) -> int:
         return max(self.seq_len - self.logits_from, 0)
+
+    @property
+    def draft(self) -> list[int]:
+        return self.input_ids[len(self.input_ids) - self.draft_len :]
+
+    @property
+    def samples(self) -> list[SampleSpec]:
+        """The specs of the rows sampled, in row order (the item's last 1 + draft_len rows)."""
+        return [] if self.sample is None else [self.sample, *self.draft_samples]
 
 
 @dataclass
@@ -89,6 +104,11 @@ class ItemResult:
     next_token: int | None = None
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None
+    # Speculative decoding: the draft tokens accepted, in order; next_token follows them (the
+    # correction of the first rejected draft token, or the bonus token after the whole draft).
+    accepted: list[int] = field(default_factory=list)
+    accepted_logprobs: list[float] = field(default_factory=list)
+    accepted_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
 

@@ -95,6 +95,11 @@ def check_constraint(name: str, constraint: Constraint) -> None:
     load_backend_module(name).check(constraint)
 
 
+def bit_allowed(bits: np.ndarray, token_id: int) -> bool:
+    """Whether the bitmask allows token_id."""
+    return bool((int(bits[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
 def fit_bitmask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     """The bitmask resized to the model's vocabulary: tokens past the tokenizer's are never allowed."""
     words = (vocab_size + 31) // 32

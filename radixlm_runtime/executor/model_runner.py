@@ -20,7 +20,13 @@ from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.loader import load_weights
-from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask, make_generator
+from radixlm_runtime.sampling.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    build_token_bitmask,
+    make_generator,
+    replay_draws,
+)
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils.logging import get_logger
 
@@ -172,6 +178,7 @@ class ModelRunner:
         logits = self.forward(batch)
         outputs = StepOutputs(plan)
         specs = outputs.sample_specs()
+        rng_before = self._draft_rng_states(plan)
         if specs:
             rows = outputs.sample_rows()
             # A pure decode step samples every logits row in order: no gather, no copy.
@@ -186,7 +193,21 @@ class ModelRunner:
             )
             outputs.add_samples(sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs)
         outputs.add_prompt_logprobs(logits)
-        return outputs.read()
+        result = outputs.read()
+        for i, state in rng_before.items():
+            spec = plan.items[i].sample
+            assert spec is not None
+            replay_draws(self.generators[spec.uid], state, len(result.items[i].accepted) + 1)
+        return result
+
+    def _draft_rng_states(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """RNG state of each sampling item with draft tokens, by item index: verification draws for
+        every row, and the draws of rows past the emitted tokens are then taken back."""
+        states = {}
+        for i, it in enumerate(plan.items):
+            if it.draft_len and it.sample is not None and not it.sample.params.is_greedy:
+                states[i] = self._generator(it.sample).get_state()
+        return states
 
     def release(self, uid: int) -> None:
         self.generators.pop(uid, None)

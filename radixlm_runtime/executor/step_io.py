@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.sampling.sampler import accepted_draft_len
 from radixlm_runtime.step import ItemResult, SampleSpec, StepPlan, StepResult, TopLogprobs
 
 TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -70,11 +71,18 @@ class StepOutputs:
         self._prompt_top = 0
 
     def sample_specs(self) -> list[SampleSpec]:
-        return [s for i in self._sampled if (s := self.items[i].sample) is not None]
+        """One spec per sampled row: one per item, plus one per draft token of a speculative item."""
+        return [s for i in self._sampled for s in self.items[i].samples]
 
     def sample_rows(self) -> list[int]:
-        """Logits row of each sampled item: its last row."""
-        return [self._row_base[i] + self.items[i].num_logit_rows - 1 for i in self._sampled]
+        """Logits rows sampled: each sampled item's last row, preceded by the rows of the tokens
+        before its draft tokens when it has any."""
+        rows: list[int] = []
+        for i in self._sampled:
+            it = self.items[i]
+            end = self._row_base[i] + it.num_logit_rows
+            rows.extend(range(end - 1 - it.draft_len, end))
+        return rows
 
     def add_samples(
         self,
@@ -127,19 +135,27 @@ class StepOutputs:
             pos += n
             return flat[pos - n : pos]
 
-        n = len(self._sampled)
+        n = sum(1 + self.items[i].draft_len for i in self._sampled)
         if n:
             ids = take(n)
             lps = take(n) if self._has_sample_lp else None
             k = self._sample_top
             top_vals, top_ids = (take(n * k), take(n * k)) if k else ([], [])
-            for j, i in enumerate(self._sampled):
-                res = results[i]
-                res.next_token = int(ids[j])
-                res.logprob = lps[j] if lps is not None else None
-                spec = self.items[i].sample
+            j = 0
+            for i in self._sampled:
+                it, res = self.items[i], results[i]
+                rows = range(j, j + 1 + it.draft_len)
+                j = rows.stop
+                sampled = [int(ids[r]) for r in rows]
+                m = accepted_draft_len(it.draft, sampled)
+                res.accepted, res.next_token = sampled[:m], sampled[m]
+                if lps is not None:
+                    res.accepted_logprobs, res.logprob = lps[rows[0] : rows[m]], lps[rows[m]]
+                spec = it.sample
                 if k and spec is not None and spec.top_logprobs_num:
-                    res.top_logprobs = _top_entries(top_vals, top_ids, j, k, spec.top_logprobs_num)
+                    width = spec.top_logprobs_num
+                    tops = [_top_entries(top_vals, top_ids, r, k, width) for r in rows[: m + 1]]
+                    res.accepted_top_logprobs, res.top_logprobs = tops[:m], tops[m]
         if self._prompt_rows:
             chosen = take(self._prompt_rows)
             k = self._prompt_top

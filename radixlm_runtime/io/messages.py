@@ -122,6 +122,10 @@ class ReqOutput(msgspec.Struct):
     input_top_logprobs: list[TopLogprobs | None] | None = None
     # Seconds from the scheduler receiving the request to its first scheduled step; None until then.
     queue_time: float | None = None
+    # Speculative decoding totals so far (scheduler/speculative.py); all 0 when it never drafted.
+    spec_verify_ct: int = 0
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
 
 
 class BatchOut(msgspec.Struct, tag="batch"):

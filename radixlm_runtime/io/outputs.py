@@ -34,6 +34,10 @@ class OutputState:
     input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     output_token_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Speculative decoding totals, as last reported (ReqOutput carries running totals).
+    spec_verify_ct: int = 0
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
 
     @property
     def finished(self) -> bool:
@@ -43,6 +47,9 @@ class OutputState:
         self.output_ids.extend(o.new_token_ids)
         self.prompt_tokens = o.prompt_tokens
         self.cached_tokens = o.cached_tokens
+        self.spec_verify_ct = o.spec_verify_ct
+        self.spec_draft_token_num = o.spec_draft_token_num
+        self.spec_accept_token_num = o.spec_accept_token_num
         self.output_token_logprobs.extend(o.output_token_logprobs)
         self.output_top_logprobs.extend(o.output_top_logprobs)
         if o.input_token_logprobs is not None:
@@ -62,9 +69,23 @@ def native_output(st: OutputState, text: str, tokenizer: Any, text_in_logprobs: 
         "finish_reason": st.finished_reason.to_json() if st.finished_reason else None,
         "e2e_latency": time.monotonic() - st.arrival,
     }
+    if st.spec_verify_ct:
+        meta.update(_spec_meta(st))
     if st.req.return_logprob:
         meta.update(_logprob_meta(st, tokenizer, text_in_logprobs))
     return {"text": text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+
+def _spec_meta(st: OutputState) -> dict[str, Any]:
+    """SGLang's speculative decoding fields: accept_length is output tokens per verify forward."""
+    drafted = st.spec_draft_token_num
+    return {
+        "spec_verify_ct": st.spec_verify_ct,
+        "spec_draft_token_num": drafted,
+        "spec_accept_token_num": st.spec_accept_token_num,
+        "spec_accept_rate": st.spec_accept_token_num / drafted if drafted else 0.0,
+        "spec_accept_length": len(st.output_ids) / st.spec_verify_ct,
+    }
 
 
 def _logprob_meta(st: OutputState, tokenizer: Any, with_text: bool) -> dict[str, Any]:

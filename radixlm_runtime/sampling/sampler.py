@@ -32,6 +32,23 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
+def accepted_draft_len(draft: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many draft tokens speculative verification accepts: sampled[i] is the token drawn (by
+    the ordinary sampler, with the request's own processing) from the row before draft[i], and
+    draft[i] is accepted while it equals that token.
+
+    This is exact rejection sampling for a deterministic proposal q = one-hot(x): the draw y ~ p
+    equals x with probability p(x) = min(1, p(x) / q(x)), and when it does not, y is distributed
+    as p without x, renormalised, which is normalize(max(p - q, 0)). So every emitted token, the
+    accepted drafts and then sampled[m] (the correction, or the bonus after a fully accepted
+    draft), is drawn from the same distribution as without speculation; under greedy decoding y
+    is the argmax and the output is token for token the same."""
+    m = 0
+    while m < len(draft) and draft[m] == sampled[m]:
+        m += 1
+    return m
+
+
 def build_token_bitmask(
     allowed: Sequence[np.ndarray | None], vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor | None:
@@ -338,8 +355,21 @@ class Sampler:
         draws = []
         for row in info.sampled_rows_cpu:
             gen = info.generators[row] or self.default_generator
-            draws.append(torch.rand(1, generator=gen, device=gen.device).to(device))
+            draws.append(_uniform(gen).to(device))
         return torch.cat(draws)
+
+
+def _uniform(gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(1, generator=gen, device=gen.device)
+
+
+def replay_draws(gen: torch.Generator, state: torch.Tensor, n: int) -> None:
+    """Resets gen to `state` and makes the draws of n sampled rows: after verifying a draft, a
+    request's RNG has moved on by one draw per emitted token, as without speculation, so a seeded
+    request samples the same stream with or without it."""
+    gen.set_state(state)
+    for _ in range(n):
+        _uniform(gen)
 
 
 def _allowed_logits(

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixlm_runtime.config import SchedulerConfig
 from radixlm_runtime.scheduler.cache import CacheManager
 from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
+from radixlm_runtime.scheduler.speculative import Drafter
 from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.utils.logging import get_logger
 
@@ -38,16 +39,24 @@ class ScheduledItem:
     # Whether this chunk reaches the end of the request's tokens (so a next token is due); fixed at
     # scheduling time, before sampling appends to token_ids.
     completes: bool = False
+    # Speculative draft tokens computed after the request's tokens (the last of extend_len).
+    draft: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.completes = self.prefix_len + self.extend_len == len(self.req.token_ids)
+        self.completes = self.prefix_len + self.extend_len - len(self.draft) == len(self.req.token_ids)
 
 
 class Admission:
     def __init__(
-        self, config: SchedulerConfig, cache: CacheManager, max_running_requests: int, stats: SchedulerStats
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        max_running_requests: int,
+        stats: SchedulerStats,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
+        self.drafter = drafter
         self.cache = cache
         self.max_running_requests = max_running_requests
         priority = (
@@ -72,7 +81,7 @@ class Admission:
             want = min(len(pending.token_ids) - pending.kv_len, room)
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
-        items = [ScheduledItem(r, r.kv_len, r.pending_len, is_prefill=False) for r in decode]
+        items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
         budget = cfg.chunked_prefill_size - decode_tokens
         if pending is not None:
@@ -99,6 +108,21 @@ class Admission:
             self.stats.num_retractions += 1
             logger.debug("retracted %s (%d tokens generated)", victim.rid, victim.output_len)
         return list(self.running)
+
+    def _decode_items(self, decode: list[Req], extra: int) -> list[ScheduledItem]:
+        """The running requests' items, with speculative drafts in the free KV slots and the step's
+        token budget left over (a draft never retracts a request nor evicts a cached prefix)."""
+        if self.drafter is None:
+            return [ScheduledItem(r, r.kv_len, r.pending_len, is_prefill=False) for r in decode]
+        free = min(self.cache.allocator.available_size(), self.config.chunked_prefill_size)
+        spare = free - self._pending_tokens() - extra
+        items = []
+        for r in decode:
+            draft = self.drafter.draft(r, spare) if spare > 0 else []
+            spare -= len(draft)
+            extend = r.pending_len + len(draft)
+            items.append(ScheduledItem(r, r.kv_len, extend, is_prefill=False, draft=draft))
+        return items
 
     def _pending_tokens(self) -> int:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""

@@ -15,7 +15,7 @@ from radixlm_runtime.io.messages import ReqOutput
 from radixlm_runtime.scheduler.admission import ScheduledItem
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.step import ForwardItem, ItemResult
+from radixlm_runtime.step import ForwardItem, ItemResult, TopLogprobs
 
 # Remaining tokens from which a constrained request checks whether its budget still fits the shortest
 # completion of its output, and how many tokens early it completes (one sampled token may lengthen
@@ -61,9 +61,29 @@ class OutputProcessor:
         self.stats.computed_tokens += sum(it.extend_len for it in items)
 
     def _append_sampled(self, req: Req, res: ItemResult, now: float) -> None:
-        tok = res.next_token
-        assert tok is not None
+        """Appends the accepted draft tokens, then the sampled one, up to the first that ends the
+        request or lets the constraint jump forward: nothing past a stop is emitted, and what
+        follows a jump was computed for another sequence (its KV is rolled back). Then a
+        constrained request whose budget is running out is completed (`complete_within_budget`)."""
+        assert res.next_token is not None
         kept = len(req.token_ids)
+        tokens = [*res.accepted, res.next_token]
+        unknown = [None] * len(res.accepted)
+        logprobs = [*(res.accepted_logprobs or unknown), res.logprob]
+        tops = [*(res.accepted_top_logprobs or unknown), res.top_logprobs]
+        for tok, logprob, top in zip(tokens, logprobs, tops, strict=True):
+            self._append_token(req, tok, logprob, top, now)
+            if req.finished:
+                break
+            if self.jump_forward(req, tail=1):
+                self.check_finish(req)
+                break
+        if req.finished_reason is None or req.finished_reason.kind == "length":
+            self.complete_within_budget(req, kept)
+
+    def _append_token(
+        self, req: Req, tok: int, logprob: float | None, top: TopLogprobs | None, now: float
+    ) -> None:
         req.token_ids.append(tok)
         if req.guide is not None:
             try:
@@ -75,17 +95,13 @@ class OutputProcessor:
         if req.first_token_time is None:
             req.first_token_time = now
         if req.return_logprob:
-            assert res.logprob is not None
-            req.output_token_logprobs.append(res.logprob)
-            if req.top_logprobs_num and res.top_logprobs is not None:
-                req.output_top_logprobs.append(res.top_logprobs)
-            req.record_logprob(len(req.token_ids) - 1, res.logprob, res.top_logprobs)
+            assert logprob is not None
+            req.output_token_logprobs.append(logprob)
+            if req.top_logprobs_num and top is not None:
+                req.output_top_logprobs.append(top)
+            req.record_logprob(len(req.token_ids) - 1, logprob, top)
         if not req.finished:
             self.check_finish(req)
-        if not req.finished and self.jump_forward(req, tail=1):
-            self.check_finish(req)
-        if req.finished_reason is None or req.finished_reason.kind == "length":
-            self.complete_within_budget(req, kept)
 
     # -- jump-forward -------------------------------------------------------------------------
     def jump_forward(self, req: Req, tail: int) -> bool:
@@ -217,6 +233,9 @@ def req_output(req: Req) -> ReqOutput:
         prompt_tokens=req.prompt_len,
         completion_tokens=req.output_len,
         cached_tokens=max(req.cached_tokens, 0),
+        spec_verify_ct=req.spec_verify_ct,
+        spec_draft_token_num=req.spec_draft_token_num,
+        spec_accept_token_num=req.spec_accept_token_num,
     )
     if req.first_scheduled_time is not None:
         out.queue_time = req.first_scheduled_time - req.arrival_time

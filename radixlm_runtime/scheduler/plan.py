@@ -27,16 +27,19 @@ def build_plan(
         first = _first_logit_pos(it)
         wants_prompt = req.needs_prompt_logprobs and first < end
         due = it.completes and req.sampling_params.max_new_tokens > 0
+        specs = _sample_specs(req, it.draft, eos_ids, vocab_size) if due else []
         forward.append(
             ForwardItem(
                 row=_row(req),
                 prefix_len=it.prefix_len,
-                input_ids=req.token_ids[it.prefix_len : end],
+                input_ids=req.token_ids[it.prefix_len : end - len(it.draft)] + it.draft,
                 seq_slots=req.kv_slots,
                 write_from=req.table_synced,
                 logits_from=first,
-                sample=_sample_spec(req, eos_ids, vocab_size) if due else None,
+                sample=specs[0] if specs else None,
                 prompt_logprobs=_prompt_logprob_spec(req, first, end) if wants_prompt else None,
+                draft_len=len(it.draft),
+                draft_samples=specs[1:],
             )
         )
         req.table_synced = end
@@ -52,7 +55,7 @@ def _first_logit_pos(it: ScheduledItem) -> int:
     """First position of this chunk whose logits are needed: the prompt-logprob range when asked
     for, else only the last token (and only when the chunk completes the request's tokens)."""
     req = it.req
-    last = it.prefix_len + it.extend_len - 1
+    last = it.prefix_len + it.extend_len - 1 - len(it.draft)
     if req.needs_prompt_logprobs:
         return max(it.prefix_len, req.logprob_start_len - 1, 0)
     return last if it.completes else last + 1
@@ -70,16 +73,32 @@ def _prompt_logprob_spec(req: Req, first: int, end: int) -> PromptLogprobSpec:
     )
 
 
-def _sample_spec(req: Req, eos_ids: frozenset[int], vocab_size: int) -> SampleSpec:
+def _sample_specs(req: Req, draft: list[int], eos_ids: frozenset[int], vocab_size: int) -> list[SampleSpec]:
+    """How to sample the row of req's last token, then the row of each draft token as if the draft
+    up to it were accepted: min_new_tokens, penalties and the constraint see those tokens too."""
+    specs = []
+    for i in range(len(draft) + 1):
+        specs.append(_sample_spec(req, draft[:i], eos_ids, vocab_size))
+        if i < len(draft) and req.guide is not None:
+            req.guide.advance(draft[i])
+    if req.guide is not None:
+        req.guide.rollback(len(draft))
+    return specs
+
+
+def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size: int) -> SampleSpec:
+    """The spec of the row after req's tokens followed by `ahead` (draft tokens; the guide already
+    advanced through them)."""
     sp = req.sampling_params
-    banned = sorted(eos_ids | set(sp.stop_token_ids)) if req.output_len < sp.min_new_tokens else []
+    early = req.output_len + len(ahead) < sp.min_new_tokens
+    banned = sorted(eos_ids | set(sp.stop_token_ids)) if early else []
     penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
     return SampleSpec(
         uid=req.uid,
         params=sp,
         seed=req.seed,
         banned_ids=banned,
-        history=(req.origin_input_ids, req.output_ids) if penalised else None,
+        history=(req.origin_input_ids, req.output_ids + ahead) if penalised else None,
         allowed=req.guide.allowed_mask(vocab_size) if req.guide is not None else None,
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,

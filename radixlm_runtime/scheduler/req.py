@@ -61,6 +61,12 @@ class Req:
     sent_tokens: int = 0
     sent_input_logprobs: bool = False
 
+    # Speculative decoding (SGLang's meta_info names): decode steps that verified a draft, draft
+    # tokens proposed, and those accepted (emitted without a forward of their own).
+    spec_verify_ct: int = 0
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
+
     first_scheduled_time: float | None = None  # first admission; a retraction does not reset it
     first_token_time: float | None = None
 

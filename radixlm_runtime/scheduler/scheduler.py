@@ -25,8 +25,9 @@ from radixlm_runtime.scheduler.output import OutputProcessor, req_output
 from radixlm_runtime.scheduler.plan import build_plan
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import check_session_id
+from radixlm_runtime.scheduler.speculative import Drafter, record_verify, roll_back_rejected
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.step import Executor
+from radixlm_runtime.step import Executor, ForwardItem, ItemResult
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -48,7 +49,19 @@ class Scheduler:
             config.session_timeout_s,
             config.session_pin_fraction,
         )
-        self.admission = Admission(config, self.cache, self.runner_info.max_reqs, self.stats)
+        self.drafter = (
+            Drafter(
+                config.speculative_num_draft_tokens,
+                config.speculative_ngram_min_match_window_size,
+                config.speculative_ngram_max_match_window_size,
+                eos_ids,
+                self.runner_info.context_len,
+                self.runner_info.vocab_size,
+            )
+            if config.speculative_num_draft_tokens > 0
+            else None
+        )
+        self.admission = Admission(config, self.cache, self.runner_info.max_reqs, self.stats, self.drafter)
         self.constraints = ConstraintQueue(
             tokenizer, eos_ids, self.runner_info.vocab_size, config.grammar_backend
         )
@@ -129,6 +142,8 @@ class Scheduler:
                 return [req_output(r) for r in updated + self._fail(items, e)]
             self.stats.forward_passes += 1
             self.output.apply(items, plan.items, result.items)
+            if self.drafter is not None:
+                self._settle_drafts(items, plan.items, result.items)
             updated += self._settle(items)
         elif len(self.constraints) and not updated:
             self.constraints.wait()
@@ -151,6 +166,21 @@ class Scheduler:
                     self.admission.running.append(req)
                 updated.append(req)
         return updated
+
+    def _settle_drafts(
+        self, items: list[ScheduledItem], planned: list[ForwardItem], results: list[ItemResult]
+    ) -> None:
+        """Counts each decode step as a verify step and rolls back the KV of the draft tokens a
+        request did not keep, before anything of it can enter the radix tree."""
+        for it, fwd, res in zip(items, planned, results):
+            if it.is_prefill:
+                continue
+            record_verify(it.req, fwd, res)
+            self.stats.spec_verify_steps += 1
+            self.stats.spec_draft_tokens += fwd.draft_len
+            self.stats.spec_accepted_tokens += len(res.accepted)
+            if fwd.draft_len:
+                roll_back_rejected(it.req, fwd, self.cache.allocator)
 
     def _fail(self, items: list[ScheduledItem], error: Exception) -> list[Req]:
         """Ends the requests of a step whose forward raised: the slots planned for it hold no valid

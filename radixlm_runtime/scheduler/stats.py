@@ -20,3 +20,7 @@ class SchedulerStats:
     jump_forward_tokens: int = 0
     # Constrained requests whose budget ran out, completed with the shortest valid completion.
     budget_completions: int = 0
+    # Speculative decoding: verify forwards of requests, draft tokens proposed and accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

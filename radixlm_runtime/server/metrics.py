@@ -71,9 +71,25 @@ class ServerMetrics:
             "Time from the scheduler receiving a request to its first scheduled step.",
             buckets=QUEUE_BUCKETS,
         )
-        # Running totals for the hit rate: reading a Counter back is not part of its API.
+        self.spec_verify_steps = counter(
+            "radixlm_spec_verify_steps",
+            "Speculative decoding: decode forwards that verified a prompt-lookup draft (ended requests).",
+        )
+        self.spec_draft_tokens = counter(
+            "radixlm_spec_draft_tokens", "Speculative decoding: draft tokens proposed (ended requests)."
+        )
+        self.spec_accepted_tokens = counter(
+            "radixlm_spec_accepted_tokens",
+            "Speculative decoding: draft tokens accepted, each an output token without a forward of its own.",
+        )
+        self.spec_accept_rate = gauge(
+            "radixlm_spec_accept_rate", "spec_accepted_tokens_total / spec_draft_tokens_total."
+        )
+        # Running totals for the rates: reading a Counter back is not part of its API.
         self._prompt_total = 0
         self._cached_total = 0
+        self._drafted_total = 0
+        self._accepted_total = 0
 
     def tokens_out(self, n: int, since_arrival: float, since_last: float | None) -> None:
         """n new tokens of one request: its first token's TTFT, then the gap per token since its
@@ -95,6 +111,16 @@ class ServerMetrics:
         if self._prompt_total:
             self.cache_hit_rate.set(self._cached_total / self._prompt_total)
         self.e2e.observe(e2e)
+
+    def speculation_ended(self, verify_steps: int, drafted: int, accepted: int) -> None:
+        """An ended request's speculative decoding totals."""
+        self.spec_verify_steps.inc(verify_steps)
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        self._drafted_total += drafted
+        self._accepted_total += accepted
+        if self._drafted_total:
+            self.spec_accept_rate.set(self._accepted_total / self._drafted_total)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -247,6 +247,8 @@ class TokenizerManager:
         state.apply(o)
         if o.finished_reason is not None:
             m.request_ended(o.finished_reason.kind, o.prompt_tokens, o.cached_tokens, now - state.arrival)
+            if o.spec_verify_ct:
+                m.speculation_ended(o.spec_verify_ct, o.spec_draft_token_num, o.spec_accept_token_num)
         state.wake.put_nowait(None)
 
     # -- validation and tokenization ----------------------------------------------------------

@@ -90,6 +90,11 @@ def jump_forward(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
 
+@pytest.fixture(scope="module")
+def speculative(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_speculative.py", out_dir, "speculative")
+
+
 def test_fewshot_engine(fewshot: dict[str, Any]) -> None:
     assert set(fewshot["systems"]) == {"gsm8k", "mmlu"}
     for task, systems in fewshot["systems"].items():
@@ -181,6 +186,22 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
         assert 1 <= r["host_reads_median"] <= r["host_reads_max"]
         assert sum(r["host_reads_by_method"].values()) >= steps
     assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
+
+
+def test_speculative(speculative: dict[str, Any]) -> None:
+    assert speculative["draft_tokens"] == [0, 2]
+    for k, run_k in speculative["runs"].items():
+        for name in ("rag", "chat", "gsm8k"):
+            # Speculation never changes greedy tokens.
+            assert run_k[name]["same_tokens_as_k0"], (k, name)
+        for name in ("rag", "chat"):
+            r = run_k[name]
+            assert r["completion_tokens"] == speculative["sizes"]["max_new_tokens"]
+            assert r["ttft_s"] > 0 and r["decode_tok_per_s"] > 0
+            assert r["accept_length"] >= 1.0
+        assert run_k["gsm8k"]["accept_length"] >= 1.0
+    # Prompt lookup finds the quoted paragraph in the RAG prompt.
+    assert speculative["runs"]["2"]["rag"]["accept_rate"] > 0
 
 
 def test_run_all_renders_readme(

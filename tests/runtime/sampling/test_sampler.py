@@ -15,6 +15,7 @@ from radixlm_runtime.sampling.sampler import (
     PenaltyInfo,
     Sampler,
     SamplingBatchInfo,
+    accepted_draft_len,
     apply_penalties,
     apply_token_bitmask_,
     build_token_bitmask,
@@ -579,3 +580,31 @@ def _reference_masked(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Te
     banned[:, 0] = -math.inf
     keep_ban = torch.isfinite(banned).any(dim=-1, keepdim=True)
     return torch.where(keep_ban, banned, x)
+
+
+def test_accepted_draft_len_stops_at_the_first_mismatch() -> None:
+    assert accepted_draft_len([], [5]) == 0
+    assert accepted_draft_len([5, 6, 7], [5, 6, 7, 8]) == 3  # all accepted, 8 is the bonus
+    assert accepted_draft_len([5, 6, 7], [5, 9, 7, 8]) == 1  # 9 corrects the rejected 6
+    assert accepted_draft_len([5, 6], [4, 6, 1]) == 0
+
+
+@pytest.mark.parametrize("draft", [0, 3, 7])
+def test_verifying_a_draft_is_rejection_sampling_with_a_one_hot_proposal(draft: int) -> None:
+    """Sampling a draft's row as usual and accepting the draft when the draw equals it accepts with
+    probability p(x) and, on rejection, yields a token from normalize(max(p - onehot(x), 0)), the
+    exact rule; p is the request's processed distribution (here temperature and top-k)."""
+    logits = random_logits(1, 8, seed=3, scale=1.5)[0]
+    params = sp(temperature=0.7, top_k=5)
+    n = 40_000
+    draws = draw_many(logits, params, n, seed=1)
+    kept = torch.topk(logits, 5).indices
+    p = torch.zeros(8, dtype=torch.float64)
+    p[kept] = torch.softmax(logits[kept].double() / 0.7, dim=0)
+    accepted = [accepted_draft_len([draft], [int(t)]) for t in draws]
+    assert sum(accepted) / n == pytest.approx(float(p[draft]), abs=0.01)
+    rejected = draws[torch.tensor(accepted) == 0]
+    residual = (p - torch.nn.functional.one_hot(torch.tensor(draft), 8)).clamp(min=0)
+    residual /= residual.sum()
+    empirical = torch.bincount(rejected, minlength=8).double() / rejected.numel()
+    assert float((empirical - residual).abs().sum()) / 2 < 0.02

@@ -150,3 +150,34 @@ def test_registry_per_instance_and_token_accounting() -> None:
     assert value(sa, "radixlm_inter_token_latency_seconds_sum") == pytest.approx(0.3)
     assert value(sa, "radixlm_cache_hit_rate") == pytest.approx(0.4)
     assert value(sa, "radixlm_requests_finished_total", finish_reason="length") == 1
+
+
+def test_speculation_counters_accumulate_and_rate() -> None:
+    m = ServerMetrics()
+    m.speculation_ended(verify_steps=5, drafted=8, accepted=6)
+    m.speculation_ended(verify_steps=3, drafted=2, accepted=0)
+    s = parse(m.render().decode())
+    assert value(s, "radixlm_spec_verify_steps_total") == 8
+    assert value(s, "radixlm_spec_draft_tokens_total") == 10
+    assert value(s, "radixlm_spec_accepted_tokens_total") == 6
+    assert value(s, "radixlm_spec_accept_rate") == pytest.approx(0.6)
+
+
+def test_speculative_server_reports_acceptance(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--speculative-num-draft-tokens: SGLang's spec_* fields in meta_info, summed in /metrics."""
+    srv = launch_server(tmp_path_factory.mktemp("spec_metrics"), "--speculative-num-draft-tokens", "4")
+    try:
+        text = "one two three four five six seven eight. one two three four five six seven eight. one two"
+        body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": 12}}
+        r = requests.post(f"{srv.url}/generate", json=body, headers=HEADERS, timeout=300)
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert 0 < meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+        assert meta["spec_verify_ct"] < meta["completion_tokens"]
+        samples = scrape(srv)
+        assert value(samples, "radixlm_spec_verify_steps_total") == meta["spec_verify_ct"]
+        assert value(samples, "radixlm_spec_draft_tokens_total") == meta["spec_draft_token_num"]
+        assert value(samples, "radixlm_spec_accepted_tokens_total") == meta["spec_accept_token_num"]
+        assert value(samples, "radixlm_spec_accept_rate") == pytest.approx(meta["spec_accept_rate"])
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
