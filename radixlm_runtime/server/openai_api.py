@@ -564,12 +564,18 @@ def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: 
 async def _check_call_schemas(tm: TokenizerManager, plan: tc.ToolPlan) -> None:
     """Refuses (400, naming the tool) parameters the constraint engine cannot enforce, before any
     phase runs."""
-    for i, tool in enumerate(plan.tools):
-        if tool in plan.callable:
-            schema = json.dumps(tc.call_schema([tool]))
-            await tm.check_constraints(None, schema, prefix=f"tools[{i}].function.parameters: ")
+    checks = [
+        (tc.call_schema([t]), f"tools[{i}].function.parameters")
+        for i, t in enumerate(plan.tools)
+        if t in plan.callable
+    ]
     if len(plan.callable) > 1:
-        await tm.check_constraints(None, json.dumps(tc.call_schema(plan.callable)), prefix="tools: ")
+        checks.append((tc.call_schema(plan.callable), "tools"))
+    for schema, param in checks:
+        try:
+            await tm.constraints.check(None, json.dumps(schema))
+        except ValueError as e:
+            raise RequestError(f"{param}: {e}", param=param) from None
 
 
 def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, index: int) -> tc.ToolCallLoop:

@@ -176,6 +176,8 @@ def _check_parameters(parameters: Any, where: str) -> None:
         jsonschema.Draft202012Validator.check_schema(parameters)
     except jsonschema.SchemaError as e:
         raise RequestError(f"{where} is not a valid JSON Schema: {e.message}", param=where) from None
+    except RecursionError:
+        raise RequestError(f"{where} is nested too deeply", param=where) from None
     if parameters.get("type") != "object":
         raise RequestError(
             f"{where} must be a JSON Schema of type 'object', got type {parameters.get('type')!r}",

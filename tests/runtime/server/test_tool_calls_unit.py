@@ -45,6 +45,8 @@ ADD = {
     },
 }
 
+DEEP = '{"type":"object","properties":{"a":' * 400 + "{}" + "}}" * 400
+
 
 def plan(choice: Any = None, tools: list[Any] | None = None, parallel: bool | None = None) -> tc.ToolPlan:
     parsed = tc.parse_tool_request([WEATHER, ADD] if tools is None else tools, choice, parallel, None, None)
@@ -121,6 +123,13 @@ def test_default_parameters_are_an_empty_object() -> None:
             "tools[0].function.parameters",
         ),
         ([WEATHER, WEATHER], None, None, None, "tools[1].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": json.loads(DEEP)}}],
+            None,
+            None,
+            None,
+            "tools[0].function.parameters",
+        ),
         (None, None, [{"name": "f"}], None, "functions"),
         (None, None, None, {"name": "f"}, "function_call"),
     ],
