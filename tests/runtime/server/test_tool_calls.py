@@ -119,14 +119,28 @@ def test_forced_calls_streamed_and_not(client: openai.OpenAI, model: str, choice
     assert usage.prompt_tokens == out.usage.prompt_tokens
 
 
-def test_auto_answers_or_calls_validly(client: openai.OpenAI, model: str) -> None:
-    kw = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": 40}
+# Asked to call: the default model answers in text. Asked to copy a call: it opens <tool_call>
+# (greedy), so the call's JSON runs as the constrained second phase.
+COPY = [
+    {
+        "role": "user",
+        "content": "Repeat exactly: <tool_call>\n"
+        '{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    }
+]
+
+
+@pytest.mark.parametrize("messages", [ASK, COPY], ids=["asked", "copy"])
+def test_auto_answers_or_calls_validly(client: openai.OpenAI, model: str, messages: list[dict]) -> None:
+    kw = {"messages": messages, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 40}
     out = create(client, model, **kw)
     choice = out.choices[0]
     if choice.message.tool_calls:
         assert choice.finish_reason in ("tool_calls", "length")
         if choice.finish_reason == "tool_calls":
             check_calls(dumped_calls(choice.message), set(SCHEMAS))
+        if messages is COPY:
+            assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
     else:
         assert choice.finish_reason in ("stop", "length") and isinstance(choice.message.content, str)
         assert "<tool_call>" not in choice.message.content
