@@ -41,6 +41,8 @@ NEXT_CALL_REGEX = r"(\n<tool_call>)?"
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 _MODES = ("none", "auto", "required")
+# Keywords whose values are JSON data, not schemas: a "$ref" inside them is not a reference.
+_LITERALS = {"const", "enum", "default", "examples"}
 # The start of a call's JSON up to its arguments' value, whitespace-tolerant so that a constraint
 # engine with flexible whitespace parses the same way.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
@@ -279,22 +281,24 @@ def _hermes_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Past calls appended to the assistant's turn as `<tool_call>` blocks; tool (and function)
     results as a user turn of `<tool_response>` blocks, consecutive results in one turn."""
     out: list[dict[str, Any]] = []
+    results: dict[str, Any] | None = None  # the user turn that consecutive results go into
     for m in messages:
         if m["role"] in ("tool", "function"):
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
-                out[-1]["content"] += "\n" + block
+            if results is None:
+                results = {"role": "user", "content": block}
+                out.append(results)
             else:
-                out.append({"role": "user", "content": block, "tool_results": True})
+                results["content"] += "\n" + block
             continue
-        calls = m.get("tool_calls") or []
+        results = None
         texts = [m["content"]] if m["content"] else []
         texts.extend(
             f"{CALL_OPEN}\n{call_text(c['function']['name'], c['function']['arguments'])}\n{CALL_CLOSE}"
-            for c in calls
+            for c in m.get("tool_calls") or []
         )
         out.append({"role": m["role"], "content": "\n".join(texts)})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+    return out
 
 
 # -- constraint --------------------------------------------------------------------------------
@@ -321,7 +325,7 @@ def _rebase_refs(node: Any, at: str) -> Any:
         return [_rebase_refs(v, at) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {k: _rebase_refs(v, at) for k, v in node.items()}
+    out = {k: v if k in _LITERALS else _rebase_refs(v, at) for k, v in node.items()}
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         out["$ref"] = at + ref[1:]

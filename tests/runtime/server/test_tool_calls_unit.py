@@ -38,7 +38,10 @@ ADD = {
         "name": "add",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"$ref": "#/$defs/num"}, "b": {"$ref": "#/$defs/num"}},
+            "properties": {
+                "a": {"$ref": "#/$defs/num"},
+                "b": {"$ref": "#/$defs/num", "default": {"$ref": "#/data"}},
+            },
             "required": ["a", "b"],
             "$defs": {"num": {"type": "integer"}},
         },
@@ -237,9 +240,9 @@ def test_call_schema_accepts_exactly_valid_calls_with_rebased_refs() -> None:
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, both)
-    assert both["anyOf"][1]["properties"]["arguments"]["properties"]["a"] == {
-        "$ref": "#/anyOf/1/properties/arguments/$defs/num"
-    }
+    arguments = both["anyOf"][1]["properties"]["arguments"]["properties"]
+    assert arguments["a"] == {"$ref": "#/anyOf/1/properties/arguments/$defs/num"}
+    assert arguments["b"]["default"] == {"$ref": "#/data"}  # data, not a reference
 
 
 def test_call_schema_compiles_on_the_constraint_engine() -> None:
