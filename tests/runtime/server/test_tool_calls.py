@@ -58,7 +58,7 @@ CHOICES = {"required": "required", "named": {"type": "function", "function": {"n
 
 
 def create(client: openai.OpenAI, model: str, **kw: Any) -> Any:
-    return client.chat.completions.create(model=model, temperature=0, **({"messages": ASK} | kw))
+    return client.chat.completions.create(model=model, **({"messages": ASK, "temperature": 0} | kw))
 
 
 def streamed(client: openai.OpenAI, model: str, **kw: Any) -> tuple[dict[str, Any], str, Any, list[Any]]:
@@ -117,6 +117,22 @@ def test_forced_calls_streamed_and_not(client: openai.OpenAI, model: str, choice
     assert all(d.type is None and d.function.name is None for d in deltas if d.id is None)
     assert usage.completion_tokens == out.usage.completion_tokens
     assert usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_several_choices_stream_their_own_calls(client: openai.OpenAI, model: str) -> None:
+    kw = {"tools": TOOLS, "tool_choice": CHOICES["named"], "max_tokens": 32, "n": 2, "seed": 7}
+    out = create(client, model, **kw | {"temperature": 1.0})
+    calls: dict[int, list[Any]] = {0: [], 1: []}
+    finishes = {}
+    for chunk in create(client, model, stream=True, **kw | {"temperature": 1.0}):
+        for choice in chunk.choices:
+            calls[choice.index].extend(choice.delta.tool_calls or [])
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    for i, choice in enumerate(out.choices):
+        assert choice.index == i and finishes[i] == choice.finish_reason == "tool_calls"
+        check_calls(dumped_calls(choice.message), {"get_weather"})
+        streamed_args = "".join(d.function.arguments for d in calls[i])
+        assert streamed_args == choice.message.tool_calls[0].function.arguments
 
 
 # Asked to call: the default model answers in text. Asked to copy a call: it opens <tool_call>
