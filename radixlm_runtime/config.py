@@ -203,6 +203,11 @@ class ServerConfig:
         64, "Most stop strings per request; every streamed token is checked against them. More get HTTP 400."
     )
     max_stop_length: int = flag(512, "Longest stop string in characters; longer ones get HTTP 400.")
+    max_tool_calls: int = flag(
+        8,
+        "Most tool calls in one chat completion choice when parallel_tool_calls is allowed: after each "
+        "call the model chooses to end its turn or open another, and a model that keeps calling stops here.",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -211,7 +216,7 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        for name in ("max_n", "max_stop_strings", "max_stop_length"):
+        for name in ("max_n", "max_stop_strings", "max_stop_length", "max_tool_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:

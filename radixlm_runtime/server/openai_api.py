@@ -7,6 +7,8 @@ response shapes differ, so both APIs validate and schedule identically.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import json
 import time
@@ -22,7 +24,9 @@ from fastapi.responses import JSONResponse, Response
 from radixlm_runtime.constrained.constraint import Constraint
 from radixlm_runtime.io.inputs import check_priority
 from radixlm_runtime.io.outputs import json_logprob
+from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server import http_utils as hu
+from radixlm_runtime.server import tool_calls as tc
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.tokenizer_manager import (
     GenerateInput,
@@ -149,16 +153,18 @@ class ChatRequest(_SamplingFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     prediction: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
+    # Tool calling (tool_calls.py); the deprecated functions / function_call are refused unless they
+    # ask for nothing.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # Refused unless they ask for nothing (_check_unsupported_chat_fields).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
 
@@ -255,7 +261,15 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         _check_common(body)
         check_model(body.model)
         _check_unsupported_chat_fields(body)
-        ids = tm.render_chat(chat_template_messages(tm, body.messages))
+        plan = tc.parse_tool_request(
+            body.tools, body.tool_choice, body.parallel_tool_calls, body.functions, body.function_call
+        )
+        if plan is not None and plan.calls:
+            formatted = body.response_format is not None and body.response_format.type != "text"
+            tc.check_compatible(
+                plan, bool(body.logprobs), formatted, body.regex is not None, body.ebnf is not None
+            )
+        ids = render_chat_prompt(tm, body.messages, plan)
         want_lp = bool(body.logprobs)
         if body.top_logprobs is not None:
             if not want_lp:
@@ -264,15 +278,27 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         json_schema = await _response_format_schema(tm, body.response_format)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
-            assert tm.ready is not None
-            max_tokens = max(min(tm.ready.context_length, tm.ready.max_total_tokens) - len(ids), 0)
+            max_tokens = max(_max_total(tm) - len(ids), 0)
         inp = await _make_input(
             tm, body, ids, max_tokens, want_lp, body.top_logprobs or 0, False, "messages", json_schema
         )
         tm.check_capacity(inp.params.n)
-        jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
         resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": resp_id, "object": "chat.completion", "created": created, "model": model_name}
+        if plan is not None and plan.calls:
+            await _check_call_schemas(tm, plan)
+            loops = [_tool_loop(tm, plan, inp, i) for i in range(inp.params.n)]
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            if body.stream:
+                chunk_base = base | {"object": "chat.completion.chunk"}
+                return await hu.sse_stream(request, _tool_stream(loops, chunk_base, include_usage))
+            outs = await hu.unless_disconnected(request, gather_cancelling([_final(lp) for lp in loops]))
+            choices = [
+                {"index": i, "message": out.message(), "logprobs": None, "finish_reason": out.finish_reason}
+                for i, out in enumerate(outs)
+            ]
+            return JSONResponse(base | {"choices": choices, "usage": _tool_usage(outs)})
+        jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
         fmt_lp = lambda st, start: _chat_logprobs(tm, st, start)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -299,6 +325,12 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
 def _ctx(tm: TokenizerManager) -> int:
     assert tm.ready is not None
     return tm.ready.context_length
+
+
+def _max_total(tm: TokenizerManager) -> int:
+    """Most tokens one sequence (prompt + output) may hold."""
+    assert tm.ready is not None
+    return min(tm.ready.context_length, tm.ready.max_total_tokens)
 
 
 def _completion_prompts(tm: TokenizerManager, prompt: str | list[Any]) -> list[list[int]]:
@@ -379,16 +411,8 @@ def _check_unsupported_completion_fields(body: CompletionRequest) -> None:
 
 
 def _check_unsupported_chat_fields(body: ChatRequest) -> None:
-    """Tool calling, audio and web search are not implemented: a request that asks for them gets a
-    400 naming the field instead of an answer that silently lacks them. Choices that ask for nothing
-    ("none", or "auto" with no tools to call) are accepted."""
-    if body.tools:
-        raise RequestError("tools: tool calling is not supported by this server", param="tools")
-    if body.functions:
-        raise RequestError("functions: function calling is not supported by this server", param="functions")
-    for name, choice in (("tool_choice", body.tool_choice), ("function_call", body.function_call)):
-        if choice not in (None, "none", "auto"):
-            raise RequestError(f"{name}: tool calling is not supported by this server", param=name)
+    """Audio and web search are not implemented: a request that asks for them gets a 400 naming the
+    field instead of an answer that silently lacks them."""
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise RequestError("modalities: only 'text' output is supported", param="modalities")
     if body.audio is not None:
@@ -399,19 +423,34 @@ def _check_unsupported_chat_fields(body: ChatRequest) -> None:
         )
 
 
-def chat_template_messages(tm: TokenizerManager, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The template's messages. Tool calls in the history and tool/function results go to a template
-    that knows them as OpenAI sends them; otherwise they become text: a call is appended to the
-    assistant's turn as "[tool call ID: NAME(ARGUMENTS)]", a result is a user turn that starts with
-    "[tool result for call ID]" (README, "API")."""
+def render_chat_prompt(
+    tm: TokenizerManager,
+    messages: list[ChatMessage],
+    plan: tc.ToolPlan | None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt's token ids: the messages (and tools) through the chat template, in the model's
+    own tool format where its template takes tools, else in the Hermes format (tool_calls.py)."""
+    template = getattr(tm.tokenizer, "chat_template", None)
+    native = _takes_tools(template if isinstance(template, str) else None)
+    msgs, tools = tc.template_input(chat_template_messages(messages), plan, native)
+    return tm.render_chat(msgs, add_generation_prompt, tools)
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_tools(template: str | None) -> bool:
+    return tc.template_takes_tools(template)
+
+
+def chat_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as OpenAI shapes them, checked, with text content: role and content, plus
+    tool_calls (a deprecated function_call becomes one), tool_call_id and a result's name."""
     if not messages:
         raise RequestError("messages must be a non-empty list", param="messages")
-    # A template that mentions tools renders tool calls and results itself.
-    knows_tools = "tool" in str(getattr(tm.tokenizer, "chat_template", None) or "")
-    return [_chat_message(i, m, knows_tools) for i, m in enumerate(messages)]
+    return [_chat_message(i, m) for i, m in enumerate(messages)]
 
 
-def _chat_message(i: int, m: ChatMessage, template_knows_tools: bool) -> dict[str, Any]:
+def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
     where = f"messages[{i}]"
     if m.role not in CHAT_ROLES:
         raise RequestError(f"{where}.role must be one of {sorted(CHAT_ROLES)}", param=f"{where}.role")
@@ -426,29 +465,15 @@ def _chat_message(i: int, m: ChatMessage, template_knows_tools: bool) -> dict[st
         content = m.refusal
     calls = list(m.tool_calls or [])
     if m.function_call is not None:
-        calls.append(ToolCall(id="", function=m.function_call))
-    if template_knows_tools:
-        out: dict[str, Any] = {"role": m.role, "content": content}
-        if calls:
-            out["tool_calls"] = [msgspec.to_builtins(c) for c in calls]
-        if m.tool_call_id is not None:
-            out["tool_call_id"] = m.tool_call_id
-        if m.name is not None and m.role in ("tool", "function"):
-            out["name"] = m.name
-        return out
-    if m.role == "tool":
-        return {"role": "user", "content": f"[tool result for call {m.tool_call_id}]\n{content}"}
-    if m.role == "function":
-        return {"role": "user", "content": f"[function result of {m.name}]\n{content}"}
-    texts = [content] if content else []
-    texts.extend(_call_text(c) for c in calls)
-    return {"role": m.role, "content": "\n".join(texts)}
-
-
-def _call_text(call: ToolCall) -> str:
-    """A past tool call as prompt text (a deprecated function_call has no id)."""
-    what = f"tool call {call.id}" if call.id else "function call"
-    return f"[{what}: {call.function.name}({call.function.arguments})]"
+        calls.append(ToolCall(id=f"call_{i}", function=m.function_call))
+    out: dict[str, Any] = {"role": m.role, "content": content}
+    if calls:
+        out["tool_calls"] = [msgspec.to_builtins(c) for c in calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None and m.role in ("tool", "function"):
+        out["name"] = m.name
+    return out
 
 
 def _text_content(content: str | list[dict[str, Any]] | None, where: str) -> str:
@@ -541,6 +566,77 @@ def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: 
     return make
 
 
+async def _check_call_schemas(tm: TokenizerManager, plan: tc.ToolPlan) -> None:
+    """Refuses (400, naming the tool) parameters the constraint engine cannot enforce, before any
+    phase runs."""
+    checks = [
+        (tc.call_schema([t]), f"tools[{i}].function.parameters")
+        for i, t in enumerate(plan.tools)
+        if t in plan.callable
+    ]
+    if len(plan.callable) > 1:
+        checks.append((tc.call_schema(plan.callable), "tools"))
+    for schema, param in checks:
+        try:
+            await tm.constraints.check(Constraint("json_schema", json.dumps(schema)))
+        except ValueError as e:
+            raise RequestError(f"{param}: {e}", param=param) from None
+
+
+def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, index: int) -> tc.ToolCallLoop:
+    """Choice `index` of a tool-calling turn; its phases run as sample `index` of the prompt (same
+    seed offset as an ordinary choice)."""
+
+    async def run_phase(ids: list[int], params: SamplingParams) -> AsyncIterator[RequestState]:
+        phase = dataclasses.replace(inp, input_ids=ids, params=params, rid=uuid.uuid4().hex)
+        async with contextlib.aclosing(tm.generate(phase, index, stream=True)) as states:
+            async for st in states:
+                _finish_reason(st)  # an aborted phase fails the request
+                yield st
+
+    encode = lambda text: tm.tokenizer.encode(text, add_special_tokens=False)
+    return tc.ToolCallLoop(
+        plan, inp.input_ids, inp.params, encode, run_phase, _max_total(tm), tm.args.server.max_tool_calls
+    )
+
+
+async def _final(loop: tc.ToolCallLoop) -> tc.ChoiceOutput:
+    """Runs a tool-calling choice to its end."""
+    outputs = [out async for out in loop.run()]
+    return outputs[-1]
+
+
+async def _tool_stream(
+    loops: list[tc.ToolCallLoop], base: dict[str, Any], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE chunks of tool-calling choices: content and call deltas as OpenAI streams them."""
+    builders = [tc.DeltaBuilder() for _ in loops]
+    finished: set[int] = set()
+    usage_field = {"usage": None} if include_usage else {}
+    async with contextlib.aclosing(merge_streams([lp.run() for lp in loops])) as merged:
+        async for i, out in merged:
+            # Queued items of one choice are the same object: it may already be further on.
+            if i in finished:
+                continue
+            deltas = builders[i].deltas(out)
+            if out.finish_reason is not None:
+                finished.add(i)
+                deltas.append({})
+            for j, delta in enumerate(deltas):
+                last = out.finish_reason is not None and j == len(deltas) - 1
+                choice = {"index": i, "delta": delta, "logprobs": None}
+                choice["finish_reason"] = out.finish_reason if last else None
+                yield hu.sse(base | {"choices": [choice]} | usage_field)
+    if include_usage:
+        yield hu.sse(base | {"choices": [], "usage": _tool_usage([lp.out for lp in loops])})
+
+
+def _tool_usage(outs: list[tc.ChoiceOutput]) -> dict[str, Any]:
+    """Prompt tokens once (every phase's prompt past the first is the turn so far), generated tokens
+    of every phase of every choice."""
+    return _usage_dict(outs[0].prompt_tokens, outs[0].cached_tokens, sum(o.completion_tokens for o in outs))
+
+
 # -- response pieces --------------------------------------------------------------------------
 def _finish_reason(st: RequestState) -> str | None:
     """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice
@@ -556,13 +652,18 @@ def _finish_reason(st: RequestState) -> str | None:
 def _usage(jobs: list[_Job], states: list[RequestState]) -> dict[str, Any]:
     """Prompt (and cached) tokens count once per prompt, completion tokens once per choice."""
     firsts = [st for job, st in zip(jobs, states) if job.index == 0]
-    prompt = sum(st.prompt_tokens for st in firsts)
     completion = sum(len(st.output_ids) for st in states)
+    return _usage_dict(
+        sum(st.prompt_tokens for st in firsts), sum(st.cached_tokens for st in firsts), completion
+    )
+
+
+def _usage_dict(prompt: int, cached: int, completion: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(st.cached_tokens for st in firsts)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -10,8 +10,9 @@ from fastapi import APIRouter, Request
 
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
-from radixlm_runtime.server.openai_api import ChatMessage, chat_template_messages, model_checker
+from radixlm_runtime.server.openai_api import ChatMessage, model_checker, render_chat_prompt
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
+from radixlm_runtime.server.tool_calls import parse_tool_request
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -20,6 +21,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | list[str] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # with messages: rendered as /v1/chat/completions renders them
     # Default: True for a prompt, False for messages (the chat template writes the special tokens).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -81,9 +83,11 @@ def _tokenize(tm: TokenizerManager, body: TokenizeRequest) -> tuple[list[list[in
     """Token ids of each prompt (or of the rendered conversation), and whether there was one."""
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give exactly one of prompt and messages", param="prompt")
+    if body.tools is not None and body.messages is None:
+        raise RequestError("tools are only rendered with messages", param="tools")
     if body.messages is not None:
-        messages = chat_template_messages(tm, body.messages)
-        ids = tm.render_chat(messages, body.add_generation_prompt)
+        plan = parse_tool_request(body.tools, None, None, None, None)
+        ids = render_chat_prompt(tm, body.messages, plan, body.add_generation_prompt)
         if body.add_special_tokens:
             ids = tm.tokenizer.build_inputs_with_special_tokens(ids)
         return [ids], True

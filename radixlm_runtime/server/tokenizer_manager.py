@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -39,6 +39,7 @@ from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 # How often the watchdog checks that the scheduler process is alive.
 WATCHDOG_INTERVAL_S = 0.5
@@ -255,12 +256,18 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The chat template's prompt; `tools` (OpenAI's tool objects) go to a template that takes them."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # the template itself rejects the conversation (e.g. role order)
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
@@ -495,13 +502,12 @@ async def gather_cancelling(awaitables: list[Awaitable[Any]]) -> list[Any]:
             t.cancel()
 
 
-async def merge_streams(
-    streams: list[AsyncIterator[RequestState]],
-) -> AsyncIterator[tuple[int, RequestState]]:
-    """Interleaves several request streams as (stream index, state), in arrival order."""
-    queue: asyncio.Queue[tuple[int, RequestState | BaseException | None]] = asyncio.Queue()
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves several streams (of request states, or tool-calling turns) as (stream index,
+    item), in arrival order."""
+    queue: asyncio.Queue[tuple[int, T | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, it: AsyncIterator[RequestState]) -> None:
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
         try:
             async with contextlib.aclosing(it) as states:  # type: ignore[type-var]
                 async for state in states:
