@@ -83,6 +83,12 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
     raise FileNotFoundError(f"model path {model_path!r} does not exist")
 
 
+def gguf_source(model_path: str | None) -> Path | None:
+    """The GGUF file model_path names (None: the embedded default), or None for a directory."""
+    source = Path(default_model_path() if model_path is None else model_path).expanduser()
+    return source if source.is_file() and source.suffix.lower() == ".gguf" else None
+
+
 def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) from every *.safetensors file in the dir, memory-mapped rather than copied."""
     from safetensors import safe_open
