@@ -336,11 +336,12 @@ int rq_has_avx2_fma(void) {
 }
 
 // mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM. The caller picks (see
-// quant_kernels.py), so tests reach every path on one machine.
+// quant_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always runs 0.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
-  if (mode == 0) {
+  static const bool simd = rq_has_avx2_fma();
+  if (mode == 0 || !simd) {
     linear_scalar(w, x, m, y, threads);
   } else if (mode == 1) {
     gemv_dispatch(w, x, m, y, threads);
