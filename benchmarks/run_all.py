@@ -49,6 +49,7 @@ BENCHMARKS = [
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
+    Bench("single_stream", "bench_single_stream.py", "Single-stream decode: quantized weights vs llama.cpp"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into
 # BENCHMARKS once it does.
