@@ -46,9 +46,7 @@ def _reference(model_dir: Path, tokenizer, prompts: list[str]) -> list[list[int]
 
 def test_layers_are_served_quantized(engine: rt.Engine) -> None:
     model = engine.runner.model
-    bits = {
-        engine.server_args.engine.quantization: 8 if engine.server_args.engine.quantization == "int8" else 4
-    }
+    bits = 8 if engine.server_args.engine.quantization == "int8" else 4
     layer = model.layers[0]
     for linear in (
         layer.self_attn.qkv_proj,
@@ -56,18 +54,16 @@ def test_layers_are_served_quantized(engine: rt.Engine) -> None:
         layer.mlp.gate_up_proj,
         layer.mlp.down_proj,
     ):
-        assert linear.quantized is not None and linear.quantized.bits == next(iter(bits.values()))
+        assert linear.quantized is not None and linear.quantized.bits == bits
     assert model.lm_head.quantized is not None and model.lm_head.quantized.bits == 8
 
 
-def test_chat_answer_is_sane(engine: rt.Engine) -> None:
-    text = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        tokenize=False,
-        add_generation_prompt=True,
+def test_greedy_output_is_sane(engine: rt.Engine) -> None:
+    capital, count = engine.generate(
+        ["The capital of France is", "1, 2, 3, 4, 5,"], {"temperature": 0, "max_new_tokens": 8}
     )
-    out = engine.generate(text, {"temperature": 0, "max_new_tokens": 24})
-    assert "Paris" in out["text"]
+    assert "Paris" in capital["text"]
+    assert count["text"].lstrip().startswith("6")
 
 
 def test_greedy_tokens_mostly_agree_with_fp32_transformers(
