@@ -49,7 +49,6 @@ RADIXLM_SYSTEMS: dict[str, dict[str, Any]] = {
 OTHER_SYSTEMS = ("llamacpp", "transformers")
 DEFAULT_SYSTEMS = ",".join([*RADIXLM_SYSTEMS, *OTHER_SYSTEMS])
 REFERENCE = "radixlm_fp32"
-THREADS = os.cpu_count() or 1
 
 DOCUMENT = " ".join(
     f"Section {i}. The harbour town of Lindqvist was founded in {1650 + 7 * i} by fishermen from the "
@@ -105,11 +104,11 @@ class Timer:
 Runner = tuple[Callable[[list[int]], tuple[Timer, list[int]]], Callable[[], None]]
 
 
-def radixlm_runner(name: str, new_tokens: int) -> Runner:
+def radixlm_runner(name: str, new_tokens: int, threads: int) -> Runner:
     import radixlm_runtime as rt
 
     engine = rt.Engine(
-        max_total_tokens=8192, num_threads=THREADS, log_level="warning", **RADIXLM_SYSTEMS[name]
+        max_total_tokens=8192, num_threads=threads, log_level="warning", **RADIXLM_SYSTEMS[name]
     )
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
@@ -124,13 +123,13 @@ def radixlm_runner(name: str, new_tokens: int) -> Runner:
     return run, engine.shutdown
 
 
-def llamacpp_runner(new_tokens: int) -> Runner:
+def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
     import numpy as np
     from llama_cpp import Llama, LogitsProcessorList
 
     from radixlm_runtime.models.loader import default_model_path
 
-    llm = Llama(model_path=default_model_path(), n_ctx=4096, n_threads=THREADS, verbose=False, seed=0)
+    llm = Llama(model_path=default_model_path(), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
     eos = llm.token_eos()
 
     def ban_eos(_ids: Any, scores: np.ndarray) -> np.ndarray:
@@ -153,13 +152,13 @@ def llamacpp_runner(new_tokens: int) -> Runner:
     return run, llm.close
 
 
-def transformers_runner(new_tokens: int) -> Runner:
+def transformers_runner(new_tokens: int, threads: int) -> Runner:
     import torch
     from transformers import AutoModelForCausalLM
 
     from radixlm_runtime.models.loader import resolve_model_path
 
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)), dtype=torch.float32).eval()
 
     def run(ids: list[int]) -> tuple[Timer, list[int]]:
@@ -177,13 +176,13 @@ def transformers_runner(new_tokens: int) -> Runner:
     return run, lambda: None
 
 
-def make_runner(name: str, new_tokens: int) -> Runner:
+def make_runner(name: str, new_tokens: int, threads: int) -> Runner:
     if name in RADIXLM_SYSTEMS:
-        return radixlm_runner(name, new_tokens)
+        return radixlm_runner(name, new_tokens, threads)
     if name == "llamacpp":
-        return llamacpp_runner(new_tokens)
+        return llamacpp_runner(new_tokens, threads)
     if name == "transformers":
-        return transformers_runner(new_tokens)
+        return transformers_runner(new_tokens, threads)
     raise ValueError(f"unknown system {name!r}; known: {[*RADIXLM_SYSTEMS, *OTHER_SYSTEMS]}")
 
 
@@ -198,9 +197,11 @@ def prompt_ids() -> dict[str, list[int]]:
     return {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
 
 
-def measure(systems: list[str], prompts: dict[str, list[int]], new_tokens: int) -> Iterator[Run]:
+def measure(
+    systems: list[str], prompts: dict[str, list[int]], new_tokens: int, threads: int
+) -> Iterator[Run]:
     for system in systems:
-        run, close = make_runner(system, new_tokens)
+        run, close = make_runner(system, new_tokens, threads)
         try:
             run(prompts["chat"][:16])  # warm-up
             for name, ids in prompts.items():
@@ -253,11 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args, sizes = parse_sizes(ap, argv, SIZES)
     systems = list_flag(args, "--systems", str)
-    if args.threads:
-        global THREADS
-        THREADS = args.threads
+    threads = args.threads or os.cpu_count() or 1
     prompts = prompt_ids()
-    runs = list(measure(systems, prompts, sizes["new_tokens"]))
+    runs = list(measure(systems, prompts, sizes["new_tokens"], threads))
     table = Table(
         "Single-stream decode (greedy, one request at a time)",
         ["system", "prompt", "prompt tokens", "TTFT s", "decode tok/s", f"same first tokens as {REFERENCE}"],
@@ -274,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     notes = [
-        f"{THREADS} CPU thread(s) per system.",
+        f"{threads} CPU thread(s) per system.",
         f"{sizes['new_tokens']} new tokens per request (end-of-sequence ignored), the prompt prefilled in "
         "full (no prompt cache); decode tok/s counts the tokens after the first over the time after it.",
         "radixlm_int4 is --quantization auto: the GGUF's own Q4_1 blocks (int4) and Q8_0 lm_head (int8), the "
