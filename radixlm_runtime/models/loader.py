@@ -4,6 +4,8 @@ The runtime and the transformers reference both read that directory (config.json
 files), so a GGUF file is dequantized once into a cache directory and reused on every later start. The cache
 key is the file's path, size and mtime: hashing 100 MB on each start would cost more than the whole check.
 transformers is imported only when a conversion actually runs, to keep the cached path fast.
+With --quantization auto/int4/int8 the runtime still reads config, tokenizer and float tensors from that
+directory, but takes a GGUF's quantized linears from the GGUF itself (gguf_weights.py, via gguf_source).
 """
 
 from __future__ import annotations
