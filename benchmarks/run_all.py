@@ -50,6 +50,7 @@ BENCHMARKS = [
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),
+    Bench("single_stream", "bench_single_stream.py", "Single-stream decode: quantized weights vs llama.cpp"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into
 # BENCHMARKS once it does.

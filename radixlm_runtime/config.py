@@ -39,6 +39,17 @@ class EngineConfig:
         "and bfloat16 on CUDA.",
         ("auto", "float32", "bfloat16", "float16"),
     )
+    quantization: str = flag(
+        "auto",
+        "Weight-only quantization of the linear layers, activations and accumulation staying float32 "
+        "(CPU). 'auto' keeps what the checkpoint has: a GGUF's Q4_0/Q4_1/Q8_0 tensors are served from "
+        "their own blocks as int4/int8 (the embedded model: Q4_1 layers as int4, its Q8_0 lm_head as "
+        "int8), a float checkpoint stays float. 'int8' (per output channel) and 'int4' (groups of 32 "
+        "columns, scale and min) quantize every linear a checkpoint does not already hold at that width; "
+        "the lm_head stays int8 under int4. 'none' serves float weights (a GGUF dequantized). Embeddings "
+        "stay float. On CUDA only 'none' and 'auto' (float weights there) are implemented.",
+        ("auto", "none", "int8", "int4"),
+    )
     attention_backend: str = flag(
         "auto",
         "Attention kernels: 'torch' (default on CPU) or 'triton' (default on CUDA).",

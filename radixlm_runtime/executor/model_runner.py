@@ -16,10 +16,13 @@ from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers.linear import prepack_linears
+from radixlm_runtime.layers.quant_kernels import QuantKernelError, load_kernels
+from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
 from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
+from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
 from radixlm_runtime.models.llama import LlamaForCausalLM
-from radixlm_runtime.models.loader import load_weights
+from radixlm_runtime.models.loader import gguf_source, load_weights
 from radixlm_runtime.sampling.sampler import (
     Sampler,
     SamplingBatchInfo,
@@ -135,8 +138,43 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         model.load_weights(load_weights(model_dir))
         model.eval()
+        self._quantize(model)
         prepack_linears(model)
         return model
+
+    def _quantize(self, model: LlamaForCausalLM) -> None:
+        """Gives linears int8/int4 weights per --quantization: a GGUF's own blocks where it has them,
+        otherwise quantized from the float weights just loaded (which are then dropped)."""
+        requested = self.engine_config.quantization
+        mode = resolve_quantization(requested, self.device, self.dtype)
+        if mode != requested:
+            logger.info("quantization %r serves float weights on %s (%s)", requested, self.device, self.dtype)
+        if mode == "none":
+            return
+        gguf = gguf_source(self.engine_config.model_path)
+        source = GGUFQuantizedWeights(gguf, self.config.num_heads, self.config.num_kv_heads) if gguf else None
+        plans = [(target, plan_linear(target, mode, source)) for target in model.linear_shards()]
+        plans = [(target, weight) for target, weight in plans if weight is not None]
+        if not plans:
+            return
+        try:
+            load_kernels()
+        except QuantKernelError:
+            if mode != "auto":
+                raise
+            logger.warning("quantization 'auto' serves float weights: the quantized kernels are unavailable")
+            return
+        for target, weight in plans:
+            target.linear.set_quantized(weight)
+        bits = sorted({weight.bits for _, weight in plans})
+        logger.info(
+            "quantization %s: %d of %d linears int%s (lm_head %s)",
+            mode,
+            len(plans),
+            len(model.linear_shards()),
+            "/int".join(map(str, bits)),
+            next((f"int{w.bits}" for t, w in plans if t.is_lm_head), "float"),
+        )
 
     def _kv_pool_size(self) -> int:
         if self.engine_config.max_total_tokens is not None:

@@ -1,4 +1,5 @@
-"""Linear layers whose CPU fp32 path runs through oneDNN with the weight prepacked once.
+"""Linear layers whose CPU fp32 path runs through oneDNN with the weight prepacked once, or through
+the weight-only quantized kernels (quant_kernels.py) once `set_quantized` gave them int8/int4 weights.
 
 torch's default CPU GEMM repacks the weight on every call; for the small row counts of decode
 steps that repacking costs as much as the multiply. Prepacking once at load time makes decode-step
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm_runtime.layers.quant_kernels import quantized_linear
+from radixlm_runtime.layers.quantization import QuantizedWeight
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
@@ -23,27 +27,44 @@ def onednn_available(weight: torch.Tensor) -> bool:
 
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
 
+    def set_quantized(self, weight: QuantizedWeight) -> None:
+        """Serves this layer from weight from now on; the float weight is dropped unless shared."""
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight is {weight.out_features}x{weight.in_features}, "
+                f"the layer {self.out_features}x{self.in_features}"
+            )
+        self.quantized = weight
+        self._packed = None
+        self._drop_weight()
+
     def prepack(self) -> None:
         """Call after the weights are loaded; later weight edits are not seen by the packed copy."""
-        if onednn_available(self.weight):
+        if self.quantized is None and onednn_available(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            if not self.keep_weight:
-                # The forward reads only the packed copy; a zero-size stand-in avoids holding the
-                # weights twice.
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+            self._drop_weight()
+
+    def _drop_weight(self) -> None:
+        if not self.keep_weight:
+            # The forward reads only the packed or quantized copy; a zero-size stand-in avoids
+            # holding the weights twice.
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 def prepack_linears(module: nn.Module) -> int:
-    """Prepacks every Linear in module; returns how many were packed."""
+    """Prepacks every float Linear in module; returns how many were packed."""
     count = 0
     for sub in module.modules():
         if isinstance(sub, Linear):

@@ -16,6 +16,7 @@ from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.layers.activation import SiluAndMul
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
+from radixlm_runtime.layers.quantization import LinearShards
 from radixlm_runtime.layers.rotary import CosSin, RotaryEmbedding
 from radixlm_runtime.models.config import ModelConfig
 
@@ -125,6 +126,27 @@ class LlamaForCausalLM(nn.Module):
             residual = residual.index_select(0, batch.logits_indices)
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden).float()
+
+    def linear_shards(self) -> list[LinearShards]:
+        """Every linear layer with the checkpoint weights fused into it, for quantization."""
+        config = self.config
+        attn = self.layers[0].self_attn
+        targets = []
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}"
+            qkv = [("q_proj", attn.q_size), ("k_proj", attn.kv_size), ("v_proj", attn.kv_size)]
+            mlp = [("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)]
+            for name, linear, shards in (
+                ("self_attn.qkv_proj", layer.self_attn.qkv_proj, [(f"self_attn.{n}", r) for n, r in qkv]),
+                ("self_attn.o_proj", layer.self_attn.o_proj, [("self_attn.o_proj", config.hidden_size)]),
+                ("mlp.gate_up_proj", layer.mlp.gate_up_proj, [(f"mlp.{n}", r) for n, r in mlp]),
+                ("mlp.down_proj", layer.mlp.down_proj, [("mlp.down_proj", config.hidden_size)]),
+            ):
+                weights = [(f"{prefix}.{shard}.weight", rows) for shard, rows in shards]
+                targets.append(LinearShards(f"{prefix}.{name}", linear, weights))
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        targets.append(LinearShards("lm_head", self.lm_head, [(head, config.vocab_size)], is_lm_head=True))
+        return targets
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.config.tie_word_embeddings:

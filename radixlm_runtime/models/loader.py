@@ -4,6 +4,8 @@ The runtime and the transformers reference both read that directory (config.json
 files), so a GGUF file is dequantized once into a cache directory and reused on every later start. The cache
 key is the file's path, size and mtime: hashing 100 MB on each start would cost more than the whole check.
 transformers is imported only when a conversion actually runs, to keep the cached path fast.
+With --quantization auto/int4/int8 the runtime still reads config, tokenizer and float tensors from that
+directory, but takes a GGUF's quantized linears from the GGUF itself (gguf_weights.py, via gguf_source).
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
             "supported, pass a local .gguf file or Hugging Face directory"
         )
     raise FileNotFoundError(f"model path {model_path!r} does not exist")
+
+
+def gguf_source(model_path: str | None) -> Path | None:
+    """The GGUF file model_path names (None: the embedded default), or None for a directory."""
+    source = Path(default_model_path() if model_path is None else model_path).expanduser()
+    return source if source.is_file() and source.suffix.lower() == ".gguf" else None
 
 
 def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

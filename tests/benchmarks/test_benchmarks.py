@@ -95,6 +95,11 @@ def speculative(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_speculative.py", out_dir, "speculative")
 
 
+@pytest.fixture(scope="module")
+def single_stream(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_single_stream.py", out_dir, "single_stream")
+
+
 def test_fewshot_engine(fewshot: dict[str, Any]) -> None:
     assert set(fewshot["systems"]) == {"gsm8k", "mmlu"}
     for task, systems in fewshot["systems"].items():
@@ -268,3 +273,20 @@ def test_programs(programs: dict[str, Any]) -> None:
             # Never above what the workload's own prefix tree allows (small slack: the ideal is
             # computed on retokenized text).
             assert 0.0 < servers[server]["hit_rate"] <= w["best_hit_rate"] + 0.05, (name, server)
+
+
+def test_single_stream(single_stream: dict[str, Any]) -> None:
+    systems = single_stream["systems"]
+    assert systems == ["radixlm_fp32", "radixlm_int4", "transformers"]
+    runs = single_stream["runs"]
+    assert {(r["system"], r["prompt"]) for r in runs} == {
+        (s, p) for s in systems for p in ("chat", "rag", "code")
+    }
+    new_tokens = single_stream["sizes"]["new_tokens"]
+    for r in runs:
+        assert len(r["output_ids"]) == new_tokens and r["ttft_s"] > 0 and r["decode_tok_s"] > 0
+    # int4 serves the fp32 reference's own weights and transformers runs them: greedy tokens agree.
+    by_key = {(r["system"], r["prompt"]): r["output_ids"] for r in runs}
+    for prompt in ("chat", "rag", "code"):
+        assert by_key[("radixlm_int4", prompt)][:4] == by_key[("radixlm_fp32", prompt)][:4]
+        assert by_key[("transformers", prompt)][:4] == by_key[("radixlm_fp32", prompt)][:4]

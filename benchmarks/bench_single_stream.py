@@ -1,0 +1,294 @@
+"""Single-stream decode: one request at a time, as one user chatting with a local server feels it.
+
+For each system and prompt: time to first token (prefill + first sample) and decode tokens/s after it
+(streamed, greedy, a fixed number of new tokens), plus how many of the first new tokens equal radixlm
+fp32's (greedy agreement). Systems: radixlm with --quantization none (fp32), int8 and int4 (auto: the
+GGUF's own Q4_1 blocks), llama.cpp on the same GGUF file (llama-cpp-python, the `llamacpp` extra) and
+transformers (fp32, the dequantized export). Prompts: a chat question, a summarisation / RAG prompt (a
+long document and a question) and a code-editing prompt.
+
+    python benchmarks/bench_single_stream.py                                  # all systems, 128 tokens
+    python benchmarks/bench_single_stream.py --systems radixlm_int4,llamacpp  # a subset
+    python benchmarks/bench_single_stream.py --tiny                           # 8 tokens, smoke run
+
+More radixlm rows are one entry of RADIXLM_SYSTEMS: engine keyword arguments under a name (for example
+speculative decoding, once its flag exists: {"speculative_num_draft_tokens": 4}).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from common import (
+    Size,
+    Table,
+    add_list_flag,
+    bench_parser,
+    fmt,
+    list_flag,
+    parse_sizes,
+    pyplot,
+    save_figure,
+    save_result,
+)
+
+NAME = "single_stream"
+SIZES = {"new_tokens": Size(128, 8, "new tokens per request")}
+# name -> Engine keyword arguments. Add rows here (e.g. speculative decoding on).
+RADIXLM_SYSTEMS: dict[str, dict[str, Any]] = {
+    "radixlm_fp32": {"quantization": "none"},
+    "radixlm_int8": {"quantization": "int8"},
+    "radixlm_int4": {"quantization": "auto"},
+}
+OTHER_SYSTEMS = ("llamacpp", "transformers")
+DEFAULT_SYSTEMS = ",".join([*RADIXLM_SYSTEMS, *OTHER_SYSTEMS])
+REFERENCE = "radixlm_fp32"
+
+DOCUMENT = " ".join(
+    f"Section {i}. The harbour town of Lindqvist was founded in {1650 + 7 * i} by fishermen from the "
+    f"northern islands. Its council met {i + 2} times a year, and by {1700 + 9 * i} the town exported "
+    f"{120 + 15 * i} tonnes of salted cod, most of it to merchants in the southern ports."
+    for i in range(12)
+)
+CODE = """def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        total = total + item["price"] * item["quantity"]
+    total = total * (1 + tax_rate)
+    return total
+"""
+PROMPTS = {
+    "chat": "What are three good habits for staying healthy? Explain each briefly.",
+    "rag": f"Read the document and answer the question.\n\n{DOCUMENT}\n\nQuestion: In which year was "
+    "Lindqvist founded, and what did it export? Summarise the document in a few sentences.",
+    "code": f"Edit this Python function so it skips items whose quantity is zero and rounds the "
+    f"result to two decimals. Return the whole function.\n\n```python\n{CODE}```",
+}
+
+
+@dataclass
+class Run:
+    system: str
+    prompt: str
+    prompt_tokens: int
+    ttft_s: float
+    decode_tok_s: float
+    output_ids: list[int]
+
+
+class Timer:
+    """First-token and end times of one streamed request."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def result(self, system: str, prompt: str, prompt_tokens: int, ids: list[int]) -> Run:
+        end = time.perf_counter()
+        first = self.first if self.first is not None else end
+        rate = (len(ids) - 1) / (end - first) if len(ids) > 1 and end > first else 0.0
+        return Run(system, prompt, prompt_tokens, first - self.start, rate, ids)
+
+
+# A system: run(prompt ids) -> (timer, new token ids), and close().
+Runner = tuple[Callable[[list[int]], tuple[Timer, list[int]]], Callable[[], None]]
+
+
+def radixlm_runner(name: str, new_tokens: int, threads: int) -> Runner:
+    import radixlm_runtime as rt
+
+    engine = rt.Engine(
+        max_total_tokens=8192, num_threads=threads, log_level="warning", **RADIXLM_SYSTEMS[name]
+    )
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    def run(ids: list[int]) -> tuple[Timer, list[int]]:
+        engine.flush_cache()  # every system prefills the whole prompt
+        timer, out_ids = Timer(), []
+        for chunk in engine.generate_stream(input_ids=ids, sampling_params=params):
+            timer.token()
+            out_ids = chunk["output_ids"]
+        return timer, out_ids
+
+    return run, engine.shutdown
+
+
+def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
+    import numpy as np
+    from llama_cpp import Llama, LogitsProcessorList
+
+    from radixlm_runtime.models.loader import default_model_path
+
+    llm = Llama(model_path=default_model_path(), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
+    eos = llm.token_eos()
+
+    def ban_eos(_ids: Any, scores: np.ndarray) -> np.ndarray:
+        scores[eos] = -np.inf
+        return scores
+
+    def run(ids: list[int]) -> tuple[Timer, list[int]]:
+        timer, out_ids = Timer(), []
+        tokens = llm.generate(
+            ids, temp=0.0, repeat_penalty=1.0, reset=True, logits_processor=LogitsProcessorList([ban_eos])
+        )
+        for token in tokens:
+            timer.token()
+            out_ids.append(int(token))
+            if len(out_ids) == new_tokens:
+                break
+        tokens.close()
+        return timer, out_ids
+
+    return run, llm.close
+
+
+def transformers_runner(new_tokens: int, threads: int) -> Runner:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from radixlm_runtime.models.loader import resolve_model_path
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)), dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> tuple[Timer, list[int]]:
+        timer, out_ids = Timer(), []
+        past, inputs = None, torch.tensor([ids])
+        with torch.inference_mode():
+            for _ in range(new_tokens):
+                out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                out_ids.append(int(out.logits[0, -1].argmax()))
+                timer.token()
+                inputs = torch.tensor([[out_ids[-1]]])
+        return timer, out_ids
+
+    return run, lambda: None
+
+
+def make_runner(name: str, new_tokens: int, threads: int) -> Runner:
+    if name in RADIXLM_SYSTEMS:
+        return radixlm_runner(name, new_tokens, threads)
+    if name == "llamacpp":
+        return llamacpp_runner(new_tokens, threads)
+    if name == "transformers":
+        return transformers_runner(new_tokens, threads)
+    raise ValueError(f"unknown system {name!r}; known: {[*RADIXLM_SYSTEMS, *OTHER_SYSTEMS]}")
+
+
+def prompt_ids() -> dict[str, list[int]]:
+    from radixlm_runtime.io.tokenizer import load_tokenizer
+    from radixlm_runtime.models.loader import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    chat = lambda text: tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
+
+
+def measure(
+    systems: list[str], prompts: dict[str, list[int]], new_tokens: int, threads: int
+) -> Iterator[Run]:
+    for system in systems:
+        run, close = make_runner(system, new_tokens, threads)
+        try:
+            run(prompts["chat"][:16])  # warm-up
+            for name, ids in prompts.items():
+                timer, out_ids = run(ids)
+                result = timer.result(system, name, len(ids), out_ids)
+                print(
+                    f"{system:14s} {name:5s} ttft {result.ttft_s:.3f}s decode {result.decode_tok_s:.1f} tok/s"
+                )
+                yield result
+        finally:
+            close()
+            gc.collect()
+
+
+def agreement(run: Run, runs: list[Run]) -> int | None:
+    """Leading new tokens equal to radixlm fp32's on the same prompt."""
+    ref = next((r for r in runs if r.system == REFERENCE and r.prompt == run.prompt), None)
+    if ref is None:
+        return None
+    same = 0
+    for a, b in zip(run.output_ids, ref.output_ids):
+        if a != b:
+            break
+        same += 1
+    return same
+
+
+def plot(runs: list[Run], systems: list[str], out_dir: Path) -> str:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        rates = [
+            next((r.decode_tok_s for r in runs if r.system == system and r.prompt == p), 0.0) for p in PROMPTS
+        ]
+        ax.bar([j + i * width for j in range(len(PROMPTS))], rates, width, label=system)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(PROMPTS))], list(PROMPTS))
+    ax.set_ylabel("decode tokens/s (one stream)")
+    ax.legend(fontsize=8)
+    name = f"{NAME}.png"
+    save_figure(fig, out_dir / name)
+    return name
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = bench_parser(__doc__, SIZES)
+    add_list_flag(ap, "--systems", "systems", DEFAULT_SYSTEMS, "radixlm_fp32,radixlm_int4,transformers")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="CPU threads of every system (default: all cores)."
+    )
+    args, sizes = parse_sizes(ap, argv, SIZES)
+    systems = list_flag(args, "--systems", str)
+    threads = args.threads or os.cpu_count() or 1
+    prompts = prompt_ids()
+    runs = list(measure(systems, prompts, sizes["new_tokens"], threads))
+    table = Table(
+        "Single-stream decode (greedy, one request at a time)",
+        ["system", "prompt", "prompt tokens", "TTFT s", "decode tok/s", f"same first tokens as {REFERENCE}"],
+        [
+            [
+                r.system,
+                r.prompt,
+                str(r.prompt_tokens),
+                fmt(r.ttft_s, ".3f"),
+                fmt(r.decode_tok_s, ".1f"),
+                f"{agreement(r, runs)}/{len(r.output_ids)}" if agreement(r, runs) is not None else "-",
+            ]
+            for r in runs
+        ],
+    )
+    notes = [
+        f"{threads} CPU thread(s) per system.",
+        f"{sizes['new_tokens']} new tokens per request (end-of-sequence ignored), the prompt prefilled in "
+        "full (no prompt cache); decode tok/s counts the tokens after the first over the time after it.",
+        "radixlm_int4 is --quantization auto: the GGUF's own Q4_1 blocks (int4) and Q8_0 lm_head (int8), the "
+        "same bits llama.cpp reads; radixlm_int8 requantizes every linear per channel from the fp32 export.",
+    ]
+    save_result(
+        args.out_dir,
+        NAME,
+        {"systems": systems, "runs": [asdict(r) for r in runs]},
+        [table],
+        notes,
+        [plot(runs, systems, args.out_dir)],
+        sizes,
+    )
+
+
+if __name__ == "__main__":
+    main()
