@@ -111,10 +111,10 @@ def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]]) -> dict[str
     return out
 
 
-def make_system(name: str, model_dir: Path, hf_batch_size: int) -> Any:
+def make_system(name: str, model_dir: Path, hf_batch_size: int, quantization: str) -> Any:
     makers: dict[str, Callable[[], Any]] = {
-        "radixlm": lambda: RadixlmSystem(disable_radix_cache=False),
-        "radixlm_no_cache": lambda: RadixlmSystem(disable_radix_cache=True),
+        "radixlm": lambda: RadixlmSystem(disable_radix_cache=False, quantization=quantization),
+        "radixlm_no_cache": lambda: RadixlmSystem(disable_radix_cache=True, quantization=quantization),
         "transformers": lambda: TransformersSystem(model_dir, hf_batch_size),
         "llama_cpp": lambda: LlamaCppSystem(Path(default_model_path())),
         "vllm_cpu": lambda: VllmCpuSystem(model_dir, prefix_cache=True),
@@ -192,6 +192,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}.",
     )
     ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="radixlm's --quantization: none (fp32, as transformers and vLLM-CPU compute), auto, int8, int4.",
+    )
     args, sizes = parse_sizes(ap, argv, SIZES)
     systems = args.systems.split(",")
     if systems[0] != "radixlm" or not set(systems) <= set(SYSTEMS):
@@ -214,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped: dict[str, str] = {}
     for name in systems:
         try:
-            system = make_system(name, model_dir, args.hf_batch_size)
+            system = make_system(name, model_dir, args.hf_batch_size, args.quantization)
         except SystemUnavailable as e:
             print(f"skipping {name}: {e}")
             skipped[name] = str(e)

