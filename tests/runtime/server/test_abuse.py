@@ -122,12 +122,11 @@ def test_exploding_regexes_do_not_stall_other_requests(url: str) -> None:
                 asyncio.create_task(c.post("/generate", json=generate(regex=f"(a|b){{{i},}}(")))
                 for i in range(4)
             ]
-            await asyncio.sleep(0.5)  # the checks are under way
-            probes, gens = [], []
-            while not all(t.done() for t in bad) and len(probes) < 100:
+            # A normal request submitted together with them: its latency is what a user feels.
+            normal = asyncio.create_task(gen())
+            probes = []
+            while not all(t.done() for t in [*bad, normal]) and len(probes) < 100:
                 probes.append(await health())
-                if len(probes) % 20 == 0:
-                    gens.append(await gen())
                 await asyncio.sleep(0.05)
             for t in bad[:4]:
                 r = await t
@@ -136,11 +135,11 @@ def test_exploding_regexes_do_not_stall_other_requests(url: str) -> None:
             for t in bad[4:]:
                 r = await t
                 assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
-            assert gens, "the exploding regexes finished before the short requests could run"
-            # 90% within 200 ms of the idle latency (a stalled loop would fail every probe; the
-            # rest allows for a 2-core machine's scheduling noise).
-            assert statistics.quantiles(probes, n=10)[-1] < 0.2 + base_health, (base_health, probes)
-            assert statistics.median(gens) < 2 * base_gen + 0.1, (base_gen, gens)
+            assert await normal < 2 * base_gen + 0.1, base_gen
+            # 90% of the health probes within 200 ms of the idle latency (a stalled loop would fail
+            # every probe; the rest allows for a 2-core machine's scheduling noise).
+            slow = [p for p in probes if p >= 0.2 + base_health]
+            assert len(slow) <= len(probes) // 10, (base_health, probes)
 
     asyncio.run(scenario())
 
