@@ -92,6 +92,10 @@ def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size
     sp = req.sampling_params
     early = req.output_len + len(ahead) < sp.min_new_tokens
     banned = sorted(eos_ids | set(sp.stop_token_ids)) if early else []
+    if not early and sp.ignore_eos and req.guide is not None:
+        # A constraint ends its output on EOS; under ignore_eos it goes on while any other token
+        # fits (the ban is soft: lifted where EOS is all the constraint allows).
+        banned = sorted(eos_ids)
     penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
     return SampleSpec(
         uid=req.uid,

@@ -45,6 +45,18 @@ def test_regex_output_fullmatches(engine: rt.Engine, pattern: str, temperature: 
     assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+def test_ignore_eos_keeps_a_constrained_output_going_while_it_can(engine: rt.Engine) -> None:
+    # EOS is made the likeliest token wherever the constraint allows it.
+    eos = engine.tokenizer.eos_token_id
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True, "logit_bias": {eos: 100}}
+    for out in engine.generate([PROMPT, "a b c"], params | {"regex": r"[a-z ]+"}):
+        assert re.fullmatch(r"[a-z ]+", out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+    # Where EOS is all the constraint allows, the output still ends there.
+    out = engine.generate(PROMPT, params | {"regex": "(yes|no)"})
+    assert out["text"] in ("yes", "no") and out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def test_parallel_samples_each_follow_the_regex(engine: rt.Engine) -> None:
     outs = engine.generate(PROMPT, {"regex": r"[a-z]{2,6}", "temperature": 1.0, "n": 4, "max_new_tokens": 20})
     assert len(outs) == 4
