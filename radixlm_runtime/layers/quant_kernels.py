@@ -1,32 +1,17 @@
-"""Builds, loads and calls the weight-only quantized CPU matmul of quant_cpu.cpp.
-
-The source is compiled once per machine with the system C++ compiler into a shared library cached under
-~/.cache/radixlm/kernels (or $RADIXLM_KERNEL_CACHE_DIR), keyed by the source's hash, and called through
-ctypes: no torch headers, so the build takes seconds, and ctypes releases the GIL during the call. The
-library links the same OpenMP runtime (libgomp.so.1) torch already loaded, so both share one thread pool.
-"""
+"""Loads and calls the weight-only quantized CPU matmul of quant_cpu.cpp (built by kernels/native.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers.quantization import QuantizedWeight
-from radixlm_runtime.utils.logging import get_logger
 
-logger = get_logger(__name__)
-
-KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
 _SOURCE = Path(__file__).with_name("quant_cpu.cpp")
-_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 
 # Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel and the AVX2 panel GEMM.
 SCALAR, ROW_DOT, PANEL_GEMM = 0, 1, 2
@@ -39,45 +24,12 @@ class QuantKernelError(RuntimeError):
     """The quantized CPU kernels cannot be built or loaded on this machine."""
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get(KERNEL_CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "radixlm" / "kernels"
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise QuantKernelError(
-        "quantized CPU linears need a C++ compiler (g++ or clang++) to build their kernels once; "
-        "install one (e.g. `apt-get install g++`), or pass --quantization none"
-    )
-
-
-def _build(target: Path) -> None:
-    compiler = _compiler()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building the quantized CPU kernels into %s (once per machine)", target)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        staged = Path(tmp) / target.name
-        result = subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(staged)], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise QuantKernelError(
-                f"building {_SOURCE.name} with {compiler} failed:\n{result.stderr[-4000:]}"
-            )
-        # Atomic: a concurrent builder's identical library may already be there, either is fine.
-        os.replace(staged, target)
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"quant_cpu-{digest}.so"
-    if not path.is_file():
-        _build(path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = load_library(_SOURCE)
+    except KernelBuildError as e:
+        raise QuantKernelError(f"{e}; or pass --quantization none") from e
     lib.rq_has_avx2_fma.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rq_linear.argtypes = [

@@ -25,10 +25,6 @@ from radixlm_runtime.models.loader import resolve_model_path
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "Hi"}]
-# Its character DFA explodes: refused at the validation time budget (5 s), never cached.
-# A DFA for this regex has 2**15 states (it exploded the former hand-written FSM); the grammar
-# engine builds lexer states lazily.
-EXPLODING_REGEX = "(a|b)*a(a|b){14}"
 # A character that this tokenizer only spells with tokens holding part of its UTF-8 bytes.
 MULTIBYTE_REGEX = "\U0001f600"
 
@@ -98,6 +94,11 @@ async def _timed(call) -> float:
 
 
 def test_exploding_regexes_do_not_stall_other_requests(url: str) -> None:
+    """Eight bad constraints (four a DFA compiler explodes on, four the checker refuses) submitted
+    together with a normal request: the normal request's latency stays within 2x of its latency beside
+    four unconstrained requests of the same length (the same batch shape, so what is compared is the
+    constraints' cost, not batching), and the event loop keeps answering /health. Each arm runs three
+    rounds and is judged on its best: a 2-core machine's scheduling noise only ever adds time."""
     short = generate(max_new_tokens=4, temperature=0)
 
     async def scenario() -> None:
@@ -108,34 +109,34 @@ def test_exploding_regexes_do_not_stall_other_requests(url: str) -> None:
             # Starts the validation workers: their start-up is a one-off, not what is measured here.
             assert (await c.post("/generate", json=generate(regex="[ab]{2}"))).status_code == 200
             base_health = statistics.median([await health() for _ in range(10)])
-            base_gen = statistics.median([await gen() for _ in range(3)])
-            # Four constraints a DFA compiler explodes on and four the checker refuses.
-            bad = [
-                asyncio.create_task(
-                    c.post(
-                        "/generate",
-                        json=generate(regex=EXPLODING_REGEX, max_new_tokens=24) | {"rid": f"explode-{i}"},
-                    )
-                )
-                for i in range(4)
-            ] + [
-                asyncio.create_task(c.post("/generate", json=generate(regex=f"(a|b){{{i},}}(")))
-                for i in range(4)
-            ]
-            # A normal request submitted together with them: its latency is what a user feels.
-            normal = asyncio.create_task(gen())
-            probes = []
-            while not all(t.done() for t in [*bad, normal]) and len(probes) < 100:
-                probes.append(await health())
-                await asyncio.sleep(0.05)
-            for t in bad[:4]:
-                r = await t
-                assert r.status_code == 200, r.text
-                assert re.fullmatch("[ab]*", r.json()["text"]), r.text
-            for t in bad[4:]:
-                r = await t
-                assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
-            assert await normal < 2 * base_gen + 0.1, base_gen
+
+            async def beside(bodies: list[dict]) -> tuple[float, list[httpx.Response], list[float]]:
+                others = [asyncio.create_task(c.post("/generate", json=b)) for b in bodies]
+                normal = asyncio.create_task(gen())
+                probes = []
+                while not all(t.done() for t in [*others, normal]) and len(probes) < 100:
+                    probes.append(await health())
+                    await asyncio.sleep(0.05)
+                return await normal, [await t for t in others], probes
+
+            control, constrained, probes = [], [], []
+            for round_ in range(3):
+                peers = [generate(max_new_tokens=24, ignore_eos=True) for _ in range(4)]
+                latency, _, _ = await beside(peers)
+                control.append(latency)
+                # A fresh regex each round, so none is served from the compiled-grammar cache.
+                exploding = f"(a|b)*a(a|b){{{14 + round_}}}"
+                bad = [generate(regex=exploding, max_new_tokens=24) for _ in range(4)]
+                bad += [generate(regex=f"(a|b){{{i},}}(") for i in range(4)]
+                latency, responses, round_probes = await beside(bad)
+                constrained.append(latency)
+                probes += round_probes
+                for r in responses[:4]:
+                    assert r.status_code == 200, r.text
+                    assert re.fullmatch("[ab]*", r.json()["text"]), r.text
+                for r in responses[4:]:
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "regex", r.text
+            assert min(constrained) < 2 * min(control), (control, constrained)
             # 90% of the health probes within 200 ms of the idle latency (a stalled loop would fail
             # every probe; the rest allows for a 2-core machine's scheduling noise).
             slow = [p for p in probes if p >= 0.2 + base_health]

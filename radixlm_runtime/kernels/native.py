@@ -1,0 +1,72 @@
+"""Builds and loads the project's C++ CPU kernels.
+
+Each source is compiled once per machine with the system C++ compiler into a shared library cached
+under ~/.cache/radixlm/kernels (or $RADIXLM_KERNEL_CACHE_DIR), keyed by the source's hash, and called
+through ctypes: no torch headers, so a build takes seconds, and ctypes releases the GIL during a call.
+The libraries link the OpenMP runtime torch already loaded (libgomp.so.1), so all share one thread
+pool. SIMD paths are picked at run time by asking the CPU (`__builtin_cpu_supports`), never assumed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+
+
+class KernelBuildError(RuntimeError):
+    """A C++ kernel library cannot be built or loaded on this machine."""
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get(KERNEL_CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "radixlm" / "kernels"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError(
+        "the CPU kernels need a C++ compiler (g++ or clang++) to build once; install one "
+        "(e.g. `apt-get install g++`)"
+    )
+
+
+def _build(source: Path, target: Path) -> None:
+    compiler = _compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building %s into %s (once per machine)", source.name, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        command = [compiler, *FLAGS, str(source), "-o", str(staged)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr[-4000:]}")
+        # Atomic: a concurrent builder's identical library may already be there, either is fine.
+        os.replace(staged, target)
+
+
+@functools.cache
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled library of `source` (a .cpp file), built on first use."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{digest}.so"
+    if not path.is_file():
+        _build(source, path)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
