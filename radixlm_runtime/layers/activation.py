@@ -1,4 +1,5 @@
-"""SwiGLU on a fused gate/up projection."""
+"""SwiGLU on a fused gate/up projection: one pass of the fused CPU kernel for float32 CPU rows, torch
+ops elsewhere (and as the reference)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm_runtime.layers import fused_cpu
+
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and fused_cpu.supports(x):
+            return fused_cpu.silu_and_mul(x)
+        return self.reference(x)
+
+    @staticmethod
+    def reference(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         # Multiplying in place saves a pass over the activations and an allocation.
         return F.silu(gate).mul_(up)

@@ -1,9 +1,12 @@
-"""RMSNorm with an optional fused residual add (the pre-norm transformer pattern)."""
+"""RMSNorm with an optional fused residual add (the pre-norm transformer pattern): one pass of the fused
+CPU kernel for float32 CPU rows, torch ops elsewhere (and as the reference)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from radixlm_runtime.layers import fused_cpu
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +16,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and fused_cpu.supports(x) and self.weight.dtype == torch.float32:
+            out = fused_cpu.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        return self.reference(x, residual)
+
+    def reference(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm_runtime.layers import fused_cpu
+
 # A step's cos and sin rows, [T, 1, D/2] each.
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +54,25 @@ class RotaryEmbedding:
         """q [T, Hq, D], k [T, Hkv, D] rotated by the positions `cos_sin` was gathered for."""
         cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def split_qkv(
+        cos_sin: CosSin, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated, and v, from a fused projection's output
+        [T, (Hq + 2 Hkv) D]. On float32 CPU rows q and k are rotated inside qkv by one fused pass (the
+        results are views of it); elsewhere by `apply`."""
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, num_heads, head_dim)
+        k = k.view(-1, num_kv_heads, head_dim)
+        v = v.view(-1, num_kv_heads, head_dim)
+        if qkv.dim() == 2 and fused_cpu.supports(qkv):
+            cos, sin = cos_sin
+            fused_cpu.rope_(qkv, cos.squeeze(1), sin.squeeze(1), num_heads + num_kv_heads, head_dim)
+            return q, k, v
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        return q, k, v
 
 
 def build_rotary(

@@ -46,11 +46,7 @@ class LlamaAttention(nn.Module):
         self, rope: CosSin, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        q, k, v = RotaryEmbedding.split_qkv(rope, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v.contiguous(), self.layer_id, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
 
