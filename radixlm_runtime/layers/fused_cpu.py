@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
+from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -49,6 +50,11 @@ def has_simd() -> bool:
     return lib is not None and bool(lib.rf_has_avx2_fma())
 
 
+def default_mode() -> int:
+    """The path this CPU runs: SIMD where it has AVX2+FMA (asked of the CPU, never assumed)."""
+    return SCALAR if cpu.detect().simd == cpu.SCALAR else SIMD
+
+
 def _lib() -> ctypes.CDLL:
     lib = _library()
     if lib is None:
@@ -57,7 +63,11 @@ def _lib() -> ctypes.CDLL:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, mode: int = SIMD
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    mode: int | None = None,
 ) -> torch.Tensor:
     """weight * rms_norm(x + residual) for x [T, H]; residual (contiguous) becomes x + residual."""
     rows, hidden = x.shape
@@ -73,14 +83,14 @@ def rms_norm(
         rows,
         hidden,
         eps,
-        mode,
+        default_mode() if mode is None else mode,
         torch.get_num_threads(),
     )
     return out
 
 
 def rope_(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, mode: int = SIMD
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int, mode: int | None = None
 ) -> None:
     """Rotates the first `heads` heads of each row of x [T, W] in place; cos, sin [T, head_dim / 2]."""
     rows = x.shape[0]
@@ -96,15 +106,22 @@ def rope_(
         rows,
         heads,
         head_dim,
-        mode,
+        default_mode() if mode is None else mode,
         torch.get_num_threads(),
     )
 
 
-def silu_and_mul(gate_up: torch.Tensor, mode: int = SIMD) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, mode: int | None = None) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] (contiguous), gate first."""
     rows, width = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(rows, width // 2, dtype=torch.float32)
-    _lib().rf_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, mode, torch.get_num_threads())
+    _lib().rf_silu_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        default_mode() if mode is None else mode,
+        torch.get_num_threads(),
+    )
     return out
