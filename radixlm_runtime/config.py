@@ -52,8 +52,10 @@ class EngineConfig:
     )
     attention_backend: str = flag(
         "auto",
-        "Attention kernels: 'torch' (default on CPU) or 'triton' (default on CUDA).",
-        ("auto", "torch", "triton"),
+        "Attention kernels: 'cpu' (default on CPU for float32: decode in C++ reading K/V in place from the "
+        "KV pool, prefill chunks as in 'torch'), 'torch' (plain torch, the reference; default on CPU for "
+        "other dtypes) or 'triton' (default on CUDA).",
+        ("auto", "cpu", "torch", "triton"),
     )
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."

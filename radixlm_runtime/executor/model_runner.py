@@ -14,6 +14,7 @@ from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers.linear import prepack_linears
 from radixlm_runtime.layers.quant_kernels import QuantKernelError, load_kernels
@@ -31,6 +32,7 @@ from radixlm_runtime.sampling.sampler import (
     replay_draws,
 )
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
+from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -71,6 +73,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            environment = cpu.runtime_environment(torch.get_num_threads())
+            logger.info("CPU: %s; %s", cpu.detect().describe(), environment)
         self.config = ModelConfig.from_dir(model_dir)
         self.context_len = config.context_length or self.config.max_position_embeddings
         if self.context_len > self.config.max_position_embeddings:
@@ -191,12 +195,24 @@ class ModelRunner:
     def _make_attention_backend(self) -> AttentionBackend:
         name = self.engine_config.attention_backend
         if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
+            if self.device.type == "cuda":
+                name = "triton"
+            else:
+                name = "cpu" if self.dtype == torch.float32 else "torch"
         scale = self.config.head_dim**-0.5
         if name == "triton":
             from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
 
             return TritonAttentionBackend(self.kv_pool, self.req_to_token, scale)
+        if name == "cpu":
+            from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
+
+            try:
+                return CpuAttentionBackend(self.kv_pool, self.req_to_token, scale)
+            except KernelBuildError as e:
+                if self.engine_config.attention_backend == "cpu":
+                    raise
+                logger.warning("C++ CPU attention unavailable, the torch backend runs instead: %s", e)
         from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(self.kv_pool, self.req_to_token, scale)

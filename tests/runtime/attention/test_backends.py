@@ -54,7 +54,9 @@ def test_torch_decode_shared_prefix_groups_match_ungrouped(
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
     def run() -> list[list[float]]:
-        engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
+        engine = rt.Engine(
+            str(tiny_llama_dir), max_total_tokens=2048, attention_backend="torch", log_level="warning"
+        )
         engine.generate(input_ids=prompts[0][:48], sampling_params={"max_new_tokens": 0})
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         return [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
@@ -88,7 +90,11 @@ def test_torch_short_extends_batched_like_decodes_match_per_request(
 
     def run() -> list[float]:
         engine = rt.Engine(
-            str(tiny_llama_dir), max_total_tokens=1024, chunked_prefill_size=16, log_level="warning"
+            str(tiny_llama_dir),
+            max_total_tokens=1024,
+            chunked_prefill_size=16,
+            attention_backend="torch",
+            log_level="warning",
         )
         outs = engine.generate(
             input_ids=PROMPTS, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0

@@ -1,0 +1,410 @@
+// Decode attention for CPUs, float32, reading K/V straight from the KV pool; and the KV store.
+//
+// Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
+//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers; slot 0 is a zeroed dummy.
+//   table         the request-to-token table, int64 [max_reqs, table_stride]: row `rows[r]`, columns
+//                 0 .. seq_lens[r] - 1 hold request r's KV slots, its new tokens' included (they are
+//                 stored before attention runs).
+//   q, out        [T, Hq, D]: rows of Hq * D contiguous floats, `*_stride` floats apart (q is a view of
+//                 the fused qkv projection's output). Request r's num_new[r] new tokens are rows
+//                 q_starts[r] ..; token j sits at position seq_len - num_new + j and sees keys
+//                 0 .. seq_len - num_new + j (causal). GQA: q head h reads kv head h / G.
+//
+// Work is split over (request, kv head) items across OpenMP threads. An item's G q heads x n new
+// tokens (R = G * n query rows) walk its keys together, kBlock keys at a time: each K/V row is read from
+// the pool once per item and used for all R rows, through a pointer per key looked up in the table, so
+// no gathered copy of K/V is made (torch's path index_selects every request's K/V first, then runs
+// its flash kernel: at decode those copies and dispatches cost more than the arithmetic). Softmax is
+// online (a running max and sum per row, flash-attention style), accumulated in float32. Requests
+// sharing a prefix each read it again; items are ordered kv head first, so consecutive items read the
+// same head's rows of a shared prefix while they are still in L2 (13% faster at 32 requests sharing
+// 550 tokens than request first).
+//
+// AVX2+FMA path, picked at run time by asking the CPU. Scores come from register tiles of 3 rows x 4
+// keys (2 x 4, 1 x 8 for the rest), P.V from tiles of 4 rows x 16 floats (3 x 16, 2 x 32, 1 x 64 for
+// the rest): 6 to 12 independent FMA chains, which hide their latency at any R. exp is Cephes' polynomial
+// (within 2 ulp). The portable scalar path (key by key, every row updated per key, libm expf) serves
+// other CPUs and head dims that are not a multiple of 8; `mode` 0 forces it so tests reach both paths
+// on one machine.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+// Keys per online-softmax step: enough that the per-block rescale is noise, few enough that a block's
+// scores stay in L1. A multiple of 8 (the exp and max loops read whole vectors of a row).
+constexpr int64_t kBlock = 64;
+// Below this much work (keys x query rows x D summed over items) a call stays on the calling thread,
+// where waking the pool would cost more than it saves.
+constexpr int64_t kParallelMin = 1 << 18;
+constexpr float kNegInf = -INFINITY;
+
+struct Problem {
+  const float* q;
+  int64_t q_stride;
+  float* out;
+  int64_t out_stride;
+  const float* k_buf;
+  const float* v_buf;
+  int64_t kv_heads;
+  int64_t head_dim;
+  int64_t group;
+  const int64_t* table;
+  int64_t table_stride;
+  const int64_t* rows;
+  const int64_t* seq_lens;
+  const int64_t* q_starts;
+  const int64_t* num_new;
+  float scale;
+};
+
+// One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
+struct Scratch {
+  std::vector<float> q, s, acc, m, l;
+  std::vector<const float*> kp, vp;
+
+  void fit(int64_t rows, int64_t d) {
+    if (static_cast<int64_t>(m.size()) >= rows && static_cast<int64_t>(q.size()) >= rows * d) return;
+    q.resize(rows * d);
+    acc.resize(rows * d);
+    s.resize(rows * kBlock);
+    m.resize(rows);
+    l.resize(rows);
+    kp.resize(kBlock);
+    vp.resize(kBlock);
+  }
+};
+
+thread_local Scratch tls_scratch;
+
+// An item's query rows, row i = token (i / G), q head (h * G + i % G), pre-multiplied by the scale.
+void load_queries(const Problem& p, int64_t r, int64_t h, float* dst) {
+  const int64_t d = p.head_dim, g = p.group;
+  for (int64_t j = 0; j < p.num_new[r]; ++j) {
+    const float* src = p.q + (p.q_starts[r] + j) * p.q_stride + h * g * d;
+    for (int64_t i = 0; i < g * d; ++i) dst[j * g * d + i] = src[i] * p.scale;
+  }
+}
+
+void store_outputs(const Problem& p, int64_t r, int64_t h, const float* acc, const float* l) {
+  const int64_t d = p.head_dim, g = p.group;
+  for (int64_t j = 0; j < p.num_new[r]; ++j) {
+    float* dst = p.out + (p.q_starts[r] + j) * p.out_stride + h * g * d;
+    for (int64_t e = 0; e < g; ++e) {
+      const float inv = 1.0f / l[j * g + e];
+      for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[(j * g + e) * d + i] * inv;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- portable scalar path
+
+void item_scalar(const Problem& p, int64_t r, int64_t h, Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, n = p.num_new[r], len = p.seq_lens[r];
+  const int64_t rows = n * g, prefix = len - n, row_floats = p.kv_heads * d;
+  const int64_t* slots = p.table + p.rows[r] * p.table_stride;
+  float *q = w.q.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
+  load_queries(p, r, h, q);
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = p.k_buf + slots[t] * row_floats + h * d;
+    const float* v = p.v_buf + slots[t] * row_floats + h * d;
+    // Key t is visible to the tokens at or after it: rows from (t - prefix) * G on.
+    for (int64_t i = std::max<int64_t>(0, t - prefix) * g; i < rows; ++i) {
+      const float* qi = q + i * d;
+      float* ai = acc + i * d;
+      float s = 0.0f;
+      for (int64_t e = 0; e < d; ++e) s += qi[e] * k[e];
+      float weight = 1.0f;
+      if (s > m[i]) {
+        const float corr = expf(m[i] - s);
+        l[i] *= corr;
+        for (int64_t e = 0; e < d; ++e) ai[e] *= corr;
+        m[i] = s;
+      } else {
+        weight = expf(s - m[i]);
+      }
+      l[i] += weight;
+      for (int64_t e = 0; e < d; ++e) ai[e] += weight * v[e];
+    }
+  }
+  store_outputs(p, r, h, acc, l);
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA path
+
+#define CA_AVX2 __attribute__((target("avx2,fma")))
+
+// exp(x) for float32 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' expf), within
+// 2 ulp; inputs are clamped where expf would over/underflow (softmax only feeds x <= 0).
+CA_AVX2 inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+CA_AVX2 inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+CA_AVX2 inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// [sum(a), sum(b), sum(c), sum(d)]: four dot products finished with three horizontal adds.
+CA_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// All-ones lanes where the lane index is below `count`.
+CA_AVX2 inline __m256 lanes_below(int64_t count) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), iota));
+}
+
+// Scores of QT query rows (q, d floats apart) against KT keys at a time of kp[0 .. keys) (keys a
+// multiple of KT) into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the
+// FMA latency is hidden; the loops over them unroll fully, which keeps the arrays in registers.
+template <int QT, int KT>
+CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s) {
+  for (int64_t t = 0; t < keys; t += KT) {
+    __m256 acc[QT][KT];
+#pragma GCC unroll 8
+    for (int i = 0; i < QT; ++i) {
+#pragma GCC unroll 8
+      for (int c = 0; c < KT; ++c) acc[i][c] = _mm256_setzero_ps();
+    }
+    for (int64_t e = 0; e < d; e += 8) {
+      __m256 kv[KT];
+#pragma GCC unroll 8
+      for (int c = 0; c < KT; ++c) kv[c] = _mm256_loadu_ps(kp[t + c] + e);
+#pragma GCC unroll 8
+      for (int i = 0; i < QT; ++i) {
+        const __m256 qv = _mm256_loadu_ps(q + i * d + e);
+#pragma GCC unroll 8
+        for (int c = 0; c < KT; ++c) acc[i][c] = _mm256_fmadd_ps(qv, kv[c], acc[i][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < QT; ++i) {
+#pragma GCC unroll 8
+      for (int c = 0; c < KT; c += 4) {
+        _mm_storeu_ps(s + i * kBlock + t + c, hsum4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]));
+      }
+    }
+  }
+}
+
+// acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart),
+// NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
+template <int QT, int NV>
+CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
+                     int64_t e1) {
+  for (int64_t e = e0; e < e1; e += 8 * NV) {
+    __m256 a[QT][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < QT; ++i) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) a[i][c] = _mm256_loadu_ps(acc + i * d + e + 8 * c);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      __m256 v[NV];
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_ps(vp[t] + e + 8 * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < QT; ++i) {
+        const __m256 w = _mm256_broadcast_ss(p + i * kBlock + t);
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; ++c) a[i][c] = _mm256_fmadd_ps(w, v[c], a[i][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < QT; ++i) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(acc + i * d + e + 8 * c, a[i][c]);
+    }
+  }
+}
+
+// P.V for QT rows over all of d: several vectors per pass (3 rows: 2, to stay within 16 registers),
+// then the tail of d a vector at a time.
+template <int QT>
+CA_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d) {
+  constexpr int kNv = QT == 1 ? 8 : QT == 2 ? 4 : 2;
+  const int64_t whole = d / (8 * kNv) * (8 * kNv);
+  pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole);
+  pv_tile<QT, 1>(p, vp, keys, acc, d, whole, d);
+}
+
+// Online-softmax step of one query row over a block: s[0 .. visible) are its scores (visible >= 1),
+// turned into weights exp(s - new max) in place; s[visible .. padded) become 0 so the P.V tile can
+// run over every row's whole block. Rescales the row's sum and accumulator to the new max.
+CA_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, float& l, float* acc,
+                         int64_t d) {
+  __m256 mx = _mm256_set1_ps(kNegInf);
+  int64_t t = 0;
+  for (; t + 8 <= visible; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+  if (t < visible) {
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(mx, _mm256_loadu_ps(s + t), lanes_below(visible - t)));
+  }
+  const float m_new = std::max(m, hmax(mx));
+  const float corr = expf(m - m_new);  // 0 on the first block (m = -inf)
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t < visible; t += 8) {
+    __m256 w = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    if (t + 8 > visible) w = _mm256_and_ps(w, lanes_below(visible - t));
+    _mm256_storeu_ps(s + t, w);  // t + 8 <= kBlock: blocks hold whole vectors
+    sum = _mm256_add_ps(sum, w);
+  }
+  for (; t < padded; ++t) s[t] = 0.0f;
+  l = l * corr + hsum(sum);
+  if (corr != 1.0f) {
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(c, _mm256_loadu_ps(acc + e)));
+  }
+  m = m_new;
+}
+
+CA_AVX2 void item_avx2(const Problem& p, int64_t r, int64_t h, Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, n = p.num_new[r], len = p.seq_lens[r];
+  const int64_t rows = n * g, prefix = len - n, row_floats = p.kv_heads * d;
+  const int64_t* slots = p.table + p.rows[r] * p.table_stride;
+  float *q = w.q.data(), *s = w.s.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
+  const float** kp = w.kp.data();
+  const float** vp = w.vp.data();
+  load_queries(p, r, h, q);
+  std::fill(acc, acc + rows * d, 0.0f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
+    const int64_t keys = std::min(kBlock, len - b0);
+    const int64_t padded = (keys + 7) & ~int64_t{7};
+    for (int64_t t = 0; t < keys; ++t) {
+      kp[t] = p.k_buf + slots[b0 + t] * row_floats + h * d;
+      vp[t] = p.v_buf + slots[b0 + t] * row_floats + h * d;
+    }
+    for (int64_t t = keys; t < padded; ++t) {  // the dummy slot 0: zeros, weighted 0
+      kp[t] = p.k_buf + h * d;
+      vp[t] = p.v_buf + h * d;
+    }
+    int64_t i = 0;
+    for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(q + i * d, d, kp, padded, s + i * kBlock);
+    if (rows - i == 2) scores_tile<2, 4>(q + i * d, d, kp, padded, s + i * kBlock);
+    if (rows - i == 1) scores_tile<1, 8>(q + i * d, d, kp, padded, s + i * kBlock);
+    for (i = 0; i < rows; ++i) {
+      const int64_t visible = std::min(keys, prefix + i / g + 1 - b0);
+      if (visible > 0) {
+        softmax_row(s + i * kBlock, visible, padded, m[i], l[i], acc + i * d, d);
+      } else {  // the block is past this token: it contributes nothing
+        std::fill(s + i * kBlock, s + i * kBlock + padded, 0.0f);
+      }
+    }
+    for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, padded, acc + i * d, d);
+    switch (rows - i) {
+      case 3: pv_rows<3>(s + i * kBlock, vp, padded, acc + i * d, d); break;
+      case 2: pv_rows<2>(s + i * kBlock, vp, padded, acc + i * d, d); break;
+      case 1: pv_rows<1>(s + i * kBlock, vp, padded, acc + i * d, d); break;
+      default: break;
+    }
+  }
+  store_outputs(p, r, h, acc, l);
+}
+
+bool simd_available() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// The path a call runs: AVX2 when asked for, the CPU has it and a head is whole vectors.
+int select_path(int mode, bool cpu_simd, int64_t head_dim) {
+  return mode != 0 && cpu_simd && head_dim % 8 == 0 ? 1 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ca_has_avx2_fma(void) { return simd_available(); }
+
+// Exposed so tests can hand in a fake CPU feature set and see which path it picks.
+int ca_select_path(int mode, int cpu_has_avx2_fma, int64_t head_dim) {
+  return select_path(mode, cpu_has_avx2_fma != 0, head_dim);
+}
+
+// Copies row i of k and of v (Hkv * D contiguous floats each, `*_stride` floats apart) to slot loc[i]
+// of k_buf / v_buf: the new tokens' KV store.
+void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* loc,
+                 int64_t n, int64_t row_floats, float* k_buf, float* v_buf, int threads) {
+  const int nt = n * row_floats >= kParallelMin ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    memcpy(k_buf + loc[i] * row_floats, k + i * k_stride, row_floats * sizeof(float));
+    memcpy(v_buf + loc[i] * row_floats, v + i * v_stride, row_floats * sizeof(float));
+  }
+}
+
+// out rows of `num_reqs` requests = causal attention of their new tokens over their KV (see the top of
+// the file). `requests` is int64 [4, num_reqs]: table rows, sequence lengths, first q rows and
+// new-token counts (each >= 1). mode: 0 = scalar, 1 = AVX2 where select_path allows it.
+void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
+               const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+               const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
+               float scale, int mode, int threads) {
+  static const bool simd = simd_available();
+  const bool vec = select_path(mode, simd, head_dim) == 1;
+  const int64_t group = num_q_heads / num_kv_heads;
+  const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
+                  table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,
+                  requests + 3 * num_reqs, scale};
+  int64_t max_new = 0, work = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    max_new = std::max(max_new, p.num_new[r]);
+    work += p.seq_lens[r] * p.num_new[r];
+  }
+  work *= num_q_heads * head_dim;
+  const int64_t items = num_reqs * num_kv_heads;
+  const int nt = static_cast<int>(std::min<int64_t>(work >= kParallelMin ? threads : 1, items));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Scratch& w = tls_scratch;
+    w.fit(max_new * group, head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      if (vec) {
+        item_avx2(p, it % num_reqs, it / num_reqs, w);
+      } else {
+        item_scalar(p, it % num_reqs, it / num_reqs, w);
+      }
+    }
+  }
+}
+
+}  // extern "C"

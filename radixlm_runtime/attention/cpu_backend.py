@@ -1,0 +1,202 @@
+"""Attention for float32 on the CPU with decode in C++ (cpu_attention.cpp, built by kernels/native.py).
+
+Per layer the torch backend spends most of a decode step outside arithmetic: index_put of the new
+K/V, index_select gathers of every request's K/V, then torch's flash kernel and its views. Here the
+store is a row copy and decode tokens and short extends (up to MAX_BATCHED_EXTEND tokens) are one C++
+call that reads K/V in place through the request-to-token table. Prefill chunks keep the torch
+backend's path: one SDPA call per chunk, where the gather is amortised over many query rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixlm_runtime.attention import torch_backend
+from radixlm_runtime.attention.torch_backend import TorchAttentionBackend, _TorchMeta
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kernels.native import load_library
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+
+_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# Kernel modes: the portable loop, or the AVX2+FMA path where the CPU has it (and D is whole vectors).
+SCALAR, SIMD = 0, 1
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The built library; raises KernelBuildError where it cannot be built."""
+    lib = load_library(_SOURCE)
+    i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.ca_has_avx2_fma.restype = c_int
+    lib.ca_select_path.argtypes = [c_int, c_int, i64]
+    lib.ca_select_path.restype = c_int
+    lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int]
+    lib.ca_store_kv.restype = None
+    # q, its stride, out, its stride, k_buf, v_buf, Hq, Hkv, D, table, its stride, requests, B, scale,
+    # mode, threads
+    lib.ca_decode.argtypes = [
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i64,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        f32,
+        c_int,
+        c_int,
+    ]
+    lib.ca_decode.restype = None
+    return lib
+
+
+def kernel_path(head_dim: int, mode: int = SIMD, cpu_has_avx2_fma: bool | None = None) -> int:
+    """The path the kernels run for `mode` (SCALAR or SIMD) on a CPU with the given features (this
+    one's, asked of the CPU, when None): the C++ side's own choice, so a fake feature set tests it."""
+    lib = _library()
+    features = lib.ca_has_avx2_fma() if cpu_has_avx2_fma is None else int(cpu_has_avx2_fma)
+    return lib.ca_select_path(mode, features, head_dim)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] float32 with each row's H * D floats contiguous (a fused projection's split
+    views are): the kernels take a row stride, so only other layouts are copied."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"the C++ CPU attention is float32 only, got {x.dtype}")
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def store_kv(
+    k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k_buf[loc] = k and v_buf[loc] = v (what KVPool.set_kv does) as one row copy per token."""
+    k, v = _rows(k), _rows(v)
+    _library().ca_store_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        loc.data_ptr(),
+        loc.shape[0],
+        k.shape[1] * k.shape[2],
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    req_to_token: torch.Tensor,
+    requests: torch.Tensor,
+    scale: float,
+    mode: int = SIMD,
+) -> None:
+    """Writes the rows of out [T, Hq, D] that `requests` (int64 [4, B]: req_to_token rows, sequence
+    lengths, first q rows, new-token counts) own: each new token's causal attention over its request's
+    KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row."""
+    q = _rows(q)
+    if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
+        raise ValueError("out rows must be contiguous")
+    _library().ca_decode(
+        q.data_ptr(),
+        q.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        q.shape[1],
+        k_buf.shape[1],
+        q.shape[2],
+        req_to_token.data_ptr(),
+        req_to_token.stride(0),
+        requests.data_ptr(),
+        requests.shape[1],
+        scale,
+        mode,
+        torch.get_num_threads(),
+    )
+
+
+@dataclass
+class _CpuMeta(_TorchMeta):
+    """The torch backend's plan of the prefill chunks (its decode list stays empty) and the requests
+    the C++ kernel runs."""
+
+    requests: torch.Tensor | None  # [4, B] int64 (see decode_attention); None when every request is long
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Float32 KV on the CPU only. `mode` SCALAR forces the kernels' portable path (tests)."""
+
+    def __init__(
+        self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float, mode: int = SIMD
+    ) -> None:
+        if kv_pool.dtype != torch.float32 or kv_pool.device.type != "cpu":
+            raise ValueError(
+                f"the cpu attention backend needs a float32 KV pool on the CPU, got {kv_pool.dtype} on "
+                f"{kv_pool.device}; use attention_backend='torch'"
+            )
+        super().__init__(kv_pool, req_to_token_table, scale)
+        _library()  # built now, so a missing compiler fails at start-up
+        self.mode = mode
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Requests with up to MAX_BATCHED_EXTEND new tokens (the torch backend's threshold, read
+        from it so the two split a step alike) go to the kernel; the torch backend plans the rest from a
+        copy of the batch listing only them."""
+        limit = torch_backend.MAX_BATCHED_EXTEND
+        short = [b for b, n in enumerate(batch.extend_lens_cpu) if n <= limit]
+        long = [b for b, n in enumerate(batch.extend_lens_cpu) if n > limit]
+        extends = []
+        if long:
+            chunks = dataclasses.replace(
+                batch,
+                req_pool_indices_cpu=[batch.req_pool_indices_cpu[b] for b in long],
+                seq_lens_cpu=[batch.seq_lens_cpu[b] for b in long],
+                extend_lens_cpu=[batch.extend_lens_cpu[b] for b in long],
+                extend_start_loc_cpu=[batch.extend_start_loc_cpu[b] for b in long],
+                seq_slots_cpu=[batch.seq_slots_cpu[b] for b in long],
+            )
+            super().init_forward_metadata(chunks)
+            extends = chunks.attn_metadata.extends
+        requests = None
+        if short:
+            lists = (
+                batch.req_pool_indices_cpu,
+                batch.seq_lens_cpu,
+                batch.extend_start_loc_cpu,
+                batch.extend_lens_cpu,
+            )
+            requests = torch.tensor([[values[b] for b in short] for values in lists], dtype=torch.int64)
+        batch.attn_metadata = _CpuMeta(extends, [], requests)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = self.kv_pool
+        store_kv(pool.k_buffers[layer_id], pool.v_buffers[layer_id], batch.out_cache_loc, k, v)
+        return self.attend(q, layer_id, batch)
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        out = super().attend(q, layer_id, batch)  # the prefill chunks' rows
+        requests = batch.attn_metadata.requests
+        if requests is not None:
+            k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+            decode_attention(q, out, k_buf, v_buf, self.req_to_token, requests, self.scale, self.mode)
+        return out

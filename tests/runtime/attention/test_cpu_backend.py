@@ -1,0 +1,187 @@
+"""The C++ CPU attention backend (attention/cpu_backend.py, cpu_attention.cpp) against a dense reference
+and the torch backend, on its AVX2 path and its forced portable path: decode tokens and short extends
+of requests whose KV sits in shuffled pool slots, beside a prefill chunk, read through the fused
+projection's strided q/k/v views."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_backends import PROMPTS, _hand_built_step, _reference_attention, _run
+
+from radixlm_runtime.attention import cpu_backend
+from radixlm_runtime.attention.cpu_backend import SCALAR, SIMD, CpuAttentionBackend, kernel_path
+from radixlm_runtime.attention.torch_backend import MAX_BATCHED_EXTEND, TorchAttentionBackend
+from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.executor import model_runner
+from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kernels.native import KernelBuildError
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+
+MODES = [SCALAR, SIMD]
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+
+
+def _shuffled_step(
+    seq_lens: list[int], extend_lens: list[int], num_kv_heads: int, head_dim: int, seed: int
+) -> tuple[KVPool, ReqToTokenTable, list[list[int]], ForwardBatch]:
+    """Requests whose KV slots are a random permutation of the pool (no two neighbours adjacent in
+    general), in scattered table rows, each adding its last extend_lens[b] tokens; every slot but the
+    dummy holds random KV."""
+    gen = torch.Generator().manual_seed(seed)
+    size = sum(seq_lens) + 50
+    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    perm = (torch.randperm(size, generator=gen) + 1).tolist()
+    seqs, start = [], 0
+    for n in seq_lens:
+        seqs.append(perm[start : start + n])
+        start += n
+    rows = [(3 * b + 5) % (2 * len(seq_lens) + 1) for b in range(len(seq_lens))]
+    table = ReqToTokenTable(2 * len(seq_lens) + 1, max(seq_lens) + 3)
+    for row, slots in zip(rows, seqs):
+        table.req_to_token[row, : len(slots)] = torch.tensor(slots)
+    batch = ForwardBatch.build(
+        input_ids=[0] * sum(extend_lens),
+        req_pool_indices=rows,
+        prefix_lens=[n - e for n, e in zip(seq_lens, extend_lens)],
+        extend_lens=extend_lens,
+        out_cache_loc=[s for slots, e in zip(seqs, extend_lens) for s in slots[len(slots) - e :]],
+        logits_indices=[],
+        seq_slots=seqs,
+        device=torch.device("cpu"),
+    )
+    return pool, table, seqs, batch
+
+
+def _qkv_views(
+    tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model hands them over: views of one fused projection row per token."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (
+        q.view(tokens, num_q_heads, head_dim),
+        k.view(tokens, num_kv_heads, head_dim),
+        v.view(tokens, num_kv_heads, head_dim),
+    )
+
+
+# Decodes and short extends (1..16 new tokens) over sequences shorter and longer than the kernel's
+# 64-key blocks, with a prefill chunk in the middle of the batch.
+SEQ_LENS = [1, 37, 150, 100, 60, 7, 70, 16]
+EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "num_q_heads, num_kv_heads, head_dim",
+    [(9, 3, 64), (8, 2, 24), (4, 4, 16), (6, 3, 20)],
+    ids=["gqa3-d64", "gqa4-d24", "mha-d16", "gqa2-d20-scalar-only"],
+)
+def test_forward_matches_dense_reference(
+    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """forward stores the new tokens' K/V, then every token attends causally over its request's KV:
+    the C++ kernel for the short ones, the torch backend's chunk path for the prefill chunk."""
+    pool, table, seqs, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim)
+    q, k, v = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=1)
+    scale = head_dim**-0.5
+    backend = CpuAttentionBackend(pool, table, scale, mode=mode)
+    backend.init_forward_metadata(batch)
+    meta = batch.attn_metadata
+    assert [item.length for item in meta.extends] == [20]
+    assert meta.requests.shape == (4, len(SEQ_LENS) - 1)
+    got = backend.forward(q, k, v, 0, batch)
+    assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
+    assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, EXTEND_LENS, scale)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "extend_lens",
+    [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 20, 4], [MAX_BATCHED_EXTEND, 1, 2, 1]],
+    ids=["decodes", "short-extends", "with-long-extend", "longest-short-extend"],
+)
+def test_attend_matches_torch_backend(mode: int, extend_lens: list[int]) -> None:
+    """The torch backend's hand-built step (three requests sharing 40 prefix slots, which it attends
+    to as a group, and an outsider): both backends agree token for token."""
+    torch.manual_seed(0)
+    pool, table, _, batch = _hand_built_step(extend_lens, 16, torch.device("cpu"))
+    q = torch.randn(batch.num_tokens, 6, 16)
+    reference = TorchAttentionBackend(pool, table, 0.25)
+    reference.init_forward_metadata(batch)
+    want = reference.attend(q, 0, batch)
+    backend = CpuAttentionBackend(pool, table, 0.25, mode=mode)
+    backend.init_forward_metadata(batch)
+    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
+
+
+def test_store_writes_what_set_kv_writes() -> None:
+    """The C++ row copy equals KVPool.set_kv's index_put on every slot, from strided k/v views."""
+    gen = torch.Generator().manual_seed(5)
+    pools = [KVPool(64, 2, 3, 8, torch.float32, "cpu") for _ in range(2)]
+    for pool in pools:
+        for buf in pool.k_buffers + pool.v_buffers:
+            buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view_as(buf))
+    loc = torch.randperm(64, generator=gen)[:11] + 1
+    _, k, v = _qkv_views(11, 6, 3, 8, seed=2)
+    pools[0].set_kv(1, loc, k, v)
+    cpu_backend.store_kv(pools[1].k_buffers[1], pools[1].v_buffers[1], loc, k, v)
+    for a, b in zip(pools[0].k_buffers + pools[0].v_buffers, pools[1].k_buffers + pools[1].v_buffers):
+        assert torch.equal(a, b)
+
+
+def test_cpu_features_pick_the_path() -> None:
+    """A fake CPU without AVX2+FMA, or a head dim that is not whole vectors, gets the portable path;
+    this CPU gets the AVX2 one exactly when it has the features."""
+    assert kernel_path(64, SIMD, cpu_has_avx2_fma=True) == SIMD
+    assert kernel_path(64, SIMD, cpu_has_avx2_fma=False) == SCALAR
+    assert kernel_path(20, SIMD, cpu_has_avx2_fma=True) == SCALAR
+    assert kernel_path(64, SCALAR, cpu_has_avx2_fma=True) == SCALAR
+    has = bool(cpu_backend._library().ca_has_avx2_fma())
+    assert kernel_path(64) == (SIMD if has else SCALAR)
+
+
+def test_rejects_what_it_cannot_serve() -> None:
+    table = ReqToTokenTable(2, 8)
+    with pytest.raises(ValueError, match="float32"):
+        CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.bfloat16, "cpu"), table, 1.0)
+
+
+def test_engine_generates_like_the_torch_backend(tiny_llama_dir: Path) -> None:
+    """Through the whole engine (prefill chunks via torch, decode via the kernel): the same tokens,
+    logprobs within float error."""
+    ref_ids, ref_lp = _run(tiny_llama_dir, "torch")
+    ids, lp = _run(tiny_llama_dir, "cpu")
+    assert ids == ref_ids and len(ids) == len(PROMPTS)
+    assert len(lp) == len(ref_lp)
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-4
+
+
+def test_runner_picks_cpu_by_default_and_falls_back_without_a_compiler(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def runner(backend: str) -> model_runner.ModelRunner:
+        config = EngineConfig(str(tiny_llama_dir), "cpu", max_total_tokens=64, attention_backend=backend)
+        return model_runner.ModelRunner(tiny_llama_dir, config)
+
+    assert type(runner("auto").attn_backend) is CpuAttentionBackend
+    assert type(runner("torch").attn_backend) is TorchAttentionBackend
+
+    def no_compiler() -> None:
+        raise KernelBuildError("no C++ compiler")
+
+    warnings: list[str] = []
+    monkeypatch.setattr(cpu_backend, "_library", no_compiler)
+    monkeypatch.setattr(model_runner.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    assert type(runner("auto").attn_backend) is TorchAttentionBackend
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+    with pytest.raises(KernelBuildError):
+        runner("cpu")
