@@ -82,20 +82,16 @@ def quantized_linear(
     # contiguous input does not need.
     flat = x.dim() == 2 and x.is_contiguous()
     rows = x if flat else x.reshape(-1, k).contiguous()
-    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    if rows.shape[0]:
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
         _library().rq_linear(
             rows.data_ptr(),
-            rows.shape[0],
+            m,
             k,
-            weight.qweight.data_ptr(),
-            weight.scales.data_ptr(),
-            None if weight.mins is None else weight.mins.data_ptr(),
-            n,
-            weight.group_size,
-            weight.bits,
+            *weight.kernel_args,
             out.data_ptr(),
-            kernel_mode(rows.shape[0]) if mode is None else mode,
+            kernel_mode(m) if mode is None else mode,
             torch.get_num_threads(),
         )
     if bias is not None:

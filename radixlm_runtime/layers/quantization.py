@@ -10,6 +10,7 @@ copied rather than re-encoded (models/gguf_weights.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,20 @@ class QuantizedWeight:
             tensor = getattr(self, name)
             if tensor is not None and (tuple(tensor.shape) != groups or tensor.dtype != torch.float32):
                 raise ValueError(f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}")
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int | None, ...]:
+        """rq_linear's weight arguments (qweight, scales, mins pointers, N, group, bits), built once:
+        decode calls the kernel 121 times a step. The tensors are never replaced after construction."""
+        mins = None if self.mins is None else self.mins.data_ptr()
+        return (
+            self.qweight.data_ptr(),
+            self.scales.data_ptr(),
+            mins,
+            self.out_features,
+            self.group_size,
+            self.bits,
+        )
 
     @property
     def out_features(self) -> int:

@@ -33,7 +33,7 @@ class CpuInfo:
                 flags = frozenset(value.split())
         return cls(model, flags, logical_cores)
 
-    @property
+    @functools.cached_property
     def simd(self) -> str:
         """The best SIMD level the kernels have a path for on this CPU."""
         return next((name for name, needs in _LEVELS if needs <= self.flags), SCALAR)
