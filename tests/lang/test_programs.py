@@ -281,6 +281,28 @@ def test_regex_ip_address() -> None:
     assert re.fullmatch(ip, regex_gen.run()["answer"])
 
 
+def test_ebnf_and_json_schema_gen() -> None:
+    """gen(ebnf=...) and gen(json_schema=...) over the native API (SGLang's own frontend has
+    json_schema but no ebnf argument; its /generate takes `ebnf`, as this server's does)."""
+    grammar = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [1-9] [0-9]?'
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
+
+    @sgl.function
+    def constrained(s):
+        s += "Q: Write a sum of two small numbers.\nA: " + sgl.gen("sum", max_tokens=12, ebnf=grammar)
+        s += "\nQ: A city as JSON.\nA: " + sgl.gen("city", max_tokens=48, json_schema=json.dumps(schema))
+
+    state = constrained.run(temperature=0)
+    assert re.fullmatch(r"[1-9][0-9]?([+-][1-9][0-9]?)*", state["sum"]), state["sum"]
+    city = json.loads(state["city"])
+    assert set(city) == {"city", "population"} and isinstance(city["population"], int)
+    assert len(city["city"]) <= 16
+
+
 def test_dtype_gen() -> None:
     @sgl.function
     def dtype_gen(s):

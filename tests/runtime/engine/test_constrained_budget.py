@@ -70,7 +70,7 @@ def shortest(engine: rt.Engine, params: dict[str, Any]) -> int:
     return int(found.group(1))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS, seed=st.integers(0, 1000))
 def test_random_schemas_parse_at_every_budget(engine: rt.Engine, schema: dict[str, Any], seed: int) -> None:
     params = {"json_schema": json.dumps(schema), "temperature": 1.0, "seed": seed}
