@@ -177,6 +177,68 @@ RQ_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, int6
   }
 }
 
+// ---------------------------------------------------------------- AVX-512 row-dot path
+//
+// The decode GEMV is bound by the instructions that widen codes to floats, not by memory: 16 lanes
+// halve them. Two accumulators per row alternate between chunks, so the chain of scaled adds does
+// not wait on its own latency.
+
+#define RQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+// The chunk's 32 codes as two 16-lane float vectors (columns 0-15, 16-31).
+RQ_AVX512 inline void load_chunk16(const uint8_t* p, int bits, __m512& lo, __m512& hi) {
+  if (bits == 8) {
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return;
+  }
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+}
+
+RQ_AVX512 inline __m512 chunk_dot16(__m512 lo, __m512 hi, const float* x) {
+  return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
+}
+
+template <int ROWS>
+RQ_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
+                           float* y) {
+  const int64_t chunks_per_group = w.group / kChunk;
+  const int64_t groups = w.groups();
+  const int64_t k = w.k;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = w.q + n * w.row_bytes();
+    const float* s = w.scales + n * groups;
+    const __m512 z = _mm512_setzero_ps();
+    __m512 a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
+    int64_t col = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 scale = _mm512_set1_ps(s[g]);
+      for (int64_t c = 0; c < chunks_per_group; ++c, col += kChunk, q += w.chunk_bytes()) {
+        __m512 lo, hi;
+        load_chunk16(q, w.bits, lo, hi);
+        const bool odd = col & kChunk;
+#define RQ_ACC512(i)                                                              \
+  if constexpr (ROWS > i) {                                                       \
+    const __m512 d = chunk_dot16(lo, hi, x + i * k + col);                         \
+    if (odd) b##i = _mm512_fmadd_ps(scale, d, b##i); else a##i = _mm512_fmadd_ps(scale, d, a##i); \
+  }
+        RQ_ACC512(0) RQ_ACC512(1) RQ_ACC512(2) RQ_ACC512(3)
+#undef RQ_ACC512
+      }
+    }
+    const __m512 totals[4] = {_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1), _mm512_add_ps(a2, b2),
+                              _mm512_add_ps(a3, b3)};
+    for (int r = 0; r < ROWS; ++r) {
+      float v = _mm512_reduce_add_ps(totals[r]);
+      if (w.mins) v += dot_avx2(w.mins + n * groups, xsum + r * groups, groups);
+      y[r * w.n + n] = v;
+    }
+  }
+}
+
 RQ_AVX2 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -296,7 +358,8 @@ RQ_AVX2 void gemm_avx2(const Weights& w, const float* x, int64_t m, float* y, in
   }
 }
 
-RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+// wide: the AVX-512 kernel (the caller checked the CPU has it).
+RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y, int threads, bool wide) {
   const int64_t groups = w.groups();
   std::vector<float> xsum(w.mins ? m * groups : 0);
   for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()) / groups; ++r) {
@@ -316,7 +379,17 @@ RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y
       const float* xr = x + r * w.k;
       const float* xs = xsum.empty() ? nullptr : xsum.data() + r * groups;
       float* yr = y + r * w.n;
-      switch (std::min(kGemvRows, m - r)) {
+      const int64_t rows = std::min(kGemvRows, m - r);
+      if (wide) {
+        switch (rows) {
+          case 1: gemv_avx512<1>(w, xr, xs, n0, n1, yr); break;
+          case 2: gemv_avx512<2>(w, xr, xs, n0, n1, yr); break;
+          case 3: gemv_avx512<3>(w, xr, xs, n0, n1, yr); break;
+          default: gemv_avx512<4>(w, xr, xs, n0, n1, yr); break;
+        }
+        continue;
+      }
+      switch (rows) {
         case 1: gemv_avx2<1>(w, xr, xs, n0, n1, yr); break;
         case 2: gemv_avx2<2>(w, xr, xs, n0, n1, yr); break;
         case 3: gemv_avx2<3>(w, xr, xs, n0, n1, yr); break;
@@ -335,16 +408,24 @@ int rq_has_avx2_fma(void) {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM. The caller picks (see
-// quant_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always runs 0.
+int rq_has_avx512(void) {
+  __builtin_cpu_init();
+  return rq_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot. The caller
+// picks (see quant_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always
+// runs 0, and one without AVX-512 runs 1 for 3.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
   static const bool simd = rq_has_avx2_fma();
+  static const bool wide = rq_has_avx512();
   if (mode == 0 || !simd) {
     linear_scalar(w, x, m, y, threads);
-  } else if (mode == 1) {
-    gemv_dispatch(w, x, m, y, threads);
+  } else if (mode == 1 || mode == 3) {
+    gemv_dispatch(w, x, m, y, threads, mode == 3 && wide);
   } else {
     gemm_avx2(w, x, m, y, threads);
   }

@@ -14,8 +14,9 @@ from radixlm_runtime.utils import cpu
 
 _SOURCE = Path(__file__).with_name("quant_cpu.cpp")
 
-# Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel and the AVX2 panel GEMM.
-SCALAR, ROW_DOT, PANEL_GEMM = 0, 1, 2
+# Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel, the AVX2 panel GEMM and the
+# AVX-512 row-dot kernel.
+SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512 = 0, 1, 2, 3
 # From this many rows of x on, dequantising 16-row panels for a register-blocked GEMM beats reading
 # the packed weights once per 4 rows (measured on AVX2 at the default model's shapes: even at 12).
 PANEL_GEMM_MIN_ROWS = 12
@@ -64,9 +65,12 @@ def has_avx2_fma() -> bool:
 
 def kernel_mode(rows: int) -> int:
     """The kernel rq_linear runs for `rows` rows of activations on this CPU."""
-    if cpu.detect().simd == cpu.SCALAR:
+    simd = cpu.detect().simd
+    if simd == cpu.SCALAR:
         return SCALAR
-    return PANEL_GEMM if rows >= PANEL_GEMM_MIN_ROWS else ROW_DOT
+    if rows >= PANEL_GEMM_MIN_ROWS:
+        return PANEL_GEMM
+    return ROW_DOT_512 if simd == "avx512" else ROW_DOT
 
 
 def quantized_linear(

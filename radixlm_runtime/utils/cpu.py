@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # SIMD levels of the kernels, best first: each needs every flag listed.
-_LEVELS = (("avx2", frozenset({"avx2", "fma"})),)
+_LEVELS = (
+    ("avx512", frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"})),
+    ("avx2", frozenset({"avx2", "fma"})),
+)
 SCALAR = "scalar"
 
 

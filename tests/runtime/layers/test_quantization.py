@@ -3,6 +3,8 @@ reference (every kernel path), the per-linear plan and the `--quantization` vali
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from radixlm_runtime.layers.quant_kernels import (
     PANEL_GEMM,
     PANEL_GEMM_MIN_ROWS,
     ROW_DOT,
+    ROW_DOT_512,
     SCALAR,
     has_avx2_fma,
     kernel_mode,
@@ -27,7 +30,8 @@ from radixlm_runtime.layers.quantization import (
     resolve_quantization,
 )
 
-MODES = [SCALAR, ROW_DOT, PANEL_GEMM]
+# ROW_DOT_512 runs the AVX2 row-dot kernel on a CPU without AVX-512.
+MODES = [SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512]
 
 
 def _weight(bits: int, n: int, k: int, group: int | None, seed: int = 0) -> QuantizedWeight:
@@ -64,7 +68,9 @@ def test_kernel_mode_follows_the_cpu_and_row_count() -> None:
     if not has_avx2_fma():
         assert kernel_mode(1) == kernel_mode(512) == SCALAR
         return
-    assert kernel_mode(1) == kernel_mode(PANEL_GEMM_MIN_ROWS - 1) == ROW_DOT
+    flags = Path("/proc/cpuinfo").read_text().split()
+    row_dot = ROW_DOT_512 if {"avx512f", "avx512bw", "avx512vl"} <= set(flags) else ROW_DOT
+    assert kernel_mode(1) == kernel_mode(PANEL_GEMM_MIN_ROWS - 1) == row_dot
     assert kernel_mode(PANEL_GEMM_MIN_ROWS) == PANEL_GEMM
 
 

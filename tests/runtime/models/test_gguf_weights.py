@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from radixlm_runtime.layers.quant_kernels import PANEL_GEMM, ROW_DOT, SCALAR, quantized_linear
+from radixlm_runtime.layers.quant_kernels import PANEL_GEMM, ROW_DOT, ROW_DOT_512, SCALAR, quantized_linear
 from radixlm_runtime.models.gguf_weights import (
     GGUFQuantizedWeights,
     gguf_tensor_name,
@@ -39,7 +39,7 @@ def test_repacked_blocks_dequantize_bit_exactly_like_gguf(type_name: str) -> Non
     assert torch.equal(weight.dequantize(), torch.from_numpy(ref))
 
 
-@pytest.mark.parametrize("mode", [SCALAR, ROW_DOT, PANEL_GEMM])
+@pytest.mark.parametrize("mode", [SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_kernels_read_the_same_weights_as_gguf(type_name: str, mode: int) -> None:
     """x = I reads every weight back through a kernel: scale * q + min is rounded once, as gguf does."""

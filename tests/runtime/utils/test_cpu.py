@@ -28,8 +28,9 @@ def test_parse_and_levels() -> None:
     assert avx2.model == "AMD EPYC 7B13" and avx2.simd == "avx2"
     assert "kernels avx2" in avx2.describe() and "avx512: no" in avx2.describe()
     assert fake("avx2").simd == cpu.SCALAR  # AVX2 without FMA is not enough
-    wide = fake("avx2 fma avx512f avx512bw")
-    assert wide.simd == "avx2" and "avx512: avx512f" in wide.describe()
+    assert fake("avx2 fma avx512f avx512bw").simd == "avx2"  # no avx512vl: the AVX2 kernels
+    wide = fake("avx2 fma avx512f avx512bw avx512vl")
+    assert wide.simd == "avx512" and "kernels avx512 (avx512: avx512f)" in wide.describe()
     assert cpu.CpuInfo.parse("", 4).simd == cpu.SCALAR  # no /proc/cpuinfo: portable paths
 
 
@@ -54,6 +55,9 @@ def test_a_cpu_without_avx2_takes_the_portable_kernels(monkeypatch: pytest.Monke
     assert torch.equal(quant_kernels.quantized_linear(x, weight), want_linear)
     assert torch.equal(fused_cpu.silu_and_mul(gate_up), want_silu)
 
+    monkeypatch.setattr(cpu, "detect", lambda: fake("avx2 fma avx512f avx512bw avx512vl"))
+    assert quant_kernels.kernel_mode(1) == quant_kernels.ROW_DOT_512
+    assert fused_cpu.default_mode() == fused_cpu.SIMD
     monkeypatch.setattr(cpu, "detect", lambda: fake("avx2 fma"))
     assert quant_kernels.kernel_mode(1) == quant_kernels.ROW_DOT
     assert quant_kernels.kernel_mode(64) == quant_kernels.PANEL_GEMM
