@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from radixlm_runtime.layers import fused_triton
+
 
 class KVPool:
     """One preallocated token-granular K and V buffer per layer.
@@ -51,9 +53,13 @@ class KVPool:
             self.v_buffers.append(v)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes the new tokens' K/V (each [n, H, D]) into slots `loc` ([n] int64) of one layer."""
+        """Writes the new tokens' K/V (each [n, H, D]) into slots `loc` ([n] int64) of one layer. On CUDA
+        one kernel stores and casts both (index_put and the casts would be several launches)."""
         k_buf = self.k_buffers[layer_id]
         v_buf = self.v_buffers[layer_id]
+        if fused_triton.supports(k) and fused_triton.supports(v) and fused_triton.supports(k_buf):
+            fused_triton.store_kv(k_buf, v_buf, loc, k, v)
+            return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
 

@@ -1,5 +1,5 @@
-"""SwiGLU on a fused gate/up projection: one pass of the fused CPU kernel for float32 CPU rows, torch
-ops elsewhere (and as the reference)."""
+"""SwiGLU on a fused gate/up projection: one Triton kernel on CUDA, one pass of the fused CPU kernel for
+float32 CPU rows, torch ops elsewhere (and as the reference)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm_runtime.layers import fused_cpu
+from radixlm_runtime.layers import fused_cpu, fused_triton
 
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and fused_triton.supports(x):
+            return fused_triton.silu_and_mul(x)
         if x.dim() == 2 and fused_cpu.supports(x):
             return fused_cpu.silu_and_mul(x)
         return self.reference(x)

@@ -1,12 +1,13 @@
-"""RMSNorm with an optional fused residual add (the pre-norm transformer pattern): one pass of the fused
-CPU kernel for float32 CPU rows, torch ops elsewhere (and as the reference)."""
+"""RMSNorm with an optional fused residual add (the pre-norm transformer pattern): one Triton kernel on
+CUDA, one pass of the fused CPU kernel for float32 CPU rows, torch ops elsewhere (and as the
+reference)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from radixlm_runtime.layers import fused_cpu
+from radixlm_runtime.layers import fused_cpu, fused_triton
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and fused_triton.supports(x):
+            out = fused_triton.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if x.dim() == 2 and fused_cpu.supports(x) and self.weight.dtype == torch.float32:
             out = fused_cpu.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)

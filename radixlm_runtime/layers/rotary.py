@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm_runtime.layers import fused_cpu
+from radixlm_runtime.layers import fused_cpu, fused_triton
 
 # A step's cos and sin rows, [T, 1, D/2] each.
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -60,13 +60,17 @@ class RotaryEmbedding:
         cos_sin: CosSin, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated, and v, from a fused projection's output
-        [T, (Hq + 2 Hkv) D]. On float32 CPU rows q and k are rotated inside qkv by one fused pass (the
-        results are views of it); elsewhere by `apply`."""
+        [T, (Hq + 2 Hkv) D]. On CUDA and on float32 CPU rows q and k are rotated inside qkv by one fused
+        pass (the results are views of it); elsewhere by `apply`."""
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, num_heads, head_dim)
         k = k.view(-1, num_kv_heads, head_dim)
         v = v.view(-1, num_kv_heads, head_dim)
+        if qkv.dim() == 2 and fused_triton.supports(qkv):
+            cos, sin = cos_sin
+            fused_triton.rope_(qkv, cos.squeeze(1), sin.squeeze(1), num_heads + num_kv_heads, head_dim)
+            return q, k, v
         if qkv.dim() == 2 and fused_cpu.supports(qkv):
             cos, sin = cos_sin
             fused_cpu.rope_(qkv, cos.squeeze(1), sin.squeeze(1), num_heads + num_kv_heads, head_dim)
