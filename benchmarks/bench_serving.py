@@ -9,13 +9,20 @@ inter-token latency (ITL) percentiles, and the share of prompt tokens served fro
 (from each response's meta_info). The baseline is the same server with --disable-radix-cache, given the
 same requests at the same arrival times; the cache is flushed before every rate.
 
+vLLM's CPU build joins as a peer with `--servers ...,vllm_cpu` (its OpenAI server from the environment
+benchmarks/vllm_cpu/install.sh makes, set up as its CPU guide says): the same texts through its
+streamed /v1/completions (greedy, ignore_eos), the cached share from its usage's
+prompt_tokens_details. Skipped with a message where it is not installed.
+
     python benchmarks/bench_serving.py                  # rates 0.5, 1, 2, 4 req/s, 24 requests each
+    python benchmarks/bench_serving.py --servers radixlm,radixlm_no_cache,vllm_cpu
     python benchmarks/bench_serving.py --tiny
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -23,6 +30,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +49,8 @@ from common import (
     save_figure,
     save_result,
 )
-from local_server import flush, running_server
+from local_server import VLLM_MODEL_NAME, flush, running_server, running_vllm_server
+from systems import SystemUnavailable
 from workloads import chat_prompts, gsm8k_prompts
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
@@ -56,8 +65,13 @@ SIZES = {
 }
 DEFAULT_RATES = "0.5,1,2,4"
 TINY_RATES = "4"
-SERVERS = {"radixlm": [], "radixlm_no_cache": ["--disable-radix-cache"]}
-LABELS = {"radixlm": "radixlm", "radixlm_no_cache": "radixlm, radix cache disabled"}
+RADIXLM_FLAGS = {"radixlm": [], "radixlm_no_cache": ["--disable-radix-cache"]}
+DEFAULT_SERVERS = "radixlm,radixlm_no_cache"
+LABELS = {
+    "radixlm": "radixlm",
+    "radixlm_no_cache": "radixlm, radix cache disabled",
+    "vllm_cpu": "vLLM-CPU, prefix cache on",
+}
 
 
 @dataclass
@@ -99,39 +113,78 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def send(client: httpx.AsyncClient, url: str, req: Request, max_new_tokens: int) -> Outcome:
-    """One streamed request; ITL is per token (a chunk carrying k new tokens counts its gap / k, k times)."""
-    body = {
-        "text": req.text,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+@dataclass(frozen=True)
+class Api:
+    """How a server is asked for one streamed request: the path, the JSON body, and a reader that
+    takes one streamed chunk, records the usage it reports on the Outcome and returns how many new
+    tokens it carries."""
+
+    path: str
+    body: Callable[[Request, int], dict[str, Any]]
+    read: Callable[[dict[str, Any], Outcome], int]
+
+
+def _native_body(req: Request, max_new_tokens: int) -> dict[str, Any]:
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    return {"text": req.text, "sampling_params": params, "stream": True}
+
+
+def _native_read(chunk: dict[str, Any], out: Outcome) -> int:
+    new = len(chunk["output_ids"]) - out.completion_tokens
+    meta = chunk["meta_info"]
+    out.prompt_tokens, out.cached_tokens = meta["prompt_tokens"], meta["cached_tokens"]
+    out.completion_tokens = meta["completion_tokens"]
+    return new
+
+
+def _openai_body(req: Request, max_new_tokens: int) -> dict[str, Any]:
+    return {
+        "model": VLLM_MODEL_NAME,
+        "prompt": req.text,
+        "max_tokens": max_new_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
+
+
+def _openai_read(chunk: dict[str, Any], out: Outcome) -> int:
+    """vLLM streams one chunk per generated token; the last chunk carries the usage."""
+    usage = chunk.get("usage")
+    if usage:
+        out.prompt_tokens, out.completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return 1 if chunk.get("choices") else 0
+
+
+NATIVE = Api("/generate", _native_body, _native_read)
+OPENAI = Api("/v1/completions", _openai_body, _openai_read)
+
+
+async def send(client: httpx.AsyncClient, url: str, api: Api, req: Request, max_new_tokens: int) -> Outcome:
+    """One streamed request; ITL is per token (a chunk carrying k new tokens counts its gap / k, k times)."""
     start = time.perf_counter()
     first: float | None = None
     last = start
-    seen = 0
     out = Outcome(req.kind, start, start, 0.0)
-    async with client.stream("POST", f"{url}/generate", json=body) as resp:
+    async with client.stream("POST", f"{url}{api.path}", json=api.body(req, max_new_tokens)) as resp:
         if resp.status_code != 200:
-            raise RuntimeError(f"/generate answered {resp.status_code}: {(await resp.aread())[:500]!r}")
+            raise RuntimeError(f"{api.path} answered {resp.status_code}: {(await resp.aread())[:500]!r}")
         async for line in resp.aiter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data:") :])
             if "error" in chunk:
-                raise RuntimeError(f"/generate streamed an error: {chunk}")
+                raise RuntimeError(f"{api.path} streamed an error: {chunk}")
             now = time.perf_counter()
-            new = len(chunk["output_ids"]) - seen
+            new = api.read(chunk, out)
             if new > 0:
                 if first is None:
                     first = now
                 else:
                     out.itls.extend([(now - last) / new] * new)
-                seen += new
                 last = now
-            meta = chunk["meta_info"]
-            out.prompt_tokens, out.cached_tokens = meta["prompt_tokens"], meta["cached_tokens"]
-            out.completion_tokens = meta["completion_tokens"]
     if first is None:
         raise RuntimeError("the stream ended without a token")
     out.ttft, out.end = first - start, time.perf_counter()
@@ -139,14 +192,14 @@ async def send(client: httpx.AsyncClient, url: str, req: Request, max_new_tokens
 
 
 async def run_rate(
-    url: str, reqs: list[Request], arrivals: list[float], max_new_tokens: int
+    url: str, api: Api, reqs: list[Request], arrivals: list[float], max_new_tokens: int
 ) -> list[Outcome]:
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
         t0 = time.perf_counter()
 
         async def at(req: Request, offset: float) -> Outcome:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            return await send(client, url, req, max_new_tokens)
+            return await send(client, url, api, req, max_new_tokens)
 
         return await asyncio.gather(*(at(r, a) for r, a in zip(reqs, arrivals)))
 
@@ -223,51 +276,65 @@ def table(results: dict[str, list[dict[str, Any]]]) -> Table:
 
 
 def notes_for(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    if "radixlm_no_cache" not in results:
-        return []
     notes = []
-    for on, off in zip(results["radixlm"], results["radixlm_no_cache"]):
-        ttft_on, ttft_off = on["ttft_ms"]["p50"], off["ttft_ms"]["p50"]
-        rps_on, rps_off = on["request_throughput"], off["request_throughput"]
-        notes.append(
-            f"at {on['rate']:g} req/s offered: TTFT P50 {ttft_on:.0f} ms vs {ttft_off:.0f} ms without the "
-            f"radix cache (**{ttft_off / ttft_on:.1f}x** lower); achieved {rps_on:.2f} vs {rps_off:.2f} "
-            f"req/s ({rps_on / rps_off:.2f}x)"
-        )
+    for peer, what in (("radixlm_no_cache", "without the radix cache"), ("vllm_cpu", "on vLLM-CPU")):
+        for on, off in zip(results.get("radixlm", []), results.get(peer, [])):
+            ttft_on, ttft_off = on["ttft_ms"]["p50"], off["ttft_ms"]["p50"]
+            rps_on, rps_off = on["request_throughput"], off["request_throughput"]
+            notes.append(
+                f"at {on['rate']:g} req/s offered: TTFT P50 {ttft_on:.0f} ms vs {ttft_off:.0f} ms {what} "
+                f"(**{ttft_off / ttft_on:.1f}x** lower); achieved {rps_on:.2f} vs {rps_off:.2f} "
+                f"req/s ({rps_on / rps_off:.2f}x)"
+            )
     return notes
+
+
+@contextlib.contextmanager
+def serving(name: str, log_path: Path) -> Iterator[tuple[str, Api, str]]:
+    """The server `name` up on loopback: its URL, how to ask it, and its cache-flush route."""
+    if name == "vllm_cpu":
+        with running_vllm_server(resolve_model_path(None), log_path) as url:
+            yield url, OPENAI, "/reset_prefix_cache"
+    else:
+        with running_server(RADIXLM_FLAGS[name], log_path) as url:
+            yield url, NATIVE, "/flush_cache"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     add_list_flag(ap, "--rates", "request rates", DEFAULT_RATES, TINY_RATES)
-    ap.add_argument("--no-baseline", action="store_true", help="Skip the --disable-radix-cache server.")
+    add_list_flag(ap, "--servers", f"servers out of {', '.join(LABELS)}", DEFAULT_SERVERS, DEFAULT_SERVERS)
     ap.add_argument("--seed", type=int, default=0, help="Seed of the arrival times.")
     args, sizes = parse_sizes(ap, argv, SIZES)
     # A SIGTERM must still run the `finally` that stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rates = list_flag(args, "--rates", float)
+    servers = list_flag(args, "--servers", str)
+    if unknown := [s for s in servers if s not in LABELS]:
+        ap.error(f"--servers: unknown {', '.join(unknown)} (choose from {', '.join(LABELS)})")
 
     reqs = build_requests(sizes["num_requests"], sizes["chat_turns"], sizes["num_shots"])
-    servers = {k: v for k, v in SERVERS.items() if not (args.no_baseline and k != "radixlm")}
     results: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as logs:
-        for server, extra in servers.items():
-            with running_server(extra, Path(logs) / f"{server}.log") as url:
-                asyncio.run(run_rate(url, reqs[:1], [0.0], 2))  # warm-up
-                results[server] = []
-                for rate in rates:
-                    flush(url)
-                    outs = asyncio.run(
-                        run_rate(
-                            url, reqs, poisson_arrivals(len(reqs), rate, args.seed), sizes["max_new_tokens"]
+        for server in servers:
+            try:
+                with serving(server, Path(logs) / f"{server}.log") as (url, api, flush_path):
+                    asyncio.run(run_rate(url, api, reqs[:1], [0.0], 2))  # warm-up
+                    results[server] = []
+                    for rate in rates:
+                        flush(url, flush_path)
+                        arrivals = poisson_arrivals(len(reqs), rate, args.seed)
+                        outs = asyncio.run(run_rate(url, api, reqs, arrivals, sizes["max_new_tokens"]))
+                        point = summarize(rate, outs)
+                        results[server].append(point)
+                        print(
+                            f"{server} @ {rate:g} req/s: {point['request_throughput']:.2f} req/s, TTFT P50 "
+                            f"{point['ttft_ms']['p50']:.0f} ms, hit {point['cache_hit_rate']:.2f}"
                         )
-                    )
-                    point = summarize(rate, outs)
-                    results[server].append(point)
-                    print(
-                        f"{server} @ {rate:g} req/s: {point['request_throughput']:.2f} req/s, TTFT P50 "
-                        f"{point['ttft_ms']['p50']:.0f} ms, hit {point['cache_hit_rate']:.2f}"
-                    )
+            except SystemUnavailable as e:
+                skipped[server] = str(e)
+                print(f"{server}: skipped: {e}")
     figure = f"{NAME}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, results)
@@ -282,9 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                 "chat_turns": sizes["chat_turns"],
             },
             "servers": results,
+            "skipped": skipped,
         },
         tables=[table(results)],
-        notes=notes_for(results),
+        notes=notes_for(results) + [f"{LABELS[k]}: skipped ({why})" for k, why in skipped.items()],
         figures=[figure],
         sizes=sizes,
     )

