@@ -149,6 +149,9 @@ def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
         return scores
 
     def run(ids: list[int]) -> tuple[Timer, list[int]]:
+        # Forget the last prompt: generate(reset=True) would reuse its longest common prefix, and a
+        # repeated run would then time a cached prompt.
+        llm.reset()
         timer, out_ids = Timer(), []
         tokens = llm.generate(
             ids, temp=0.0, repeat_penalty=1.0, reset=True, logits_processor=LogitsProcessorList([ban_eos])

