@@ -36,7 +36,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "simd_avx2.h"
+
 namespace {
+
+using simd::exp_avx2;
+using simd::hsum;
 
 // Keys per online-softmax step: enough that the per-block rescale is noise, few enough that a block's
 // scores stay in L1. A multiple of 8 (the exp and max loops read whole vectors of a row).
@@ -143,32 +148,6 @@ void item_scalar(const Problem& p, int64_t r, int64_t h, Scratch& w) {
 // ---------------------------------------------------------------- AVX2 + FMA path
 
 #define CA_AVX2 __attribute__((target("avx2,fma")))
-
-// exp(x) for float32 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' expf), within
-// 2 ulp; inputs are clamped where expf would over/underflow (softmax only feeds x <= 0).
-CA_AVX2 inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-CA_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 CA_AVX2 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -338,11 +317,6 @@ CA_AVX2 void item_avx2(const Problem& p, int64_t r, int64_t h, Scratch& w) {
   store_outputs(p, r, h, acc, l);
 }
 
-bool simd_available() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 // The path a call runs: AVX2 when asked for, the CPU has it and a head is whole vectors.
 int select_path(int mode, bool cpu_simd, int64_t head_dim) {
   return mode != 0 && cpu_simd && head_dim % 8 == 0 ? 1 : 0;
@@ -352,7 +326,7 @@ int select_path(int mode, bool cpu_simd, int64_t head_dim) {
 
 extern "C" {
 
-int ca_has_avx2_fma(void) { return simd_available(); }
+int ca_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.
 int ca_select_path(int mode, int cpu_has_avx2_fma, int64_t head_dim) {
@@ -378,8 +352,8 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
                float scale, int mode, int threads) {
-  static const bool simd = simd_available();
-  const bool vec = select_path(mode, simd, head_dim) == 1;
+  static const bool avx2 = simd::cpu_has_avx2_fma();
+  const bool vec = select_path(mode, avx2, head_dim) == 1;
   const int64_t group = num_q_heads / num_kv_heads;
   const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
                   table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,

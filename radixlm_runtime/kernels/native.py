@@ -24,6 +24,8 @@ logger = get_logger(__name__)
 
 KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+# The helpers the kernels share (simd_avx2.h): on every build's include path and in every cache key.
+INCLUDE_DIR = Path(__file__).parent
 
 
 class KernelBuildError(RuntimeError):
@@ -51,7 +53,7 @@ def _build(source: Path, target: Path) -> None:
     logger.info("building %s into %s (once per machine)", source.name, target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / target.name
-        command = [compiler, *FLAGS, str(source), "-o", str(staged)]
+        command = [compiler, *FLAGS, "-I", str(INCLUDE_DIR), str(source), "-o", str(staged)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr[-4000:]}")
@@ -62,7 +64,8 @@ def _build(source: Path, target: Path) -> None:
 @functools.cache
 def load_library(source: Path) -> ctypes.CDLL:
     """The compiled library of `source` (a .cpp file), built on first use."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    hashed = [source.read_bytes(), *(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))]
+    digest = hashlib.sha256(b"".join(hashed) + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{digest}.so"
     if not path.is_file():
         _build(source, path)

@@ -14,7 +14,12 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "simd_avx2.h"
+
 namespace {
+
+using simd::exp_avx2;
+using simd::hsum;
 
 // Below this many floats a call runs on one thread.
 constexpr int64_t kParallelMin = 1 << 15;
@@ -57,32 +62,6 @@ void silu_mul_row_scalar(const float* gate_up, float* out, int64_t inter) {
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA
-
-__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// exp(x) for float32 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' expf),
-// within 2 ulp over the range SiLU meets; inputs are clamped where expf would over/underflow.
-__attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 __attribute__((target("avx2,fma"))) void rms_norm_row_avx2(const float* x, float* residual, const float* w,
                                                           float* out, int64_t h, float eps) {
@@ -151,23 +130,17 @@ __attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const float* gate_up,
   }
 }
 
-bool simd_available() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 }  // namespace
 
 extern "C" {
 
-int rf_has_avx2_fma(void) { return simd_available(); }
+int rf_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
 // out[r] = weight * rms_norm(x[r] (+ residual[r])); with residual non-null, residual[r] += x[r] first
 // (the residual stream, updated in place). Row strides are in floats.
 void rf_rms_norm(const float* x, int64_t x_stride, float* residual, const float* weight, float* out,
                  int64_t rows, int64_t hidden, float eps, int mode, int threads) {
-  static const bool simd = simd_available();
-  const bool vec = mode != 0 && simd;
+  const bool vec = simd::use_avx2(mode);
 #pragma omp parallel for schedule(static) num_threads(pick_threads(rows * hidden, threads))
   for (int64_t r = 0; r < rows; ++r) {
     float* res = residual ? residual + r * hidden : nullptr;
@@ -183,8 +156,7 @@ void rf_rms_norm(const float* x, int64_t x_stride, float* residual, const float*
 // halves of a head are the pairs). cos and sin are [rows, head_dim / 2], row r's position's entries.
 void rf_rope(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t rows, int64_t heads,
              int64_t head_dim, int mode, int threads) {
-  static const bool simd = simd_available();
-  const bool vec = mode != 0 && simd;
+  const bool vec = simd::use_avx2(mode);
   const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(pick_threads(rows * heads * head_dim, threads))
   for (int64_t r = 0; r < rows; ++r) {
@@ -198,8 +170,7 @@ void rf_rope(float* x, int64_t x_stride, const float* cos, const float* sin, int
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up is [rows, 2 * inter].
 void rf_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, int mode, int threads) {
-  static const bool simd = simd_available();
-  const bool vec = mode != 0 && simd;
+  const bool vec = simd::use_avx2(mode);
 #pragma omp parallel for schedule(static) num_threads(pick_threads(rows * inter, threads))
   for (int64_t r = 0; r < rows; ++r) {
     if (vec) {

@@ -25,7 +25,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "simd_avx2.h"
+
 namespace {
+
+using simd::hsum;
 
 constexpr int64_t kChunk = 32;
 constexpr int64_t kPanel = 16;
@@ -116,13 +120,6 @@ RQ_AVX2 inline void load_chunk(const uint8_t* p, int bits, __m256 out[4]) {
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
   out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-RQ_AVX2 inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 RQ_AVX2 inline float dot_avx2(const float* a, const float* b, int64_t len) {
@@ -403,10 +400,7 @@ RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y
 
 extern "C" {
 
-int rq_has_avx2_fma(void) {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
+int rq_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
 int rq_has_avx512(void) {
   __builtin_cpu_init();
@@ -420,9 +414,9 @@ int rq_has_avx512(void) {
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
-  static const bool simd = rq_has_avx2_fma();
+  static const bool avx2 = rq_has_avx2_fma();
   static const bool wide = rq_has_avx512();
-  if (mode == 0 || !simd) {
+  if (mode == 0 || !avx2) {
     linear_scalar(w, x, m, y, threads);
   } else if (mode == 1 || mode == 3) {
     gemv_dispatch(w, x, m, y, threads, mode == 3 && wide);
