@@ -73,6 +73,24 @@ class EngineConfig:
         None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings."
     )
     num_threads: int | None = flag(None, "torch intra-op threads on CPU. Default: all cores.")
+    deterministic: bool = flag(
+        False,
+        "Batch-invariant kernels: a request gets the same tokens and logprobs whatever it is batched "
+        "with and whether its prefix came from the radix cache. Every linear runs in fixed blocks of "
+        "rows and every token attends on its own (the decode kernel), which costs throughput (see "
+        "benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
+    )
+    disable_cuda_graph: bool = flag(
+        False,
+        "On CUDA, run decode steps eagerly instead of replaying the CUDA graphs captured at start-up "
+        "(for debugging; each eager step launches ~300 kernels from Python).",
+    )
+    cuda_graph_max_bs: int = flag(
+        256,
+        "Largest decode batch replayed from a CUDA graph; one graph is captured per padded batch size "
+        "up to it (capped by --max-running-requests). Larger decode batches and every step with a "
+        "prefill chunk run eagerly.",
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -80,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
 

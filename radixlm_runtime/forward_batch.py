@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from radixlm_runtime.utils.transfer import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -75,8 +77,7 @@ class ForwardBatch:
             starts,
             logits_indices,
         )
-        packed = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
-        packed = packed.to(device, non_blocking=True)
+        packed = to_device(torch.tensor([v for part in parts for v in part], dtype=torch.int64), device)
         views = packed.split([len(part) for part in parts])
         return cls(
             *views,

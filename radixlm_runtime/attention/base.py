@@ -11,10 +11,28 @@ from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 
 class AttentionBackend(ABC):
+    # Whether a decode forward through it can be captured in a CUDA graph: no host reads, no
+    # host-built metadata that changes between steps.
+    graph_capturable = False
+    # --deterministic: every new token attends on its own, through the decode path, as a decode of
+    # its own request prefix; its result is then the same whatever its chunk or batch.
+    per_token = False
+    supports_per_token = False
+
     def __init__(self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float) -> None:
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_table.req_to_token
         self.scale = scale
+
+    @staticmethod
+    def per_token_decodes(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+        """Each new token as a decode: (its request's req_to_token row, its sequence length)."""
+        rows: list[int] = []
+        lens: list[int] = []
+        for row, seq_len, n in zip(batch.req_pool_indices_cpu, batch.seq_lens_cpu, batch.extend_lens_cpu):
+            rows += [row] * n
+            lens += range(seq_len - n + 1, seq_len + 1)
+        return rows, lens
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

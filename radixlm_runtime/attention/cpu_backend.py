@@ -144,6 +144,8 @@ class _CpuMeta(_TorchMeta):
 class CpuAttentionBackend(TorchAttentionBackend):
     """Float32 KV on the CPU only. `mode` SCALAR forces the kernels' portable path (tests)."""
 
+    supports_per_token = True
+
     def __init__(
         self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float, mode: int = SIMD
     ) -> None:
@@ -160,6 +162,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """Requests with up to MAX_BATCHED_EXTEND new tokens (the torch backend's threshold, read
         from it so the two split a step alike) go to the kernel; the torch backend plans the rest from a
         copy of the batch listing only them."""
+        if self.per_token:
+            rows, lens = self.per_token_decodes(batch)
+            n = len(rows)
+            requests = torch.tensor([rows, lens, list(range(n)), [1] * n], dtype=torch.int64)
+            batch.attn_metadata = _CpuMeta([], [], requests)
+            return
         limit = torch_backend.MAX_BATCHED_EXTEND
         short = [b for b, n in enumerate(batch.extend_lens_cpu) if n <= limit]
         long = [b for b, n in enumerate(batch.extend_lens_cpu) if n > limit]

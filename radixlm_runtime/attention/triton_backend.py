@@ -11,22 +11,35 @@ import torch
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.triton_kernels import decode_attention_fwd, extend_attention_fwd
 from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.utils.transfer import to_device
+
+# KV splits of the decode kernel. Fixed, not sized from the batch's longest sequence: a CUDA graph
+# replays the grid it captured, and a request's result then never depends on what it is batched
+# with. Empty splits of short sequences cost one early exit each.
+DECODE_KV_SPLITS = 8
 
 
 @dataclass
 class _TritonMeta:
     all_decode: bool
     max_extend_len: int
-    num_kv_splits: int
+    # Per-token mode: each new token's req_to_token row and sequence length, decoded one by one.
+    token_rows: torch.Tensor | None = None
+    token_seq_lens: torch.Tensor | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
+    graph_capturable = True
+    supports_per_token = True
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         max_ext = batch.max_extend_len
-        longest = max(batch.seq_lens_cpu)
-        # One split per 256 keys, up to 8: short sequences gain nothing from splitting.
-        splits = min(8, max(1, longest // 256))
-        batch.attn_metadata = _TritonMeta(max_ext == 1, max_ext, splits)
+        if max_ext == 1 or not self.per_token:
+            batch.attn_metadata = _TritonMeta(max_ext == 1, max_ext)
+            return
+        rows, lens = self.per_token_decodes(batch)
+        token_rows, token_lens = to_device(torch.tensor(rows + lens), batch.seq_lens.device).view(2, -1)
+        batch.attn_metadata = _TritonMeta(True, max_ext, token_rows, token_lens)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta: _TritonMeta = batch.attn_metadata
@@ -40,10 +53,10 @@ class TritonAttentionBackend(AttentionBackend):
                 k_buf,
                 v_buf,
                 self.req_to_token,
-                batch.req_pool_indices,
-                batch.seq_lens,
+                batch.req_pool_indices if meta.token_rows is None else meta.token_rows,
+                batch.seq_lens if meta.token_seq_lens is None else meta.token_seq_lens,
                 self.scale,
-                num_kv_splits=meta.num_kv_splits,
+                num_kv_splits=DECODE_KV_SPLITS,
             )
         else:
             extend_attention_fwd(

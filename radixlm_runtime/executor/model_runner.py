@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.executor.cuda_graph import CudaGraphRunner
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
-from radixlm_runtime.layers.linear import prepack_linears
+from radixlm_runtime.layers.linear import Linear, prepack_linears
 from radixlm_runtime.layers.quant_kernels import QuantKernelError, load_kernels
 from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
 from radixlm_runtime.layers.rotary import build_rotary
@@ -34,8 +36,12 @@ from radixlm_runtime.sampling.sampler import (
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
+from radixlm_runtime.utils.transfer import to_device
 
 logger = get_logger(__name__)
+
+# Rows per matmul call under --deterministic: small enough that a decode step pads little.
+DETERMINISTIC_ROW_BLOCK = 16
 
 # Share of available memory for the KV pool by default: (CPU, CUDA).
 DEFAULT_MEM_FRACTION = (0.15, 0.8)
@@ -64,6 +70,16 @@ def _available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose results are still on their way from the device."""
+
+    plan: StepPlan
+    outputs: StepOutputs
+    # RNG state of each sampling item with draft tokens, before its verification draws.
+    rng_before: dict[int, torch.Tensor]
 
 
 class ModelRunner:
@@ -107,6 +123,9 @@ class ModelRunner:
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
         self.attn_backend = self._make_attention_backend()
+        if config.deterministic:
+            self._make_batch_invariant()
+        self.graphs = self._capture_cuda_graphs()
         self.sampler = Sampler(device=self.device)
         # Each sampling request's RNG, kept across steps (and retractions) until it ends.
         self.generators: dict[int, torch.Generator] = {}
@@ -217,15 +236,47 @@ class ModelRunner:
 
         return TorchAttentionBackend(self.kv_pool, self.req_to_token, scale)
 
+    def _make_batch_invariant(self) -> None:
+        """--deterministic: per-token attention and fixed-shape matmuls (see EngineConfig)."""
+        if not self.attn_backend.supports_per_token:
+            raise ValueError(
+                "deterministic needs the 'cpu' (float32 on CPU) or 'triton' attention backend, not "
+                f"{type(self.attn_backend).__name__}"
+            )
+        self.attn_backend.per_token = True
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.row_block = DETERMINISTIC_ROW_BLOCK
+        logger.info(
+            "deterministic: batch-invariant kernels (matmuls in blocks of %d rows)", DETERMINISTIC_ROW_BLOCK
+        )
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        config = self.engine_config
+        if self.device.type != "cuda" or config.disable_cuda_graph:
+            return None
+        if not self.attn_backend.graph_capturable:
+            logger.info("CUDA graphs off: the %s backend is not capturable", type(self.attn_backend).__name__)
+            return None
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        # The table's last row is never handed to a request (RowAllocator gives out max_reqs rows).
+        dummy_row = self.req_to_token.max_reqs - 1
+        return CudaGraphRunner(self.model, self.attn_backend, max_bs, dummy_row, self.device)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
         self.attn_backend.init_forward_metadata(batch)
         return self.model(batch, self.attn_backend)
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
-        """One step: write the plan's table entries, forward, sample, gather logprobs, and read
-        everything back to the host at once."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Queues one step on the device: the plan's table entries, the forward, sampling, logprobs
+        and the copy of their results to the host. Nothing here waits for the device."""
         batch, writes = build_batch(plan, self.device)
         if writes is not None:
             self.req_to_token.write(*writes)
@@ -238,7 +289,7 @@ class ModelRunner:
             # A pure decode step samples every logits row in order: no gather, no copy.
             to_sample = logits
             if rows != list(range(logits.shape[0])):
-                to_sample = logits.index_select(0, torch.tensor(rows, device=self.device))
+                to_sample = logits.index_select(0, to_device(torch.tensor(rows), self.device))
             sampled = self.sampler(
                 to_sample,
                 self._sampling_info(specs),
@@ -247,9 +298,15 @@ class ModelRunner:
             )
             outputs.add_samples(sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs)
         outputs.add_prompt_logprobs(logits)
-        result = outputs.read()
-        for i, state in rng_before.items():
-            spec = plan.items[i].sample
+        outputs.start_read()
+        return PendingStep(plan, outputs, rng_before)
+
+    @torch.inference_mode()
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Waits for a launched step's results and returns them as plain data."""
+        result = pending.outputs.read()
+        for i, state in pending.rng_before.items():
+            spec = pending.plan.items[i].sample
             assert spec is not None
             replay_draws(self.generators[spec.uid], state, len(result.items[i].accepted) + 1)
         return result

@@ -8,6 +8,7 @@ import torch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.sampling.sampler import accepted_draft_len
 from radixlm_runtime.step import ItemResult, SampleSpec, StepPlan, StepResult, TopLogprobs
+from radixlm_runtime.utils.transfer import to_device
 
 TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -45,7 +46,7 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
     )
     if not w_rows:
         return batch, None
-    packed = torch.tensor(w_rows + w_cols + w_slots, dtype=torch.int64).to(device, non_blocking=True)
+    packed = to_device(torch.tensor(w_rows + w_cols + w_slots, dtype=torch.int64), device)
     rows, cols, slots = packed.split(len(w_rows))
     return batch, (rows, cols, slots)
 
@@ -115,9 +116,9 @@ class StepOutputs:
                 top = max(top, spec.top_logprobs_num)
         if not rows:
             return
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(torch.tensor(rows), logits.device)
         logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1)
+        chosen = logprobs.gather(1, to_device(torch.tensor(targets), logits.device)[:, None]).squeeze(1)
         self._parts.append(chosen.double())
         self._prompt_rows = len(rows)
         if top:
@@ -125,8 +126,21 @@ class StepOutputs:
             self._prompt_top = top
             self._parts += [values.double().flatten(), ids.double().flatten()]
 
+    def start_read(self) -> None:
+        """Queues one copy of every result to the host, behind the step's kernels; `read` waits for
+        it, so the host is free until then."""
+        self._event = None
+        self._host = torch.cat(self._parts) if self._parts else None
+        if self._host is not None and self._host.is_cuda:
+            host = torch.empty(self._host.shape, dtype=self._host.dtype, pin_memory=True)
+            self._host = host.copy_(self._host, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
     def read(self) -> StepResult:
-        flat = torch.cat(self._parts).tolist() if self._parts else []
+        if self._event is not None:
+            self._event.synchronize()
+        flat = self._host.tolist() if self._host is not None else []
         results = [ItemResult() for _ in self.items]
         pos = 0
 

@@ -31,6 +31,8 @@ class Linear(nn.Linear):
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
+    # Rows per matmul call when batch invariance is wanted (--deterministic); 0: one call for all rows.
+    row_block: int = 0
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Serves this layer from weight from now on; the float weight is dropped unless shared."""
@@ -56,6 +58,20 @@ class Linear(nn.Linear):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_block:
+            return self._fixed_row_blocks(x)
+        return self._matmul(x)
+
+    def _fixed_row_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] multiplied in blocks of exactly row_block rows (the last zero-padded): every
+        matmul then has one shape, so the library runs one algorithm and a row's result never
+        depends on how many rows came with it (what --deterministic needs)."""
+        n, r = x.shape[0], self.row_block
+        if n % r:
+            x = torch.cat([x, x.new_zeros(r - n % r, x.shape[1])])
+        return torch.cat([self._matmul(block) for block in x.split(r)])[:n]
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return quantized_linear(x, self.quantized, self.bias)
         if self._packed is not None:

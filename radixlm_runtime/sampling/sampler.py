@@ -17,11 +17,14 @@ import numpy as np
 import torch
 
 from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.utils.transfer import to_device
 
 _NEG_INF = float("-inf")
 _F32_MAX = torch.finfo(torch.float32).max
 _F32_TINY = torch.finfo(torch.float32).tiny
 # Prefix tried first for top-p rows without a top-k; a nucleus wider than this falls back to a sort.
+# On CUDA such rows are sorted whole at once: a sort there is cheap, and checking which rows need
+# the fallback would read the device back mid-step.
 _NUCLEUS_PREFIX = 256
 
 
@@ -61,7 +64,7 @@ def build_token_bitmask(
     for i, a in enumerate(allowed):
         if a is not None:
             rows[i] = a
-    return torch.from_numpy(rows).to(device, non_blocking=True)
+    return to_device(torch.from_numpy(rows), device)
 
 
 _BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -136,13 +139,13 @@ class PenaltyInfo:
         frequency = per_row([p.frequency_penalty for p in params], count_rows)
         presence = per_row([p.presence_penalty for p in params], count_rows)
         return cls(
-            rep_rows=rep_rows.to(device),
-            rep_ids=rep_ids.to(device),
-            rep_penalty=repetition.to(device),
-            count_rows=count_rows.to(device),
-            count_ids=count_ids.to(device),
-            frequency_term=(frequency * counts).to(device),
-            presence_term=presence.to(device),
+            rep_rows=to_device(rep_rows, device),
+            rep_ids=to_device(rep_ids, device),
+            rep_penalty=to_device(repetition, device),
+            count_rows=to_device(count_rows, device),
+            count_ids=to_device(count_ids, device),
+            frequency_term=to_device(frequency * counts, device),
+            presence_term=to_device(presence, device),
         )
 
 
@@ -177,7 +180,7 @@ class LogitBias:
             return None
         rows, ids = _pairs(biased, [list(params[i].logit_bias) for i in biased], vocab_size, "logit_bias")
         values = torch.tensor([b for i in biased for b in params[i].logit_bias.values()], dtype=torch.float32)
-        return cls(rows=rows.to(device), ids=ids.to(device), values=values.to(device))
+        return cls(rows=to_device(rows, device), ids=to_device(ids, device), values=to_device(values, device))
 
 
 @dataclass
@@ -246,14 +249,15 @@ class SamplingBatchInfo:
         filtered = [pos for pos, (k, p) in enumerate(zip(uses_top_k, uses_top_p, strict=True)) if k or p]
         candidate_len = max((top_ks[i] for i, k in zip(sampled, uses_top_k, strict=True) if k), default=0)
         if any(p and not k for k, p in zip(uses_top_k, uses_top_p, strict=True)):
-            candidate_len = max(candidate_len, _NUCLEUS_PREFIX)
+            prefix = vocab_size if torch.device(device).type == "cuda" else _NUCLEUS_PREFIX
+            candidate_len = max(candidate_len, prefix)
         banned = None
         if banned_token_ids is not None and any(banned_token_ids):
             rows, ids, _ = _unique_pairs(range(len(params)), banned_token_ids, vocab_size, "banned_token_ids")
-            banned = BannedTokens(rows=rows.to(device), ids=ids.to(device))
+            banned = BannedTokens(rows=to_device(rows, device), ids=to_device(ids, device))
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         return cls(
             temperatures=tensor([max(p.temperature, _F32_TINY) for p in params], torch.float32).unsqueeze(1),
@@ -445,13 +449,12 @@ def _draw_filtered(
         cum = probs.cumsum(dim=-1)
         total = cum[:, -1:]
         unbounded = (ks >= vocab) & (top_ps < 1.0)
-        if bool(unbounded.any()):
-            # Without a top-k the nucleus is measured against the whole row's mass (summed the same
-            # way on both paths, so the kept set doesn't depend on the batch); it fits the prefix
-            # iff the prefix already holds top_p of that mass.
-            total = torch.where(unbounded, z.exp().sum(dim=-1, keepdim=True), total)
-            if length < vocab:
-                redo = (unbounded & (cum[:, -1:] < top_ps * total)).squeeze(1)
+        # Without a top-k the nucleus is measured against the whole row's mass (summed the same way
+        # on both paths, so the kept set doesn't depend on the batch); it fits the prefix iff the
+        # prefix already holds top_p of that mass.
+        total = torch.where(unbounded, z.exp().sum(dim=-1, keepdim=True), total)
+        if length < vocab:
+            redo = (unbounded & (cum[:, -1:] < top_ps * total)).squeeze(1)
         # Keep a token while the mass strictly before it is below top_p of the (top-k renormalised)
         # total; the best token has nothing before it, so it always stays.
         keep &= ((cum - probs) < top_ps * total) | (top_ps >= 1.0)
