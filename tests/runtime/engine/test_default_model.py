@@ -38,7 +38,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine() -> rt.Engine:
-    return rt.Engine(log_level="warning")
+    return rt.Engine(dtype="float32", log_level="warning")
 
 
 def test_greedy_matches_transformers(engine: rt.Engine, default_model_dir: Path) -> None:
@@ -65,7 +65,7 @@ def test_fewshot_gsm8k_shares_the_prefix(engine: rt.Engine) -> None:
     cached_tokens = sum(o["meta_info"]["cached_tokens"] for o in cached_run)
     assert cached_tokens / prompt_tokens >= 0.85
 
-    baseline = rt.Engine(disable_radix_cache=True, log_level="warning")
+    baseline = rt.Engine(dtype="float32", disable_radix_cache=True, log_level="warning")
     uncached_run = baseline.generate(prompts, params)
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in uncached_run)
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(cached_run, uncached_run, strict=True))

@@ -13,7 +13,9 @@ PROMPT = "the theater then an answer"
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> rt.Engine:
-    return rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, context_length=256, log_level="warning")
+    return rt.Engine(
+        str(tiny_llama_dir), dtype="float32", max_total_tokens=4096, context_length=256, log_level="warning"
+    )
 
 
 def test_output_shape(engine: rt.Engine) -> None:

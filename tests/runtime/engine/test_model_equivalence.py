@@ -34,7 +34,7 @@ def test_logits_match_transformers(
     model_dir: Path = request.getfixturevalue(fixture)
     if fixture == "tiny_qwen2_dir":
         model_dir = _with_random_biases(model_dir, tmp_path)
-    engine = rt.Engine(str(model_dir), max_total_tokens=2048, log_level="warning")
+    engine = rt.Engine(str(model_dir), dtype="float32", max_total_tokens=2048, log_level="warning")
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         ref = _hf_logprobs(model_dir, ids)
@@ -50,7 +50,7 @@ def test_logits_match_transformers(
 def test_cached_prefill_matches_fresh_prefill(
     tiny_llama_dir: Path, prompt_logprobs: Callable[..., dict]
 ) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=2048, log_level="warning")
     ids = engine.tokenizer.encode("the theater then an interesting answer to the question abc abc")
     start = len(ids) - 5
     fresh = prompt_logprobs(engine, ids, start=start, top=5)
@@ -70,7 +70,7 @@ def test_cached_prefill_matches_fresh_prefill(
 def test_greedy_generation_matches_transformers(tiny_llama_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=4096, log_level="warning")
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     outs = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})
     for prompt, out in zip(PROMPTS, outs, strict=True):

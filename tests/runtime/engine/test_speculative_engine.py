@@ -21,7 +21,9 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24}
 def test_greedy_tokens_and_logprobs_match_without_speculation() -> None:
     results = []
     for k in (0, 4):
-        engine = rt.Engine(speculative_num_draft_tokens=k, max_total_tokens=2048, log_level="warning")
+        engine = rt.Engine(
+            dtype="float32", speculative_num_draft_tokens=k, max_total_tokens=2048, log_level="warning"
+        )
         single = engine.generate(QUOTE, GREEDY, return_logprob=True, top_logprobs_num=2)
         batch = engine.generate(PROMPTS, GREEDY)  # the radix cache now holds QUOTE's prefix
         results.append((single, batch))

@@ -1,8 +1,9 @@
 """The Triton elementwise kernels must equal the layers' torch reference paths, and the layers must
 take them for CUDA tensors only.
 
-Without a GPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET)
-on CPU tensors, so the wrappers are called directly here, bypassing `supports`, which is CUDA-only.
+The kernels run on the test device: natively on a GPU under RADIXLM_TEST_DEVICE=cuda, otherwise under
+the Triton interpreter (tests/device_helpers.py sets TRITON_INTERPRET) on CPU tensors, so the wrappers
+are called directly here, bypassing `supports`, which is CUDA-only.
 The interpreter keeps bf16 as raw bits and rounds float32 -> bf16 casts toward zero where torch (and
 the GPU) round to nearest, so its bf16 results may sit one bf16 ulp per rounding away from the
 reference: the bf16 tolerance allows a few ulps, far below what a wrong formula or index gives.
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from device_helpers import TEST_DEVICE
 
 from radixlm_runtime.kvcache.pool import KVPool
 from radixlm_runtime.layers import fused_triton
@@ -33,8 +35,9 @@ WRAPPERS = ("rms_norm", "rope_", "silu_and_mul", "store_kv")
 
 
 @pytest.fixture
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def device(test_device: torch.device) -> str:
+    """The test device by name, as the helpers below take it."""
+    return test_device.type
 
 
 def _randn(*shape: int, dtype: torch.dtype, device: str, pad: int = 0) -> torch.Tensor:
@@ -217,7 +220,7 @@ def test_cpu_tensors_never_take_the_triton_path(dtype: torch.dtype, spies: Count
     assert not spies
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA tensors: runs under RADIXLM_TEST_DEVICE=cuda")
 def test_supports_cuda_rows_of_float_dtypes() -> None:
     for dtype in DTYPES:
         assert fused_triton.supports(torch.zeros(2, 4, dtype=dtype, device="cuda"))

@@ -35,9 +35,8 @@ PARAMS = {"json_schema": json.dumps(SCHEMA), "temperature": 0, "max_new_tokens":
 
 
 def _engine(model_dir: Path, **kwargs: Any) -> rt.Engine:
-    return rt.Engine(
-        str(model_dir), **{"max_total_tokens": 8192, "context_length": 512, "log_level": "warning", **kwargs}
-    )
+    flags = {"dtype": "float32", "max_total_tokens": 8192, "context_length": 512, "log_level": "warning"}
+    return rt.Engine(str(model_dir), **(flags | kwargs))
 
 
 def _assert_valid(outs: list[dict]) -> None:

@@ -23,9 +23,13 @@ def _values(meta: dict) -> list[float | None]:
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir: Path) -> tuple[rt.Engine, rt.Engine]:
-    cached = rt.Engine(str(tiny_llama_dir), max_total_tokens=4096, log_level="warning")
+    cached = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=4096, log_level="warning")
     fresh = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=4096, disable_radix_cache=True, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=4096,
+        disable_radix_cache=True,
+        log_level="warning",
     )
     return cached, fresh
 

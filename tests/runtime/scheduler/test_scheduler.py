@@ -25,12 +25,12 @@ def _prompts(n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> list[list[int]]:
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     return [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in _prompts(12)]
 
 
 def test_batched_equals_one_by_one(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
     assert_no_leak(engine)
@@ -38,7 +38,7 @@ def test_batched_equals_one_by_one(tiny_llama_dir: Path, reference: list[list[in
 
 def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     # 12 requests needing up to ~106 tokens each share a 160-token pool: decode must retract.
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=160, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=160, log_level="warning")
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert engine.scheduler.stats.num_retractions > 0
     assert [o["output_ids"] for o in outs] == reference
@@ -48,7 +48,11 @@ def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[lis
 
 def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     engine = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=160, disable_radix_cache=True, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=160,
+        disable_radix_cache=True,
+        log_level="warning",
     )
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert engine.scheduler.stats.num_retractions > 0
@@ -59,7 +63,11 @@ def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[li
 
 def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     engine = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=16, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=8192,
+        chunked_prefill_size=16,
+        log_level="warning",
     )
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
@@ -69,7 +77,11 @@ def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
 def test_policies_agree(tiny_llama_dir: Path, reference: list[list[int]], policy: str) -> None:
     engine = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=8192, schedule_policy=policy, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=8192,
+        schedule_policy=policy,
+        log_level="warning",
     )
     outs = engine.generate(input_ids=_prompts(12), sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference
@@ -81,7 +93,11 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
     """Continuous batching: a request arriving mid-decode joins the next step, and the long
     prompt's chunks run alongside the decodes without changing anyone's output."""
     engine = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=24, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=8192,
+        chunked_prefill_size=24,
+        log_level="warning",
     )
     sched = engine.scheduler
     prompts = _prompts(12)
@@ -105,7 +121,7 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
 
 
 def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     sched = engine.scheduler
     reqs = [sched.submit(message(f"r{i}", p, GREEDY)) for i, p in enumerate(_prompts(4))]
     sched.step()
@@ -121,7 +137,7 @@ def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]])
 
 
 def test_finished_requests_leave_kv_in_tree(tiny_llama_dir: Path) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     prompt = _prompts(1)[0]
     first = engine.generate(input_ids=prompt, sampling_params=GREEDY)
     again = engine.generate(input_ids=prompt + first["output_ids"][:10], sampling_params=GREEDY)
@@ -174,7 +190,7 @@ def test_a_failing_forward_fails_only_its_own_requests(
 ) -> None:
     """An exception inside a step (a kernel error, out of memory) aborts that step's requests with
     the error, frees their KV, and the scheduler keeps serving the requests that come after."""
-    engine = rt.Engine(str(tiny_llama_dir), max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     sched = engine.scheduler
     run = engine.runner.run
     calls = {"n": 0}
@@ -202,7 +218,11 @@ def test_queue_time_reported_from_first_scheduled_step(tiny_llama_dir: Path) -> 
     """Outputs carry arrival -> first admission (the first chunk, not the first token); a request
     aborted before it was ever scheduled reports none."""
     engine = rt.Engine(
-        str(tiny_llama_dir), max_total_tokens=8192, chunked_prefill_size=24, log_level="warning"
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=8192,
+        chunked_prefill_size=24,
+        log_level="warning",
     )
     sched = engine.scheduler
     first, never = (sched.submit(message(f"q{i}", p, GREEDY)) for i, p in enumerate(_prompts(2)))

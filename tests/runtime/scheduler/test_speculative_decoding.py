@@ -24,7 +24,9 @@ SEED_PROMPT = [(7 * i) % 250 + 3 for i in range(12)]
 
 def _engine(model_dir: Path, k: int, **kwargs: object) -> rt.Engine:
     kwargs.setdefault("max_total_tokens", 8192)
-    return rt.Engine(str(model_dir), speculative_num_draft_tokens=k, log_level="warning", **kwargs)
+    return rt.Engine(
+        str(model_dir), dtype="float32", speculative_num_draft_tokens=k, log_level="warning", **kwargs
+    )
 
 
 @pytest.fixture(scope="module")

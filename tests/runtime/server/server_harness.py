@@ -83,7 +83,8 @@ class Server:
 
 def launch_server(tmp_path: Path, *extra: str, api_key: str | None = API_KEY) -> Server:
     port = free_port()
-    args = [sys.executable, "-m", "radixlm_runtime.launch_server", "--port", str(port)]
+    # float32 on every device, so outputs compare with the offline engine's as on the CPU.
+    args = [sys.executable, "-m", "radixlm_runtime.launch_server", "--port", str(port), "--dtype", "float32"]
     args += ["--max-total-tokens", str(MAX_TOTAL_TOKENS), "--log-level", "warning", *extra]
     if api_key:
         args += ["--api-key", api_key]

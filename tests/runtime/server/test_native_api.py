@@ -45,7 +45,7 @@ def stream_chunks(url: str, body: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engine() -> rt.Engine:
-    eng = rt.Engine(max_total_tokens=4096, log_level="warning")
+    eng = rt.Engine(dtype="float32", max_total_tokens=4096, log_level="warning")
     yield eng
     eng.shutdown()
 
