@@ -132,6 +132,14 @@ class SchedulerConfig:
         10.0, "Seconds of waiting that raise a request's effective priority by one level."
     )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    disable_overlap_schedule: bool = flag(
+        False,
+        "Plan each step only after the previous one's tokens are read back. By default, where steps "
+        "run asynchronously (CUDA), the next step is planned while the device runs the current one "
+        "(its decode inputs are the tokens still on the device); a request that finishes then "
+        "computes one token more, which is dropped. Steps with constrained, penalised or "
+        "speculative requests, or short of KV memory, are never overlapped.",
+    )
     grammar_backend: str = flag(
         GRAMMAR_BACKENDS[0],
         "Grammar engine of regex / json_schema / ebnf constraints: 'llguidance' (compiles lazily in "

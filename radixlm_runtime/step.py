@@ -26,6 +26,16 @@ class RunnerInfo:
     max_total_tokens: int  # KV pool slots (1..max_total_tokens)
     max_reqs: int  # rows of the request-to-token table
     eos_token_ids: tuple[int, ...]
+    # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
+    # the next step meanwhile (overlap scheduling).
+    async_launch: bool = False
+
+
+def future_token(row: int) -> int:
+    """The input id standing for the token sampled at sampled row `row` of the step launched just
+    before: under overlap scheduling a step is planned before the previous one's tokens are read
+    back, and the executor takes them from the device."""
+    return -(row + 1)
 
 
 @dataclass
@@ -119,11 +129,16 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """What the scheduler calls: one forward step, plain data in and out."""
+    """What the scheduler calls: one forward step, plain data in and out. `launch` queues a step and
+    returns a handle for `collect`, which waits for its results; `run` does both."""
 
     info: RunnerInfo
 
     def run(self, plan: StepPlan) -> StepResult: ...
+
+    def launch(self, plan: StepPlan) -> Any: ...
+
+    def collect(self, handle: Any) -> StepResult: ...
 
     def release(self, uid: int) -> None:
         """The request ended: its RNG state may go."""

@@ -135,7 +135,10 @@ class ModelRunner:
             max_total_tokens=self.max_total_tokens,
             max_reqs=config.max_running_requests,
             eos_token_ids=tuple(self.config.eos_token_ids),
+            async_launch=self.device.type == "cuda",
         )
+        # Tokens sampled by the last launched step, where the next plan's future tokens come from.
+        self._last_sampled: torch.Tensor | None = None
         logger.info(
             "KV pool: %d tokens (%.2f GiB), attention backend %s",
             self.max_total_tokens,
@@ -280,6 +283,8 @@ class ModelRunner:
         batch, writes = build_batch(plan, self.device)
         if writes is not None:
             self.req_to_token.write(*writes)
+        if any(it.input_ids and it.input_ids[0] < 0 for it in plan.items):
+            batch.input_ids = self._resolve_futures(batch.input_ids)
         logits = self.forward(batch)
         outputs = StepOutputs(plan)
         specs = outputs.sample_specs()
@@ -297,9 +302,17 @@ class ModelRunner:
                 top_logprobs_num=max(s.top_logprobs_num for s in specs),
             )
             outputs.add_samples(sampled.next_token_ids, sampled.logprobs, sampled.top_logprobs)
+        self._last_sampled = sampled.next_token_ids if specs else None
         outputs.add_prompt_logprobs(logits)
         outputs.start_read()
         return PendingStep(plan, outputs, rng_before)
+
+    def _resolve_futures(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input ids with each future token (`future_token(i)`) replaced, on the device, by the token
+        the previous step sampled at row i."""
+        if self._last_sampled is None:
+            raise ValueError("input_ids: a future token, but the previous step sampled nothing")
+        return torch.where(ids < 0, self._last_sampled[(-ids - 1).clamp_(min=0)], ids)
 
     @torch.inference_mode()
     def collect(self, pending: PendingStep) -> StepResult:

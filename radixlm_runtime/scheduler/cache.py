@@ -86,6 +86,9 @@ class CacheManager:
         (None when req computed nothing)."""
         if req.req_pool_idx is None:
             return None
+        # Slots past kv_len were planned for a step that will not count (a request that finished
+        # while its next step was already launched).
+        self.allocator.free(req.kv_slots[req.kv_len :])
         slots = req.kv_slots[: req.kv_len]
         pinned: TreeNode | None = None
         if self.tree is None:

@@ -46,7 +46,6 @@ class OutputProcessor:
         now = time.monotonic()
         for it, fwd, res in zip(items, planned, results):
             req = it.req
-            req.kv_len = it.prefix_len + it.extend_len
             spec = fwd.prompt_logprobs
             if spec is not None:
                 tops = res.prompt_top_logprobs or [None] * len(spec.positions)

@@ -43,6 +43,8 @@ def build_plan(
             )
         )
         req.table_synced = end
+        # Counted as computed from now on: whatever runs after this step on the device sees its KV.
+        req.kv_len = end
     return StepPlan(forward)
 
 

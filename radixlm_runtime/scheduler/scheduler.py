@@ -12,6 +12,7 @@ generated, so nothing is lost or duplicated. Nothing here touches a tensor.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from radixlm_runtime.config import SchedulerConfig
@@ -27,10 +28,17 @@ from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.scheduler.speculative import Drafter, record_verify, roll_back_rejected
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.step import Executor, ForwardItem, ItemResult
+from radixlm_runtime.step import Executor, ForwardItem, ItemResult, StepPlan, future_token
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+@dataclass
+class _Launched:
+    items: list[ScheduledItem]
+    plan: StepPlan
+    handle: Any  # the executor's, for collect
 
 
 class Scheduler:
@@ -69,6 +77,12 @@ class Scheduler:
         self._uids = itertools.count()
         self._seeds = itertools.count()
         self._aborts: set[str] = set()
+        # Overlap scheduling: where steps run asynchronously, the step launched last, whose results
+        # are read after the next one is launched.
+        self.overlap = (
+            self.runner_info.async_launch and not config.disable_overlap_schedule and self.drafter is None
+        )
+        self._inflight: _Launched | None = None
 
     # -- requests in --------------------------------------------------------------------------
     def submit(self, m: GenerateReq) -> Req:
@@ -94,12 +108,15 @@ class Scheduler:
         return self.cache.sessions.close(session_id)
 
     def flush_cache(self) -> bool:
-        if self.has_work():
+        if self.num_live() > 0:
             return False
+        if self._inflight is not None:  # only requests that already finished: nothing to report
+            self._complete(self._inflight)
+            self._inflight = None
         return self.cache.flush()
 
     def has_work(self) -> bool:
-        return self.num_live() > 0
+        return self.num_live() > 0 or self._inflight is not None
 
     def queue_sizes(self) -> tuple[int, int]:
         """(running, waiting) requests, for the server's gauges."""
@@ -130,24 +147,89 @@ class Scheduler:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        """Runs one forward step; reports every request that got tokens or finished in it."""
+        """Runs one forward step; reports every request that got tokens or finished in it (under
+        overlap scheduling, in the step before it, whose results are read after this one launches)."""
         updated = self._apply_aborts() + self._queue_compiled()
+        if self._inflight is not None and not self._can_overlap():
+            updated += self._complete(self._inflight)
+            self._inflight = None
         items = self.admission.schedule()
+        launched = None
         if items:
-            plan = build_plan(items, self.cache, self.eos_ids, self.runner_info.vocab_size)
-            try:
-                result = self.runner.run(plan)
-            except Exception as e:  # a failing batch fails its own requests; the loop goes on
-                logger.exception("forward step failed; aborting its %d requests", len(items))
-                return [req_output(r) for r in updated + self._fail(items, e)]
-            self.stats.forward_passes += 1
-            self.output.apply(items, plan.items, result.items)
-            if self.drafter is not None:
-                self._settle_drafts(items, plan.items, result.items)
-            updated += self._settle(items)
-        elif len(self.constraints) and not updated:
+            launched, failed = self._launch(items)
+            updated += failed
+        if self._inflight is not None:
+            updated += self._complete(self._inflight)
+            self._inflight = None
+        if launched is not None and not self.overlap:
+            updated += self._complete(launched)
+        elif not items and len(self.constraints) and not updated:
             self.constraints.wait()
-        return [req_output(r) for r in updated]
+        outputs = [req_output(r) for r in dict.fromkeys(updated)]
+        if launched is not None and self.overlap:
+            self._inflight = launched
+            self._append_futures(launched)
+        return outputs
+
+    def _launch(self, items: list[ScheduledItem]) -> tuple[_Launched | None, list[Req]]:
+        """Plans and queues a step; when queueing raises, its requests fail (the loop goes on)."""
+        plan = build_plan(items, self.cache, self.eos_ids, self.runner_info.vocab_size)
+        try:
+            handle = self.runner.launch(plan)
+        except Exception as e:
+            logger.exception("forward step failed; aborting its %d requests", len(items))
+            return None, self._fail(items, e)
+        self.stats.forward_passes += 1
+        return _Launched(items, plan, handle), []
+
+    def _complete(self, launched: _Launched) -> list[Req]:
+        """Reads a launched step's results back and applies them. Requests that ended while it ran
+        (under overlap: finished by the step before, or aborted) are skipped: their KV is released."""
+        try:
+            result = self.runner.collect(launched.handle)
+        except Exception as e:
+            logger.exception("forward step failed; aborting its %d requests", len(launched.items))
+            live = [it for it in launched.items if not it.req.finished]
+            return self._fail(live, e)
+        keep = [i for i, it in enumerate(launched.items) if not it.req.finished]
+        items = [launched.items[i] for i in keep]
+        planned = [launched.plan.items[i] for i in keep]
+        results = [result.items[i] for i in keep]
+        for it, fwd in zip(items, planned):
+            if fwd.sample is not None and it.req.token_ids[-1] < 0:
+                it.req.token_ids.pop()  # the future token stands in no longer
+        self.output.apply(items, planned, results)
+        if self.drafter is not None:
+            self._settle_drafts(items, planned, results)
+        return self._settle(items)
+
+    def _append_futures(self, launched: _Launched) -> None:
+        """Gives every request sampled in the launched step its future token, so the next step can
+        be planned (the token is its decode input) before the results are read."""
+        row = 0
+        for it, fwd in zip(launched.items, launched.plan.items):
+            if fwd.sample is None:
+                continue
+            if not it.req.finished and it.req in self.admission.running:
+                it.req.token_ids.append(future_token(row))
+            row += 1
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be planned before the launched one's results: not when a
+        request's next input depends on more than its sampled token (a constraint's forced text,
+        penalties' history, drafts), nor when admission could have to retract a request."""
+        assert self._inflight is not None
+        for it in self._inflight.items:
+            sp = it.req.sampling_params
+            if (
+                it.req.is_constrained
+                or sp.frequency_penalty
+                or sp.presence_penalty
+                or sp.repetition_penalty != 1
+            ):
+                return False
+        need = sum(r.pending_len for r in self.admission.running) + self.config.chunked_prefill_size
+        return self.cache.available_tokens() >= need
 
     def _settle(self, items: list[ScheduledItem]) -> list[Req]:
         updated: list[Req] = []
@@ -188,6 +270,7 @@ class Scheduler:
         failed = []
         for it in items:
             req = it.req
+            req.kv_len = it.prefix_len
             self.cache.allocator.free(req.kv_slots[req.kv_len :])
             del req.kv_slots[req.kv_len :]
             req.table_synced = min(req.table_synced, req.kv_len)
@@ -216,6 +299,8 @@ class Scheduler:
         return ended
 
     def _finish(self, req: Req) -> None:
+        if req.token_ids and req.token_ids[-1] < 0:
+            req.token_ids.pop()  # a future token that will not be read (aborted or failed)
         if req in self.admission.running:
             self.admission.running.remove(req)
         self.cache.finish(req)

@@ -185,23 +185,25 @@ def test_unknown_policy_rejected() -> None:
         rt.ServerArgs.from_kwargs(schedule_policy="random")
 
 
+@pytest.mark.parametrize("failing", ["launch", "collect"])
 def test_a_failing_forward_fails_only_its_own_requests(
-    tiny_llama_dir: Path, reference: list[list[int]]
+    tiny_llama_dir: Path, reference: list[list[int]], failing: str
 ) -> None:
-    """An exception inside a step (a kernel error, out of memory) aborts that step's requests with
-    the error, frees their KV, and the scheduler keeps serving the requests that come after."""
+    """An exception inside a step (a kernel error, out of memory; raised when the step is queued or
+    when its results are read) aborts that step's requests with the error, frees their KV, and the
+    scheduler keeps serving the requests that come after."""
     engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
     sched = engine.scheduler
-    run = engine.runner.run
+    call = getattr(engine.runner, failing)
     calls = {"n": 0}
 
-    def flaky(plan):
+    def flaky(arg):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("simulated device fault")
-        return run(plan)
+        return call(arg)
 
-    engine.runner.run = flaky
+    setattr(engine.runner, failing, flaky)
     doomed = [sched.submit(message(f"d{i}", p, GREEDY)) for i, p in enumerate(_prompts(2))]
     outs = sched.step() + sched.step()
     assert all(r.finished_reason is not None and r.finished_reason.kind == "abort" for r in doomed)
