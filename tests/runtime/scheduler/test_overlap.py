@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import radixlm_runtime as rt
 from radixlm_runtime.step import future_token
@@ -104,3 +105,23 @@ def test_overlapped_steps_use_future_tokens(tiny_llama_dir: Path) -> None:
     runner.launch = counting
     engine.generate(PROMPTS[:3], PARAMS[:3])
     assert futures >= 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous steps need a CUDA device")
+def test_overlap_is_on_by_default_on_cuda_and_changes_no_output(tiny_llama_dir: Path) -> None:
+    """On CUDA the step really runs while the next is planned: same outputs as with it disabled."""
+    runs = []
+    for disable in (False, True):
+        engine = rt.Engine(
+            str(tiny_llama_dir),
+            device="cuda",
+            dtype="float32",
+            deterministic=True,
+            max_total_tokens=4096,
+            disable_overlap_schedule=disable,
+            log_level="warning",
+        )
+        assert engine.scheduler.overlap is not disable
+        runs.append(_outputs(engine, PROMPTS, PARAMS))
+        _check_pool_whole(engine)
+    assert runs[0] == runs[1]
