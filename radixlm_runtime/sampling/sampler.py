@@ -9,7 +9,7 @@ happens only for top-p rows whose nucleus does not fit in that prefix.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -259,6 +259,9 @@ class SamplingBatchInfo:
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(torch.tensor(values, dtype=dtype), device)
 
+        if not sampled:
+            # An all-greedy batch reads none of the per-row tensors: no copies to the device.
+            tensor = _empty_tensors(torch.device(device))
         return cls(
             temperatures=tensor([max(p.temperature, _F32_TINY) for p in params], torch.float32).unsqueeze(1),
             top_ps=tensor([p.top_p for p in params], torch.float32),
@@ -278,6 +281,21 @@ class SamplingBatchInfo:
             generators=list(generators),
             vocab_size=vocab_size,
         )
+
+
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _empty_tensors(device: torch.device) -> Callable[[list, torch.dtype], torch.Tensor]:
+    """Stands in for the per-row tensors of an all-greedy batch, one cached empty tensor per dtype."""
+
+    def empty(values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = _EMPTY.get((device, dtype))
+        if t is None:
+            t = _EMPTY[device, dtype] = torch.empty(0, dtype=dtype, device=device)
+        return t
+
+    return empty
 
 
 @dataclass
