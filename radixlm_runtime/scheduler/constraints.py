@@ -74,6 +74,7 @@ class ConstraintQueue:
         tokens = single_byte_tokens(self.tokenizer)
         limit = min(4 * budget + 256, MAX_COMPLETION_STEPS)
         need = shortest_completion(req.guide, tokens, self._encode, self.vocab_size, limit)
+        req.shortest_output = len(need) if need is not None else 0
         if need is not None and len(need) > budget:
             kind = req.sampling_params.constraint.kind  # type: ignore[union-attr]
             req.finished_reason = FinishReason.abort(

@@ -17,9 +17,9 @@ from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.step import ForwardItem, ItemResult, TopLogprobs
 
-# Remaining tokens from which a constrained request checks whether its budget still fits the shortest
-# completion of its output, and how many tokens early it completes (one sampled token may lengthen
-# the completion it needs).
+# Remaining tokens (beyond its shortest output's length) from which a constrained request checks
+# whether its budget still fits the shortest completion of its output, and how many tokens early it
+# completes (one sampled token may lengthen the completion it needs).
 BUDGET_HORIZON = 64
 BUDGET_MARGIN = 4
 
@@ -145,7 +145,9 @@ class OutputProcessor:
             return
         sp = req.sampling_params
         end = req.prompt_len + min(sp.max_new_tokens, self.context_len - req.prompt_len)
-        if end - len(req.token_ids) > BUDGET_HORIZON or req.guide.is_accepting():
+        # Watched from further out when the shortest output alone takes much of the budget: a few
+        # free tokens there already leave no room for it.
+        if end - len(req.token_ids) > BUDGET_HORIZON + req.shortest_output or req.guide.is_accepting():
             return
         need = self._shortest(req, end)
         dropped: list[int] = []

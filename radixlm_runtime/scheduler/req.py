@@ -37,6 +37,8 @@ class Req:
     # Constrained decoding state (regex / json_schema / ebnf); its state follows the output, so it
     # survives retraction unchanged.
     guide: Guide | None = None
+    # Tokens of the shortest output the constraint admits (found when it compiled; 0: unknown).
+    shortest_output: int = 0
 
     # KV state while the request holds resources.
     req_pool_idx: int | None = None
