@@ -1,4 +1,5 @@
-// Decode attention for CPUs, float32, reading K/V straight from the KV pool; and the KV store.
+// Attention for CPUs, float32, reading K/V straight from the KV pool (decode, extends and prefill
+// chunks alike); and the KV store.
 //
 // Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
 //   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers; slot 0 is a zeroed dummy.
@@ -10,11 +11,14 @@
 //                 q_starts[r] ..; token j sits at position seq_len - num_new + j and sees keys
 //                 0 .. seq_len - num_new + j (causal). GQA: q head h reads kv head h / G.
 //
-// Work is split over (request, kv head) items across OpenMP threads. An item's G q heads x n new
-// tokens (R = G * n query rows) walk its keys together, kBlock keys at a time: each K/V row is read from
-// the pool once per item and used for all R rows, through a pointer per key looked up in the table, so
-// no gathered copy of K/V is made (torch's path index_selects every request's K/V first, then runs
-// its flash kernel: at decode those copies and dispatches cost more than the arithmetic). Softmax is
+// Work is split over (request, kv head, chunk of up to kQueryChunk new tokens) items across OpenMP threads.
+// An item's G q heads x n tokens (R = G * n query rows) walk the keys its last token sees together,
+// kBlock keys at a time: each K/V row is read from the pool once per item and used for all R rows,
+// through a pointer per key looked up in the table, so no gathered copy of K/V is made (torch's path
+// index_selects every request's K/V first, then runs its flash kernel, which with a cached prefix needs
+// a mask and then computes every block, the causally hidden ones too). Chunking the query rows is what
+// keeps a prefill's working set (R rows of scores and accumulators) in L2 and skips the keys after a
+// chunk's last token; a request's chunks run longest first, so the pool's threads finish together. Softmax is
 // online (a running max and sum per row, flash-attention style), accumulated in float32. Requests
 // sharing a prefix each read it again; items are ordered kv head first, so consecutive items read the
 // same head's rows of a shared prefix while they are still in L2 (13% faster at 32 requests sharing
@@ -46,9 +50,11 @@ using simd::hsum;
 // Keys per online-softmax step: enough that the per-block rescale is noise, few enough that a block's
 // scores stay in L1. A multiple of 8 (the exp and max loops read whole vectors of a row).
 constexpr int64_t kBlock = 64;
+// New tokens per item: 16 tokens x G = 3 heads is 48 query rows, 12 KB of scores and accumulators.
+constexpr int64_t kQueryChunk = 16;
 // Below this much work (keys x query rows x D summed over items) a call stays on the calling thread,
 // where waking the pool would cost more than it saves.
-constexpr int64_t kParallelMin = 1 << 18;
+constexpr int64_t kAttentionParallelMin = 1 << 18;
 constexpr float kNegInf = -INFINITY;
 
 struct Problem {
@@ -89,42 +95,51 @@ struct Scratch {
 
 thread_local Scratch tls_scratch;
 
-// An item's query rows, row i = token (i / G), q head (h * G + i % G), pre-multiplied by the scale.
-void load_queries(const Problem& p, int64_t r, int64_t h, float* dst) {
+// One unit of work: kv head h of request r, its new tokens j0 .. j1 - 1.
+struct Item {
+  int64_t r, h, j0, j1;
+};
+
+// The item's query rows, row i = token (j0 + i / G), q head (h * G + i % G), pre-multiplied by the scale.
+void load_queries(const Problem& p, const Item& it, float* dst) {
   const int64_t d = p.head_dim, g = p.group;
-  for (int64_t j = 0; j < p.num_new[r]; ++j) {
-    const float* src = p.q + (p.q_starts[r] + j) * p.q_stride + h * g * d;
-    for (int64_t i = 0; i < g * d; ++i) dst[j * g * d + i] = src[i] * p.scale;
+  for (int64_t j = it.j0; j < it.j1; ++j) {
+    const float* src = p.q + (p.q_starts[it.r] + j) * p.q_stride + it.h * g * d;
+    float* row = dst + (j - it.j0) * g * d;
+    for (int64_t i = 0; i < g * d; ++i) row[i] = src[i] * p.scale;
   }
 }
 
-void store_outputs(const Problem& p, int64_t r, int64_t h, const float* acc, const float* l) {
+void store_outputs(const Problem& p, const Item& it, const float* acc, const float* l) {
   const int64_t d = p.head_dim, g = p.group;
-  for (int64_t j = 0; j < p.num_new[r]; ++j) {
-    float* dst = p.out + (p.q_starts[r] + j) * p.out_stride + h * g * d;
+  for (int64_t j = it.j0; j < it.j1; ++j) {
+    float* dst = p.out + (p.q_starts[it.r] + j) * p.out_stride + it.h * g * d;
+    const int64_t base = (j - it.j0) * g;
     for (int64_t e = 0; e < g; ++e) {
-      const float inv = 1.0f / l[j * g + e];
-      for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[(j * g + e) * d + i] * inv;
+      const float inv = 1.0f / l[base + e];
+      for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[(base + e) * d + i] * inv;
     }
   }
 }
 
 // ---------------------------------------------------------------- portable scalar path
 
-void item_scalar(const Problem& p, int64_t r, int64_t h, Scratch& w) {
-  const int64_t d = p.head_dim, g = p.group, n = p.num_new[r], len = p.seq_lens[r];
-  const int64_t rows = n * g, prefix = len - n, row_floats = p.kv_heads * d;
-  const int64_t* slots = p.table + p.rows[r] * p.table_stride;
+void item_scalar(const Problem& p, const Item& it, Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, h = it.h;
+  // first: the position of the item's first token; it sees keys 0 .. first, its last token 0 .. len - 1.
+  const int64_t first = p.seq_lens[it.r] - p.num_new[it.r] + it.j0, len = first + it.j1 - it.j0;
+  const int64_t rows = (it.j1 - it.j0) * g, row_floats = p.kv_heads * d;
+  const int64_t* slots = p.table + p.rows[it.r] * p.table_stride;
   float *q = w.q.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
-  load_queries(p, r, h, q);
+  load_queries(p, it, q);
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const float* k = p.k_buf + slots[t] * row_floats + h * d;
     const float* v = p.v_buf + slots[t] * row_floats + h * d;
-    // Key t is visible to the tokens at or after it: rows from (t - prefix) * G on.
-    for (int64_t i = std::max<int64_t>(0, t - prefix) * g; i < rows; ++i) {
+    // Key t is visible to the tokens at or after it: rows from (t - first) * G on.
+    for (int64_t i = std::max<int64_t>(0, t - first) * g; i < rows; ++i) {
       const float* qi = q + i * d;
       float* ai = acc + i * d;
       float s = 0.0f;
@@ -142,7 +157,7 @@ void item_scalar(const Problem& p, int64_t r, int64_t h, Scratch& w) {
       for (int64_t e = 0; e < d; ++e) ai[e] += weight * v[e];
     }
   }
-  store_outputs(p, r, h, acc, l);
+  store_outputs(p, it, acc, l);
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA path
@@ -272,14 +287,15 @@ CA_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, fl
   m = m_new;
 }
 
-CA_AVX2 void item_avx2(const Problem& p, int64_t r, int64_t h, Scratch& w) {
-  const int64_t d = p.head_dim, g = p.group, n = p.num_new[r], len = p.seq_lens[r];
-  const int64_t rows = n * g, prefix = len - n, row_floats = p.kv_heads * d;
-  const int64_t* slots = p.table + p.rows[r] * p.table_stride;
+CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, h = it.h;
+  const int64_t first = p.seq_lens[it.r] - p.num_new[it.r] + it.j0, len = first + it.j1 - it.j0;
+  const int64_t rows = (it.j1 - it.j0) * g, row_floats = p.kv_heads * d;
+  const int64_t* slots = p.table + p.rows[it.r] * p.table_stride;
   float *q = w.q.data(), *s = w.s.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
-  load_queries(p, r, h, q);
+  load_queries(p, it, q);
   std::fill(acc, acc + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
@@ -299,7 +315,7 @@ CA_AVX2 void item_avx2(const Problem& p, int64_t r, int64_t h, Scratch& w) {
     if (rows - i == 2) scores_tile<2, 4>(q + i * d, d, kp, padded, s + i * kBlock);
     if (rows - i == 1) scores_tile<1, 8>(q + i * d, d, kp, padded, s + i * kBlock);
     for (i = 0; i < rows; ++i) {
-      const int64_t visible = std::min(keys, prefix + i / g + 1 - b0);
+      const int64_t visible = std::min(keys, first + i / g + 1 - b0);
       if (visible > 0) {
         softmax_row(s + i * kBlock, visible, padded, m[i], l[i], acc + i * d, d);
       } else {  // the block is past this token: it contributes nothing
@@ -314,7 +330,7 @@ CA_AVX2 void item_avx2(const Problem& p, int64_t r, int64_t h, Scratch& w) {
       default: break;
     }
   }
-  store_outputs(p, r, h, acc, l);
+  store_outputs(p, it, acc, l);
 }
 
 // The path a call runs: AVX2 when asked for, the CPU has it and a head is whole vectors.
@@ -337,7 +353,7 @@ int ca_select_path(int mode, int cpu_has_avx2_fma, int64_t head_dim) {
 // of k_buf / v_buf: the new tokens' KV store.
 void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* loc,
                  int64_t n, int64_t row_floats, float* k_buf, float* v_buf, int threads) {
-  const int nt = n * row_floats >= kParallelMin ? threads : 1;
+  const int nt = n * row_floats >= kAttentionParallelMin ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < n; ++i) {
     memcpy(k_buf + loc[i] * row_floats, k + i * k_stride, row_floats * sizeof(float));
@@ -346,7 +362,7 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 }
 
 // out rows of `num_reqs` requests = causal attention of their new tokens over their KV (see the top of
-// the file). `requests` is int64 [4, num_reqs]: table rows, sequence lengths, first q rows and
+// the file), however many new tokens each has. `requests` is int64 [4, num_reqs]: table rows, sequence lengths, first q rows and
 // new-token counts (each >= 1). mode: 0 = scalar, 1 = AVX2 where select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
                const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -358,24 +374,31 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
                   table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,
                   requests + 3 * num_reqs, scale};
-  int64_t max_new = 0, work = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) {
-    max_new = std::max(max_new, p.num_new[r]);
-    work += p.seq_lens[r] * p.num_new[r];
+  int64_t work = 0;
+  // Kv head first (see the top of the file), then request, then the request's chunks from its last.
+  static thread_local std::vector<Item> items;
+  items.clear();
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      const int64_t n = p.num_new[r];
+      for (int64_t j1 = n; j1 > 0; j1 -= kQueryChunk) items.push_back({r, h, std::max<int64_t>(0, j1 - kQueryChunk), j1});
+    }
   }
+  for (int64_t r = 0; r < num_reqs; ++r) work += p.seq_lens[r] * p.num_new[r];
   work *= num_q_heads * head_dim;
-  const int64_t items = num_reqs * num_kv_heads;
-  const int nt = static_cast<int>(std::min<int64_t>(work >= kParallelMin ? threads : 1, items));
+  const int64_t count = static_cast<int64_t>(items.size());
+  const Item* list = items.data();  // items is this thread's: the pool's threads read it through this
+  const int nt = static_cast<int>(std::min<int64_t>(work >= kAttentionParallelMin ? threads : 1, count));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     Scratch& w = tls_scratch;
-    w.fit(max_new * group, head_dim);
+    w.fit(kQueryChunk * group, head_dim);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
+    for (int64_t i = 0; i < count; ++i) {
       if (vec) {
-        item_avx2(p, it % num_reqs, it / num_reqs, w);
+        item_avx2(p, list[i], w);
       } else {
-        item_scalar(p, it % num_reqs, it / num_reqs, w);
+        item_scalar(p, list[i], w);
       }
     }
   }

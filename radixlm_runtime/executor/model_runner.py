@@ -25,6 +25,7 @@ from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
 from radixlm_runtime.models.llama import LlamaForCausalLM
+from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.models.loader import gguf_source, load_weights
 from radixlm_runtime.sampling.sampler import (
     Sampler,
@@ -125,6 +126,7 @@ class ModelRunner:
         self.attn_backend = self._make_attention_backend()
         if config.deterministic:
             self._make_batch_invariant()
+        self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
         self.graphs = self._capture_cuda_graphs()
         self.sampler = Sampler(device=self.device)
         # Each sampling request's RNG, kept across steps (and retractions) until it ends.
@@ -140,10 +142,11 @@ class ModelRunner:
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
         self._last_sampled: torch.Tensor | None = None
         logger.info(
-            "KV pool: %d tokens (%.2f GiB), attention backend %s",
+            "KV pool: %d tokens (%.2f GiB), attention backend %s, decoder layers %s",
             self.max_total_tokens,
             self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**30,
             type(self.attn_backend).__name__,
+            "in one C++ call" if self.model.cpu_decoder else "from Python",
         )
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:

@@ -1,8 +1,9 @@
 """Builds and loads the project's C++ CPU kernels.
 
 Each source is compiled once per machine with the system C++ compiler into a shared library cached
-under ~/.cache/radixlm/kernels (or $RADIXLM_KERNEL_CACHE_DIR), keyed by the source's hash, and called
-through ctypes: no torch headers, so a build takes seconds, and ctypes releases the GIL during a call.
+under ~/.cache/radixlm/kernels (or $RADIXLM_KERNEL_CACHE_DIR), keyed by the hash of the source and of
+what it includes, and called through ctypes: no torch headers, so a build takes seconds, and ctypes
+releases the GIL during a call.
 The libraries link the OpenMP runtime torch already loaded (libgomp.so.1), so all share one thread
 pool. SIMD paths are picked at run time by asking the CPU (`__builtin_cpu_supports`), never assumed.
 """
@@ -13,6 +14,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -24,8 +26,9 @@ logger = get_logger(__name__)
 
 KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
-# The helpers the kernels share (simd_avx2.h): on every build's include path and in every cache key.
+# The helpers the kernels share (simd_avx2.h): on every build's include path.
 INCLUDE_DIR = Path(__file__).parent
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 class KernelBuildError(RuntimeError):
@@ -61,10 +64,29 @@ def _build(source: Path, target: Path) -> None:
         os.replace(staged, target)
 
 
+def _quoted_includes(source: Path) -> list[Path]:
+    """Every file `source` pulls in with #include "...", transitively (a unity build includes other
+    kernels' .cpp files), resolved as the compiler does: beside the including file, then INCLUDE_DIR."""
+    seen: list[Path] = []
+    stack = [source]
+    while stack:
+        current = stack.pop()
+        for match in _INCLUDE.finditer(current.read_text()):
+            for base in (current.parent, INCLUDE_DIR):
+                path = (base / match.group(1)).resolve()
+                if path.is_file():
+                    if path not in seen:
+                        seen.append(path)
+                        stack.append(path)
+                    break
+    return sorted(seen)
+
+
 @functools.cache
 def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled library of `source` (a .cpp file), built on first use."""
-    hashed = [source.read_bytes(), *(h.read_bytes() for h in sorted(INCLUDE_DIR.glob("*.h")))]
+    """The compiled library of `source` (a .cpp file), built on first use; rebuilt when it or anything
+    it includes changes."""
+    hashed = [source.read_bytes(), *(h.read_bytes() for h in _quoted_includes(source))]
     digest = hashlib.sha256(b"".join(hashed) + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{digest}.so"
     if not path.is_file():

@@ -7,6 +7,7 @@ matmuls; checkpoints are loaded by their Hugging Face names and packed into the 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from radixlm_runtime.layers.norm import RMSNorm
 from radixlm_runtime.layers.quantization import LinearShards
 from radixlm_runtime.layers.rotary import CosSin, RotaryEmbedding
 from radixlm_runtime.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 
 # HF parameter name fragment -> (fused parameter fragment, shard id)
 _PACKED = {
@@ -107,16 +111,21 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Runs the decoder layers in one C++ call where the executor found it can (quantized, CPU).
+        self.cpu_decoder: LlamaCpuDecoder | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Returns float32 logits for the rows in batch.logits_indices only: projecting every prefill
         token onto a 49k vocabulary would cost more than the rest of a small model."""
         hidden = self.embed_tokens(batch.input_ids)
-        residual = None
         rope = self.rotary.cos_sin(batch.positions)
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, batch, attn)
+        if self.cpu_decoder is not None:
+            hidden, residual = self.cpu_decoder.forward(hidden, rope, batch)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(rope, hidden, residual, batch, attn)
         if batch.logits_indices.numel() != batch.num_tokens:
             hidden = hidden.index_select(0, batch.logits_indices)
             residual = residual.index_select(0, batch.logits_indices)

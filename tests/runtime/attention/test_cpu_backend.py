@@ -1,7 +1,8 @@
 """The C++ CPU attention backend (attention/cpu_backend.py, cpu_attention.cpp) against a dense reference
-and the torch backend, on its AVX2 path and its forced portable path: decode tokens and short extends
-of requests whose KV sits in shuffled pool slots, beside a prefill chunk, read through the fused
-projection's strided q/k/v views."""
+and the torch backend, on its AVX2 path and its forced portable path: decode tokens, short extends and
+prefill chunks (with and without a cached prefix, longer than the kernel's 16-token query chunks and
+64-key blocks) of requests whose KV sits in shuffled pool slots, read through the fused projection's
+strided q/k/v views."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ def _shuffled_step(
     for n in seq_lens:
         seqs.append(perm[start : start + n])
         start += n
-    rows = [(3 * b + 5) % (2 * len(seq_lens) + 1) for b in range(len(seq_lens))]
-    table = ReqToTokenTable(2 * len(seq_lens) + 1, max(seq_lens) + 3)
+    num_rows = 2 * len(seq_lens) + 3  # not a multiple of 3: the rows below are distinct
+    rows = [(3 * b + 5) % num_rows for b in range(len(seq_lens))]
+    assert len(set(rows)) == len(rows)
+    table = ReqToTokenTable(num_rows, max(seq_lens) + 3)
     for row, slots in zip(rows, seqs):
         table.req_to_token[row, : len(slots)] = torch.tensor(slots)
     batch = ForwardBatch.build(
@@ -72,9 +75,10 @@ def _qkv_views(
 
 
 # Decodes and short extends (1..16 new tokens) over sequences shorter and longer than the kernel's
-# 64-key blocks, with a prefill chunk in the middle of the batch.
-SEQ_LENS = [1, 37, 150, 100, 60, 7, 70, 16]
-EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9]
+# 64-key blocks, with prefill chunks in the batch: one over a cached prefix (20 tokens after 40), a
+# whole prompt (90 tokens, six query chunks), one of 150 tokens after 150 cached.
+SEQ_LENS = [1, 37, 150, 100, 60, 7, 70, 16, 90, 300]
+EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9, 90, 150]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -86,16 +90,14 @@ EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9]
 def test_forward_matches_dense_reference(
     mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
-    """forward stores the new tokens' K/V, then every token attends causally over its request's KV:
-    the C++ kernel for the short ones, the torch backend's chunk path for the prefill chunk."""
+    """forward stores the new tokens' K/V, then every token attends causally over its request's KV,
+    all requests in one kernel call."""
     pool, table, seqs, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim)
     q, k, v = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=1)
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(pool, table, scale, mode=mode)
     backend.init_forward_metadata(batch)
-    meta = batch.attn_metadata
-    assert [item.length for item in meta.extends] == [20]
-    assert meta.requests.shape == (4, len(SEQ_LENS) - 1)
+    assert batch.attn_metadata.shape == (4, len(SEQ_LENS))
     got = backend.forward(q, k, v, 0, batch)
     assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
     assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
@@ -106,8 +108,8 @@ def test_forward_matches_dense_reference(
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "extend_lens",
-    [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 20, 4], [MAX_BATCHED_EXTEND, 1, 2, 1]],
-    ids=["decodes", "short-extends", "with-long-extend", "longest-short-extend"],
+    [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 20, 4], [MAX_BATCHED_EXTEND, 1, 2, 1], [40, 17, 33, 2]],
+    ids=["decodes", "short-extends", "with-long-extend", "longest-short-extend", "prefill-chunks"],
 )
 def test_attend_matches_torch_backend(mode: int, extend_lens: list[int]) -> None:
     """The torch backend's hand-built step (three requests sharing 40 prefix slots, which it attends
@@ -156,7 +158,7 @@ def test_rejects_what_it_cannot_serve() -> None:
 
 
 def test_engine_generates_like_the_torch_backend(tiny_llama_dir: Path) -> None:
-    """Through the whole engine (prefill chunks via torch, decode via the kernel): the same tokens,
+    """Through the whole engine (prefill and decode through the kernel): the same tokens,
     logprobs within float error. On the CPU whatever the test device: the kernel is CPU-only."""
     ref_ids, ref_lp = _run(tiny_llama_dir, "torch", device="cpu")
     ids, lp = _run(tiny_llama_dir, "cpu", device="cpu")

@@ -1,0 +1,109 @@
+// The Llama decoder stack in one call, for float32 activations on CPUs with weight-only quantized
+// linears: every layer's norm, projections, rotary, KV store, attention and MLP.
+//
+// Per layer the Python path makes about ten calls into the C++ kernels (norms, four quantized linears,
+// rotary, KV store, attention, SiLU-and-mul) plus their torch wrappers: at one decode token the
+// interpreter's share of those, ~2.5 ms a step over 30 layers, is a fifth of the step. This file
+// compiles the same kernels into one library (a unity build of their sources) and chains them here, so
+// a step crosses from Python once and its results are bit-identical to the Python path's: the same
+// kernels on the same buffers in the same order.
+//
+// Each layer's weights arrive as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
+//   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf,
+//   then four linears (qkv, o, gate_up, down) of 7 values each: q, scales, mins (0: none), n, k, group, bits.
+
+#include "../attention/cpu_attention.cpp"
+#include "../layers/fused_cpu.cpp"
+#include "../layers/quant_cpu.cpp"
+
+namespace {
+
+constexpr int64_t kLinearFields = 7;
+constexpr int64_t kFields = 5 + 4 * kLinearFields;
+
+struct Linear {
+  const uint8_t* q;
+  const float* scales;
+  const float* mins;
+  int64_t n, k, group;
+  int bits;
+};
+
+Linear linear_at(const int64_t* f) {
+  return {reinterpret_cast<const uint8_t*>(f[0]), reinterpret_cast<const float*>(f[1]),
+          reinterpret_cast<const float*>(f[2]), f[3], f[4], f[5], static_cast<int>(f[6])};
+}
+
+template <typename T>
+T* ptr(int64_t v) {
+  return reinterpret_cast<T*>(v);
+}
+
+// The step's activations, kept across calls (grown, never shrunk) so decode steps do not allocate.
+struct Buffers {
+  std::vector<float> x, qkv, attn, gate_up, act;
+
+  void fit(int64_t tokens, int64_t hidden, int64_t qkv_width, int64_t q_width, int64_t inter) {
+    auto grow = [](std::vector<float>& v, int64_t size) {
+      if (static_cast<int64_t>(v.size()) < size) v.resize(size);
+    };
+    grow(x, tokens * hidden);
+    grow(qkv, tokens * qkv_width);
+    grow(attn, tokens * q_width);
+    grow(gate_up, tokens * 2 * inter);
+    grow(act, tokens * inter);
+  }
+};
+
+void run_linear(const Linear& w, const float* x, int64_t m, float* y, int mode, int threads) {
+  rq_linear(x, m, w.k, w.q, w.scales, w.mins, w.n, w.group, w.bits, y, mode, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
+// stream out (the model's final norm adds the two). cos, sin [T, D / 2]. loc [T]: the new tokens' KV
+// slots. table, requests: as ca_decode takes them. Modes: the quantized linears' kernel (rq_linear),
+// the fused ops' and the attention's (0 scalar, 1 SIMD).
+void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, int64_t inter, int64_t q_heads,
+                int64_t kv_heads, int64_t head_dim, float eps, float scale, float* hidden, float* residual,
+                int64_t tokens, const float* cos, const float* sin, const int64_t* loc, const int64_t* table,
+                int64_t table_stride, const int64_t* requests, int64_t num_reqs, int linear_mode, int fused_mode,
+                int attention_mode, int threads) {
+  const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  static thread_local Buffers b;
+  b.fit(tokens, hidden_size, qkv_width, q_width, inter);
+  float *x = b.x.data(), *qkv = b.qkv.data(), *attn = b.attn.data();
+  memset(residual, 0, tokens * hidden_size * sizeof(float));  // layer 0's residual add: 0 + embeddings
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* f = layers + l * kFields;
+    const Linear qkv_w = linear_at(f + 5), o_w = linear_at(f + 5 + kLinearFields);
+    const Linear gate_up_w = linear_at(f + 5 + 2 * kLinearFields), down_w = linear_at(f + 5 + 3 * kLinearFields);
+    rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[0]), x, tokens, hidden_size, eps, fused_mode,
+                threads);
+    run_linear(qkv_w, x, tokens, qkv, linear_mode, threads);
+    if (f[2]) {
+      const float* bias = ptr<const float>(f[2]);
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t i = 0; i < qkv_width; ++i) qkv[t * qkv_width + i] += bias[i];
+      }
+    }
+    rf_rope(qkv, qkv_width, cos, sin, tokens, q_heads + kv_heads, head_dim, fused_mode, threads);
+    float *k_buf = ptr<float>(f[3]), *v_buf = ptr<float>(f[4]);
+    ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_width, k_buf,
+                v_buf, threads);
+    ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, q_heads, kv_heads, head_dim, table, table_stride,
+              requests, num_reqs, scale, attention_mode, threads);
+    run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
+    rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[1]), x, tokens, hidden_size, eps, fused_mode,
+                threads);
+    run_linear(gate_up_w, x, tokens, b.gate_up.data(), linear_mode, threads);
+    rf_silu_mul(b.gate_up.data(), b.act.data(), tokens, inter, fused_mode, threads);
+    run_linear(down_w, b.act.data(), tokens, hidden, linear_mode, threads);
+  }
+}
+
+}  // extern "C"

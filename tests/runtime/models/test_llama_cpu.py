@@ -1,0 +1,87 @@
+"""The one-call C++ decoder stack (models/llama_cpu.py): bit-identical to the Python layer loop it
+replaces, on a workload that reaches every kernel path it chains (prefill chunks, cached prefixes,
+decode batches below and above the quantized GEMM's panel threshold), and used only where it can serve.
+On the CPU whatever the test device: it runs the C++ CPU kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import radixlm_runtime as rt
+from radixlm_runtime.layers.quant_kernels import PANEL_GEMM_MIN_ROWS
+
+# Shared prefixes (radix-cache hits), a prompt longer than a prefill chunk, and more requests than the
+# panel GEMM threshold so decode runs both the row-dot (few rows) and panel kernels.
+PREFIX = "The council of the harbour town met every spring to discuss the fishing season. "
+PROMPTS = [PREFIX * 6 + f"Question {i}: what did they decide?" for i in range(PANEL_GEMM_MIN_ROWS + 2)]
+PROMPTS += ["short", "hello world " * 40]
+
+
+def _outputs(model_dir: Path, quantization: str, native: bool) -> list[tuple[list[int], list[float]]]:
+    engine = rt.Engine(
+        str(model_dir),
+        device="cpu",
+        dtype="float32",
+        quantization=quantization,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        log_level="warning",
+    )
+    try:
+        assert engine.runner.model.cpu_decoder is not None  # a quantized model on the cpu backend
+        if not native:
+            engine.runner.model.cpu_decoder = None
+        params = [
+            {"temperature": 0, "max_new_tokens": 6 + i % 5, "ignore_eos": True} for i in range(len(PROMPTS))
+        ]
+        # Two calls: the second finds the first's prefixes in the cache.
+        outs = engine.generate(PROMPTS[:3], params[:3], return_logprob=True, logprob_start_len=0)
+        outs += engine.generate(PROMPTS, params, return_logprob=True, logprob_start_len=0)
+    finally:
+        engine.shutdown()
+    return [
+        (
+            o["output_ids"],
+            [
+                lp[0]
+                for lp in o["meta_info"]["input_token_logprobs"][1:] + o["meta_info"]["output_token_logprobs"]
+            ],
+        )
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_matches_the_python_layers_bit_for_bit(
+    arch: str, quantization: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path
+) -> None:
+    """Same tokens and the same prompt and output logprobs to the last bit (qwen2: with q/k/v biases)."""
+    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    native = _outputs(model_dir, quantization, native=True)
+    python = _outputs(model_dir, quantization, native=False)
+    assert len(native) == 3 + len(PROMPTS)
+    assert native == python
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"quantization": "none"},
+        {"quantization": "int4", "attention_backend": "torch"},
+        {"quantization": "int4", "deterministic": True},
+    ],
+    ids=["float-weights", "torch-attention", "deterministic"],
+)
+def test_serves_only_quantized_layers_on_the_cpu_attention(tiny_llama_dir: Path, flags: dict) -> None:
+    """Float weights (oneDNN's prepacked GEMMs run from Python), another attention backend or the
+    batch-invariant mode's fixed-shape matmuls keep the Python layer loop."""
+    engine = rt.Engine(str(tiny_llama_dir), device="cpu", dtype="float32", max_total_tokens=512, **flags)
+    try:
+        assert engine.runner.model.cpu_decoder is None
+        out = engine.generate("hello", {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
+        assert len(out["output_ids"]) == 3
+    finally:
+        engine.shutdown()
