@@ -81,27 +81,34 @@ SEQ_LENS = [1, 37, 150, 100, 60, 7, 70, 16, 90, 300]
 EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9, 90, 150]
 
 
+# One request decoding: too few items for the threads, so the kernel gives each kv head its own item
+# (a batch gives each request and query chunk one item with every head).
+ONE_DECODE = ([300], [1])
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim",
     [(9, 3, 64), (8, 2, 24), (4, 4, 16), (6, 3, 20)],
     ids=["gqa3-d64", "gqa4-d24", "mha-d16", "gqa2-d20-scalar-only"],
 )
+@pytest.mark.parametrize("lens", [(SEQ_LENS, EXTEND_LENS), ONE_DECODE], ids=["batch", "one-decode"])
 def test_forward_matches_dense_reference(
-    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int
+    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int, lens: tuple[list[int], list[int]]
 ) -> None:
     """forward stores the new tokens' K/V, then every token attends causally over its request's KV,
     all requests in one kernel call."""
-    pool, table, seqs, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim)
+    seq_lens, extend_lens = lens
+    pool, table, seqs, batch = _shuffled_step(seq_lens, extend_lens, num_kv_heads, head_dim, seed=head_dim)
     q, k, v = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=1)
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(pool, table, scale, mode=mode)
     backend.init_forward_metadata(batch)
-    assert batch.attn_metadata.shape == (4, len(SEQ_LENS))
+    assert batch.attn_metadata.shape == (4, len(seq_lens))
     got = backend.forward(q, k, v, 0, batch)
     assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
     assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
-    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, EXTEND_LENS, scale)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, **TOL)
 
 
