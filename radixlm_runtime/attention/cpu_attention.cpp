@@ -53,6 +53,8 @@ using simd::hsum;
 constexpr int64_t kBlock = 64;
 // New tokens per item: 16 tokens x G = 3 heads is 48 query rows, 12 KB of scores and accumulators.
 constexpr int64_t kQueryChunk = 16;
+// Members per group item: 8 decode tokens x G = 3 heads is 24 query rows.
+constexpr int64_t kGroupChunk = 8;
 // Below this much work (keys x query rows x D summed over items) a call stays on the calling thread,
 // where waking the pool would cost more than it saves.
 constexpr int64_t kAttentionParallelMin = 1 << 18;
@@ -75,6 +77,16 @@ struct Problem {
   const int64_t* q_starts;
   const int64_t* num_new;
   float scale;
+  // Shared-prefix groups of decoding requests: [3, G] member offsets, member counts, prefix lengths;
+  // their members' request indices; per request, the prefix length its group item covers (0: none).
+  const int64_t* groups;
+  int64_t num_groups;
+  const int64_t* members;
+  const int64_t* prefix_of;
+  // A group item's online-softmax state per (request, q head), which the member's own item starts from.
+  float* state_m;
+  float* state_l;
+  float* state_acc;
 };
 
 // One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
@@ -96,27 +108,85 @@ struct Scratch {
 
 thread_local Scratch tls_scratch;
 
-// One unit of work: kv heads h0 .. h1 - 1 of request r, its new tokens j0 .. j1 - 1.
+// One unit of work, kv heads h0 .. h1 - 1 of either
+//   a request chunk (r >= 0): request r's new tokens j0 .. j1 - 1, over its keys from prefix_of[r] on (the
+//   keys before came from its group item, whose state it starts from), or
+//   a group item (r = -1 - g): the decode tokens of members j0 .. j1 - 1 of group g, over the group's
+//   shared prefix only; the state is saved for the members' own items. Stacking the members' query rows
+//   is what makes the shared prefix cheap: one pass over its keys serves every member, with register
+//   tiles full (a decode token alone is G rows).
 struct Item {
   int64_t r, h0, h1, j0, j1;
 };
 
-// Kv head h's query rows of the item, row i = token (j0 + i / G), q head (h * G + i % G), pre-multiplied
-// by the scale.
-void load_queries(const Problem& p, const Item& it, int64_t h, float* dst) {
-  const int64_t d = p.head_dim, g = p.group;
-  for (int64_t j = it.j0; j < it.j1; ++j) {
-    const float* src = p.q + (p.q_starts[it.r] + j) * p.q_stride + h * g * d;
-    float* row = dst + (j - it.j0) * g * d;
+// What an item computes, resolved from the Problem once.
+struct Span {
+  int64_t tokens;
+  int64_t first;  // position of token 0: token j sees keys up to first + j
+  int64_t from, len;  // the keys it walks: from .. len - 1
+  const int64_t* slots;
+  bool group;
+};
+
+Span span_of(const Problem& p, const Item& it) {
+  if (it.r >= 0) {
+    const int64_t len = p.seq_lens[it.r];
+    const int64_t first = len - p.num_new[it.r] + it.j0;
+    return {it.j1 - it.j0, first, p.prefix_of[it.r], first + it.j1 - it.j0,
+            p.table + p.rows[it.r] * p.table_stride, false};
+  }
+  const int64_t g = -1 - it.r;
+  const int64_t prefix = p.groups[2 * p.num_groups + g];
+  const int64_t lead = p.members[p.groups[g]];
+  return {it.j1 - it.j0, prefix - 1, 0, prefix, p.table + p.rows[lead] * p.table_stride, true};
+}
+
+// The request and the q/out row of token t of the item.
+inline int64_t token_req(const Problem& p, const Item& it, int64_t t) {
+  return it.r >= 0 ? it.r : p.members[p.groups[-1 - it.r] + it.j0 + t];
+}
+
+inline int64_t token_row(const Problem& p, const Item& it, int64_t t) {
+  return it.r >= 0 ? p.q_starts[it.r] + it.j0 + t : p.q_starts[token_req(p, it, t)];
+}
+
+// Kv head h's query rows of the item, row i = token i / G, q head (h * G + i % G), pre-multiplied by the
+// scale; and their online-softmax state: empty, or the group item's where the keys start after a prefix.
+void load_queries(const Problem& p, const Item& it, const Span& sp, int64_t h, float* dst, float* acc, float* m,
+                  float* l) {
+  const int64_t d = p.head_dim, g = p.group, hq = p.kv_heads * g;
+  for (int64_t t = 0; t < sp.tokens; ++t) {
+    const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
+    float* row = dst + t * g * d;
     for (int64_t i = 0; i < g * d; ++i) row[i] = src[i] * p.scale;
+    const int64_t base = t * g;
+    if (!sp.group && sp.from > 0) {
+      const int64_t st = it.r * hq + h * g;
+      std::copy(p.state_m + st, p.state_m + st + g, m + base);
+      std::copy(p.state_l + st, p.state_l + st + g, l + base);
+      std::copy(p.state_acc + st * d, p.state_acc + (st + g) * d, acc + base * d);
+    } else {
+      std::fill(m + base, m + base + g, kNegInf);
+      std::fill(l + base, l + base + g, 0.0f);
+      std::fill(acc + base * d, acc + (base + g) * d, 0.0f);
+    }
   }
 }
 
-void store_outputs(const Problem& p, const Item& it, int64_t h, const float* acc, const float* l) {
-  const int64_t d = p.head_dim, g = p.group;
-  for (int64_t j = it.j0; j < it.j1; ++j) {
-    float* dst = p.out + (p.q_starts[it.r] + j) * p.out_stride + h * g * d;
-    const int64_t base = (j - it.j0) * g;
+// A request chunk's outputs, normalized; or a group item's state, saved for its members.
+void store_outputs(const Problem& p, const Item& it, const Span& sp, int64_t h, const float* acc, const float* m,
+                   const float* l) {
+  const int64_t d = p.head_dim, g = p.group, hq = p.kv_heads * g;
+  for (int64_t t = 0; t < sp.tokens; ++t) {
+    const int64_t base = t * g;
+    if (sp.group) {
+      const int64_t st = token_req(p, it, t) * hq + h * g;
+      std::copy(m + base, m + base + g, p.state_m + st);
+      std::copy(l + base, l + base + g, p.state_l + st);
+      std::copy(acc + base * d, acc + (base + g) * d, p.state_acc + st * d);
+      continue;
+    }
+    float* dst = p.out + token_row(p, it, t) * p.out_stride + h * g * d;
     for (int64_t e = 0; e < g; ++e) {
       const float inv = 1.0f / l[base + e];
       for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[(base + e) * d + i] * inv;
@@ -128,20 +198,15 @@ void store_outputs(const Problem& p, const Item& it, int64_t h, const float* acc
 
 void head_scalar(const Problem& p, const Item& it, int64_t h, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group;
-  // first: the position of the item's first token; it sees keys 0 .. first, its last token 0 .. len - 1.
-  const int64_t first = p.seq_lens[it.r] - p.num_new[it.r] + it.j0, len = first + it.j1 - it.j0;
-  const int64_t rows = (it.j1 - it.j0) * g, row_floats = p.kv_heads * d;
-  const int64_t* slots = p.table + p.rows[it.r] * p.table_stride;
+  const Span sp = span_of(p, it);
+  const int64_t rows = sp.tokens * g, row_floats = p.kv_heads * d;
   float *q = w.q.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
-  load_queries(p, it, h, q);
-  std::fill(acc, acc + rows * d, 0.0f);
-  std::fill(m, m + rows, kNegInf);
-  std::fill(l, l + rows, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
-    const float* k = p.k_buf + slots[t] * row_floats + h * d;
-    const float* v = p.v_buf + slots[t] * row_floats + h * d;
+  load_queries(p, it, sp, h, q, acc, m, l);
+  for (int64_t t = sp.from; t < sp.len; ++t) {
+    const float* k = p.k_buf + sp.slots[t] * row_floats + h * d;
+    const float* v = p.v_buf + sp.slots[t] * row_floats + h * d;
     // Key t is visible to the tokens at or after it: rows from (t - first) * G on.
-    for (int64_t i = std::max<int64_t>(0, t - first) * g; i < rows; ++i) {
+    for (int64_t i = std::max<int64_t>(0, t - sp.first) * g; i < rows; ++i) {
       const float* qi = q + i * d;
       float* ai = acc + i * d;
       float s = 0.0f;
@@ -159,7 +224,7 @@ void head_scalar(const Problem& p, const Item& it, int64_t h, Scratch& w) {
       for (int64_t e = 0; e < d; ++e) ai[e] += weight * v[e];
     }
   }
-  store_outputs(p, it, h, acc, l);
+  store_outputs(p, it, sp, h, acc, m, l);
 }
 
 void item_scalar(const Problem& p, const Item& it, Scratch& w) {
@@ -308,20 +373,21 @@ inline void prefetch_rows(const Problem& p, const int64_t* slots, int64_t count,
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays.
 CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
-  const int64_t first = p.seq_lens[it.r] - p.num_new[it.r] + it.j0, len = first + it.j1 - it.j0;
-  const int64_t rows = (it.j1 - it.j0) * g, row_floats = p.kv_heads * d;
-  const int64_t* slots = p.table + p.rows[it.r] * p.table_stride;
+  const Span sp = span_of(p, it);
+  const int64_t first = sp.first, len = sp.len;
+  const int64_t rows = sp.tokens * g, row_floats = p.kv_heads * d;
+  const int64_t* slots = sp.slots;
   float *q = w.q.data(), *s = w.s.data(), *acc_all = w.acc.data(), *m_all = w.m.data(), *l_all = w.l.data();
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
   const float** krow = w.krow.data();
   const float** vrow = w.vrow.data();
-  prefetch_rows(p, slots, std::min(kBlock, len), row_floats, it.h0, heads, p.k_buf);
-  for (int64_t h = it.h0; h < it.h1; ++h) load_queries(p, it, h, q + (h - it.h0) * rows * d);
-  std::fill(acc_all, acc_all + heads * rows * d, 0.0f);
-  std::fill(m_all, m_all + heads * rows, kNegInf);
-  std::fill(l_all, l_all + heads * rows, 0.0f);
-  for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
+  prefetch_rows(p, slots + sp.from, std::min(kBlock, len - sp.from), row_floats, it.h0, heads, p.k_buf);
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    const int64_t base = (h - it.h0) * rows;
+    load_queries(p, it, sp, h, q + base * d, acc_all + base * d, m_all + base, l_all + base);
+  }
+  for (int64_t b0 = sp.from; b0 < len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, len - b0);
     const int64_t padded = (keys + 7) & ~int64_t{7};
     for (int64_t t = 0; t < keys; ++t) {
@@ -370,7 +436,7 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   }
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t base = (h - it.h0) * rows;
-    store_outputs(p, it, h, acc_all + base * d, l_all + base);
+    store_outputs(p, it, sp, h, acc_all + base * d, m_all + base, l_all + base);
   }
 }
 
@@ -403,36 +469,61 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 }
 
 // out rows of `num_reqs` requests = causal attention of their new tokens over their KV (see the top of
-// the file), however many new tokens each has. `requests` is int64 [4, num_reqs]: table rows, sequence lengths, first q rows and
-// new-token counts (each >= 1). mode: 0 = scalar, 1 = AVX2 where select_path allows it.
+// the file), however many new tokens each has. `requests` is int64 [4, num_reqs]: table rows, sequence
+// lengths, first q rows and new-token counts (each >= 1). `groups` ([3, num_groups]: offsets into
+// `members`, member counts, shared prefix lengths) lists decoding requests (one new token each) whose KV
+// starts with the same prefix slots: that prefix is attended once for all members (0 groups: none).
+// mode: 0 = scalar, 1 = AVX2 where select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
                const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
-               float scale, int mode, int threads) {
+               const int64_t* groups, int64_t num_groups, const int64_t* members, float scale, int mode,
+               int threads) {
   static const bool avx2 = simd::cpu_has_avx2_fma();
   const bool vec = select_path(mode, avx2, head_dim) == 1;
   const int64_t group = num_q_heads / num_kv_heads;
+  static thread_local std::vector<int64_t> prefix_of;
+  static thread_local std::vector<float> state_m, state_l, state_acc;
+  prefix_of.assign(num_reqs, 0);
+  for (int64_t g = 0; g < num_groups; ++g) {
+    for (int64_t i = 0; i < groups[num_groups + g]; ++i) prefix_of[members[groups[g] + i]] = groups[2 * num_groups + g];
+  }
+  if (num_groups > 0 && static_cast<int64_t>(state_m.size()) < num_reqs * num_q_heads) {
+    state_m.resize(num_reqs * num_q_heads);
+    state_l.resize(num_reqs * num_q_heads);
+    state_acc.resize(num_reqs * num_q_heads * head_dim);
+  }
   const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
                   table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,
-                  requests + 3 * num_reqs, scale};
-  int64_t work = 0;
-  // Every kv head in one item where there are enough (request, chunk) items to keep the threads busy,
-  // otherwise an item per head (one request decoding: its heads are the parallelism). A request's
-  // chunks run from its last.
+                  requests + 3 * num_reqs, scale, groups, num_groups, members, prefix_of.data(),
+                  state_m.data(), state_l.data(), state_acc.data()};
+  // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
+  // per head (one request decoding: its heads are the parallelism). A request's chunks run from its last.
   int64_t chunks = 0;
   for (int64_t r = 0; r < num_reqs; ++r) chunks += (p.num_new[r] + kQueryChunk - 1) / kQueryChunk;
   const int64_t head_step = chunks >= 2 * threads ? num_kv_heads : 1;
   static thread_local std::vector<Item> items;
   items.clear();
+  // A group's prefix is the bulk of the step's arithmetic: it is split finely (a kv head and kGroupChunk
+  // members an item), so every thread has a share.
+  for (int64_t g = 0; g < num_groups; ++g) {
+    for (int64_t j0 = 0; j0 < groups[num_groups + g]; j0 += kGroupChunk) {
+      const int64_t j1 = std::min(groups[num_groups + g], j0 + kGroupChunk);
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({-1 - g, h, h + 1, j0, j1});
+    }
+  }
+  const int64_t group_items = static_cast<int64_t>(items.size());
+  int64_t work = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = p.num_new[r];
+    work += (p.seq_lens[r] - prefix_of[r]) * n;
     for (int64_t j1 = n; j1 > 0; j1 -= kQueryChunk) {
       for (int64_t h = 0; h < num_kv_heads; h += head_step) {
         items.push_back({r, h, h + head_step, std::max<int64_t>(0, j1 - kQueryChunk), j1});
       }
     }
   }
-  for (int64_t r = 0; r < num_reqs; ++r) work += p.seq_lens[r] * p.num_new[r];
+  for (int64_t g = 0; g < num_groups; ++g) work += groups[num_groups + g] * groups[2 * num_groups + g];
   work *= num_q_heads * head_dim;
   const int64_t count = static_cast<int64_t>(items.size());
   const Item* list = items.data();  // items is this thread's: the pool's threads read it through this
@@ -440,15 +531,13 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     Scratch& w = tls_scratch;
-    w.fit(kQueryChunk * group, head_step, head_dim);
+    w.fit(kQueryChunk * group, head_step, head_dim);  // group items are smaller
+    auto run = [&](const Item& it) { vec ? item_avx2(p, it, w) : item_scalar(p, it, w); };
+    // Group items first: their states are where the members' own items start (the loop's barrier).
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < count; ++i) {
-      if (vec) {
-        item_avx2(p, list[i], w);
-      } else {
-        item_scalar(p, list[i], w);
-      }
-    }
+    for (int64_t i = 0; i < group_items; ++i) run(list[i]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = group_items; i < count; ++i) run(list[i]);
   }
 }
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, _common_prefix_len
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
@@ -35,26 +37,10 @@ def _library() -> ctypes.CDLL:
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int]
     lib.ca_store_kv.restype = None
-    # q, its stride, out, its stride, k_buf, v_buf, Hq, Hkv, D, table, its stride, requests, B, scale,
-    # mode, threads
-    lib.ca_decode.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        i64,
-        f32,
-        c_int,
-        c_int,
-    ]
+    # q, its stride, out, its stride, k_buf, v_buf, Hq, Hkv, D, table, its stride, requests, B, groups,
+    # their count, members, scale, mode, threads
+    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    lib.ca_decode.argtypes += [ptr, i64, ptr, f32, c_int, c_int]
     lib.ca_decode.restype = None
     return lib
 
@@ -94,19 +80,68 @@ def store_kv(
     )
 
 
+@dataclass
+class StepRequests:
+    """A step's attention work for the kernel (see ca_decode in cpu_attention.cpp)."""
+
+    requests: torch.Tensor  # int64 [4, B]: req_to_token rows, sequence lengths, first q rows, new tokens
+    # int64 [3, G]: offsets into members, member counts, shared prefix lengths; None: no groups
+    groups: torch.Tensor | None = None
+    members: torch.Tensor | None = None  # int64: request indices, each group's together
+
+    def args(self) -> tuple[int, int, int, int, int | None]:
+        """(requests, B, groups, G, members) as the C++ entry points take them."""
+        if self.groups is None or self.members is None:
+            return self.requests.data_ptr(), self.requests.shape[1], None, 0, None
+        return (
+            self.requests.data_ptr(),
+            self.requests.shape[1],
+            self.groups.data_ptr(),
+            self.groups.shape[1],
+            self.members.data_ptr(),
+        )
+
+
+def prefix_groups(
+    slots: list[list[int]], extend_lens: list[int]
+) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """Decoding requests (one new token) whose KV starts with the same MIN_SHARED_PREFIX or more slots
+    (a few-shot prefix or system prompt the radix cache shares): (member offsets, member counts, shared
+    prefix lengths, members). A shared prefix stops before each member's new token."""
+    by_first: dict[int, list[int]] = {}
+    for b, (seq, n) in enumerate(zip(slots, extend_lens)):
+        if n == 1 and len(seq) > MIN_SHARED_PREFIX:
+            by_first.setdefault(seq[0], []).append(b)
+    offsets: list[int] = []
+    counts: list[int] = []
+    lengths: list[int] = []
+    members: list[int] = []
+    for group in by_first.values():
+        if len(group) < 2:
+            continue
+        limit = min(len(slots[b]) for b in group) - 1
+        shared = _common_prefix_len([slots[b] for b in group], limit)
+        if shared < MIN_SHARED_PREFIX:
+            continue
+        offsets.append(len(members))
+        counts.append(len(group))
+        lengths.append(shared)
+        members += group
+    return (offsets, counts, lengths, members) if members else None
+
+
 def decode_attention(
     q: torch.Tensor,
     out: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
     req_to_token: torch.Tensor,
-    requests: torch.Tensor,
+    step: StepRequests,
     scale: float,
     mode: int = SIMD,
 ) -> None:
-    """Writes the rows of out [T, Hq, D] that `requests` (int64 [4, B]: req_to_token rows, sequence
-    lengths, first q rows, new-token counts) own: each new token's causal attention over its request's
-    KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row."""
+    """Writes the rows of out [T, Hq, D] that `step`'s requests own: each new token's causal attention
+    over its request's KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row."""
     q = _rows(q)
     if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
         raise ValueError("out rows must be contiguous")
@@ -122,8 +157,7 @@ def decode_attention(
         q.shape[2],
         req_to_token.data_ptr(),
         req_to_token.stride(0),
-        requests.data_ptr(),
-        requests.shape[1],
+        *step.args(),
         scale,
         mode,
         torch.get_num_threads(),
@@ -148,19 +182,28 @@ class CpuAttentionBackend(AttentionBackend):
         self.mode = mode
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """The kernel's request table [4, B]: every request of the step, decode or prefill chunk."""
+        """The kernel's work: every request of the step, decode or prefill chunk, and the groups of
+        decoding requests that share a prefix (not under --deterministic: a token's result must not
+        depend on who shares its prefix)."""
         if self.per_token:
             rows, lens = self.per_token_decodes(batch)
             n = len(rows)
-            lists = (rows, lens, list(range(n)), [1] * n)
-        else:
-            lists = (
-                batch.req_pool_indices_cpu,
-                batch.seq_lens_cpu,
-                batch.extend_start_loc_cpu,
-                batch.extend_lens_cpu,
-            )
-        batch.attn_metadata = torch.tensor(lists, dtype=torch.int64)
+            requests = torch.tensor((rows, lens, list(range(n)), [1] * n), dtype=torch.int64)
+            batch.attn_metadata = StepRequests(requests)
+            return
+        lists = (
+            batch.req_pool_indices_cpu,
+            batch.seq_lens_cpu,
+            batch.extend_start_loc_cpu,
+            batch.extend_lens_cpu,
+        )
+        step = StepRequests(torch.tensor(lists, dtype=torch.int64))
+        groups = prefix_groups(batch.seq_slots_cpu, batch.extend_lens_cpu)
+        if groups is not None:
+            offsets, counts, lengths, members = groups
+            step.groups = torch.tensor((offsets, counts, lengths), dtype=torch.int64)
+            step.members = torch.tensor(members, dtype=torch.int64)
+        batch.attn_metadata = step
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
@@ -172,6 +215,5 @@ class CpuAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        requests = batch.attn_metadata
-        decode_attention(q, out, k_buf, v_buf, self.req_to_token, requests, self.scale, self.mode)
+        decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.attn_metadata, self.scale, self.mode)
         return out

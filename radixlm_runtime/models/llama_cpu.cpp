@@ -65,12 +65,13 @@ extern "C" {
 
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
 // stream out (the model's final norm adds the two). cos, sin [T, D / 2]. loc [T]: the new tokens' KV
-// slots. table, requests: as ca_decode takes them. Modes: the quantized linears' kernel (rq_linear),
+// slots. table, requests, groups, members: as ca_decode takes them. Modes: the quantized linears' kernel (rq_linear),
 // the fused ops' and the attention's (0 scalar, 1 SIMD).
 void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, int64_t inter, int64_t q_heads,
                 int64_t kv_heads, int64_t head_dim, float eps, float scale, float* hidden, float* residual,
                 int64_t tokens, const float* cos, const float* sin, const int64_t* loc, const int64_t* table,
-                int64_t table_stride, const int64_t* requests, int64_t num_reqs, int linear_mode, int fused_mode,
+                int64_t table_stride, const int64_t* requests, int64_t num_reqs, const int64_t* groups,
+                int64_t num_groups, const int64_t* members, int linear_mode, int fused_mode,
                 int attention_mode, int threads) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
@@ -96,7 +97,7 @@ void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, 
     ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_width, k_buf,
                 v_buf, threads);
     ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, q_heads, kv_heads, head_dim, table, table_stride,
-              requests, num_reqs, scale, attention_mode, threads);
+              requests, num_reqs, groups, num_groups, members, scale, attention_mode, threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
     rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[1]), x, tokens, hidden_size, eps, fused_mode,
                 threads);

@@ -40,8 +40,24 @@ def _library() -> ctypes.CDLL:
     lib = load_library(_SOURCE)
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     # layers, num_layers, hidden, inter, q_heads, kv_heads, head_dim, eps, scale, hidden, residual,
-    # tokens, cos, sin, loc, table, table_stride, requests, num_reqs, three modes, threads
-    lib.lc_forward.argtypes = [ptr, *[i64] * 6, f32, f32, ptr, ptr, i64, *[ptr] * 4, i64, ptr, i64]
+    # tokens, cos, sin, loc, table, table_stride, requests, num_reqs, groups, num_groups, members,
+    # three modes, threads
+    lib.lc_forward.argtypes = [
+        ptr,
+        *[i64] * 6,
+        f32,
+        f32,
+        ptr,
+        ptr,
+        i64,
+        *[ptr] * 4,
+        i64,
+        ptr,
+        i64,
+        ptr,
+        i64,
+        ptr,
+    ]
     lib.lc_forward.argtypes += [c_int] * 4
     lib.lc_forward.restype = None
     return lib
@@ -131,7 +147,6 @@ class LlamaCpuDecoder:
         residual = torch.empty_like(hidden)
         cos, sin = (t.squeeze(1).contiguous() for t in rope)
         tokens = hidden.shape[0]
-        requests = batch.attn_metadata
         layers, hidden_size, inter, q_heads, kv_heads, head_dim = self.shape
         table = self.attn.req_to_token
         _library().lc_forward(
@@ -152,8 +167,7 @@ class LlamaCpuDecoder:
             batch.out_cache_loc.data_ptr(),
             table.data_ptr(),
             table.stride(0),
-            requests.data_ptr(),
-            requests.shape[1],
+            *batch.attn_metadata.args(),
             kernel_mode(tokens),
             self.fused_mode,
             self.attn.mode,

@@ -104,7 +104,7 @@ def test_forward_matches_dense_reference(
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(pool, table, scale, mode=mode)
     backend.init_forward_metadata(batch)
-    assert batch.attn_metadata.shape == (4, len(seq_lens))
+    assert batch.attn_metadata.requests.shape == (4, len(seq_lens))
     got = backend.forward(q, k, v, 0, batch)
     assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
     assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
@@ -130,6 +130,48 @@ def test_attend_matches_torch_backend(mode: int, extend_lens: list[int]) -> None
     backend = CpuAttentionBackend(pool, table, 0.25, mode=mode)
     backend.init_forward_metadata(batch)
     torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
+    """20 decoding requests share a 150-slot prefix (more members than one group item holds, a prefix of
+    three key blocks), 5 more share another (their own suffixes of different lengths), one decodes alone
+    and one prefills over the first prefix: the groups' prefix parts computed once, merged into each
+    member's own attention, equal attention computed per request."""
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, head_dim = 3, 64
+    size = 2000
+    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    free = iter((torch.randperm(size, generator=gen) + 1).tolist())
+    first, second = [next(free) for _ in range(150)], [next(free) for _ in range(40)]
+    seqs = [first + [next(free) for _ in range(1 + i % 7)] for i in range(20)]
+    seqs += [second + [next(free) for _ in range(1 + 9 * i)] for i in range(5)]
+    seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
+    extend_lens = [1] * 26 + [30]
+    table = ReqToTokenTable(len(seqs), 200)
+    for row, slots in enumerate(seqs):
+        table.req_to_token[row, : len(slots)] = torch.tensor(slots)
+    batch = ForwardBatch.build(
+        input_ids=[0] * sum(extend_lens),
+        req_pool_indices=list(range(len(seqs))),
+        prefix_lens=[len(s) - n for s, n in zip(seqs, extend_lens)],
+        extend_lens=extend_lens,
+        out_cache_loc=[s for slots, n in zip(seqs, extend_lens) for s in slots[len(slots) - n :]],
+        logits_indices=[],
+        seq_slots=seqs,
+        device=torch.device("cpu"),
+    )
+    backend = CpuAttentionBackend(pool, table, head_dim**-0.5, mode=mode)
+    backend.init_forward_metadata(batch)
+    step = batch.attn_metadata
+    assert step.groups is not None and step.members is not None
+    assert sorted(zip(step.groups[1].tolist(), step.groups[2].tolist())) == [(5, 40), (20, 150)]
+    q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
+    got = backend.attend(q, 0, batch)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_store_writes_what_set_kv_writes() -> None:
