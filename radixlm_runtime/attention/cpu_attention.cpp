@@ -21,9 +21,9 @@
 // hidden ones too). Chunking the query rows is what keeps a prefill's working set (R rows of scores and
 // accumulators) in L2 and skips the keys after a chunk's last token; a request's chunks run longest
 // first, so the pool's threads finish together. Softmax is online (a running max and sum per row,
-// flash-attention style), accumulated in float32. Requests sharing a prefix each read it again, from
-// L2/L3 when they run one after another. Decode streams the KV cache from memory: rows are prefetched
-// a block ahead (see item_avx2).
+// flash-attention style), accumulated in float32. Decoding requests that share a cached prefix attend
+// to it once, in group items that run first (see Item). Decode streams the KV cache from memory: rows
+// are prefetched a block ahead (see item_avx2).
 //
 // AVX2+FMA path, picked at run time by asking the CPU. Scores come from register tiles of 3 rows x 4
 // keys (2 x 4, 1 x 8 for the rest), P.V from tiles of 4 rows x 16 floats (3 x 16, 2 x 32, 1 x 64 for
