@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, _common_prefix_len
+from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, shared_prefix_len
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
@@ -121,7 +121,7 @@ def prefix_groups(
         if len(group) < 2:
             continue
         limit = min(len(slots[b]) for b in group) - 1
-        shared = _common_prefix_len([slots[b] for b in group], limit)
+        shared = shared_prefix_len([slots[b] for b in group], limit)
         if shared < MIN_SHARED_PREFIX:
             continue
         offsets.append(len(members))

@@ -121,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
             # The shared part stops before each member's first new token: the causal mask only
             # applies within the suffix.
             limit = min(len(blocks[i].slots) - blocks[i].length for i in members)
-            shared = _common_prefix_len([blocks[i].slots for i in members], limit)
+            shared = shared_prefix_len([blocks[i].slots for i in members], limit)
             if shared < MIN_SHARED_PREFIX:
                 continue
             for i in members:
@@ -292,7 +292,7 @@ def attention_with_lse(
     return out.to(q.dtype), lse
 
 
-def _common_prefix_len(seqs: list[list[int]], limit: int) -> int:
+def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:
     """Length of the longest common prefix of seqs (at most limit), by binary search over slice
     comparisons, which run in C: the lists are a few thousand slots long."""
     first = seqs[0]
