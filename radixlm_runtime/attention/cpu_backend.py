@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, shared_prefix_len
+from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, shared_prefix_groups
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
@@ -106,28 +106,22 @@ class StepRequests:
 def prefix_groups(
     slots: list[list[int]], extend_lens: list[int]
 ) -> tuple[list[int], list[int], list[int], list[int]] | None:
-    """Decoding requests (one new token) whose KV starts with the same MIN_SHARED_PREFIX or more slots
-    (a few-shot prefix or system prompt the radix cache shares): (member offsets, member counts, shared
-    prefix lengths, members). A shared prefix stops before each member's new token."""
-    by_first: dict[int, list[int]] = {}
-    for b, (seq, n) in enumerate(zip(slots, extend_lens)):
-        if n == 1 and len(seq) > MIN_SHARED_PREFIX:
-            by_first.setdefault(seq[0], []).append(b)
+    """Decoding requests (one new token) that share a prefix (a few-shot prefix or system prompt the
+    radix cache shares), as the kernel takes them: (member offsets, member counts, shared prefix
+    lengths, members)."""
+    # Too short to share MIN_SHARED_PREFIX slots: left out, so they cannot shrink a group's prefix.
+    decoding = [
+        b for b, (seq, n) in enumerate(zip(slots, extend_lens)) if n == 1 and len(seq) > MIN_SHARED_PREFIX
+    ]
     offsets: list[int] = []
     counts: list[int] = []
     lengths: list[int] = []
     members: list[int] = []
-    for group in by_first.values():
-        if len(group) < 2:
-            continue
-        limit = min(len(slots[b]) for b in group) - 1
-        shared = shared_prefix_len([slots[b] for b in group], limit)
-        if shared < MIN_SHARED_PREFIX:
-            continue
+    for group, shared in shared_prefix_groups([slots[b] for b in decoding], [1] * len(decoding)):
         offsets.append(len(members))
         counts.append(len(group))
         lengths.append(shared)
-        members += group
+        members += [decoding[i] for i in group]
     return (offsets, counts, lengths, members) if members else None
 
 

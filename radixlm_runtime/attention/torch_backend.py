@@ -112,18 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
         device = self.req_to_token.device
         prefix_lens = [0] * len(blocks)
         groups: list[_PrefixGroup] = []
-        by_first: dict[int, list[int]] = {}
-        for i, blk in enumerate(blocks):
-            by_first.setdefault(blk.slots[0], []).append(i)
-        for members in by_first.values():
-            if len(members) < 2:
-                continue
-            # The shared part stops before each member's first new token: the causal mask only
-            # applies within the suffix.
-            limit = min(len(blocks[i].slots) - blocks[i].length for i in members)
-            shared = shared_prefix_len([blocks[i].slots for i in members], limit)
-            if shared < MIN_SHARED_PREFIX:
-                continue
+        found = shared_prefix_groups([blk.slots for blk in blocks], [blk.length for blk in blocks])
+        for members, shared in found:
             for i in members:
                 prefix_lens[i] = shared
             slots = blocks[members[0]].slots[:shared]
@@ -290,6 +280,24 @@ def attention_with_lse(
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
     return out.to(q.dtype), lse
+
+
+def shared_prefix_groups(slots: list[list[int]], new_lens: list[int]) -> list[tuple[list[int], int]]:
+    """Sequences (positions in `slots`) whose KV starts with the same MIN_SHARED_PREFIX or more slots,
+    grouped, each group with the length of the prefix its members share. The shared part stops before
+    every member's new tokens: the causal mask then only applies within each member's suffix."""
+    by_first: dict[int, list[int]] = {}
+    for i, seq in enumerate(slots):
+        by_first.setdefault(seq[0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min(len(slots[i]) - new_lens[i] for i in members)
+        shared = shared_prefix_len([slots[i] for i in members], limit)
+        if shared >= MIN_SHARED_PREFIX:
+            groups.append((members, shared))
+    return groups
 
 
 def shared_prefix_len(seqs: list[list[int]], limit: int) -> int:

@@ -10,7 +10,8 @@
 //
 // Each layer's weights arrive as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
 //   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf,
-//   then four linears (qkv, o, gate_up, down) of 7 values each: q, scales, mins (0: none), n, k, group, bits.
+//   then four linears (qkv, o, gate_up, down) of 7 values each: q, scales, mins (0: none), n, group,
+//   bits, k.
 
 #include "../attention/cpu_attention.cpp"
 #include "../layers/fused_cpu.cpp"
@@ -21,17 +22,10 @@ namespace {
 constexpr int64_t kLinearFields = 7;
 constexpr int64_t kFields = 5 + 4 * kLinearFields;
 
-struct Linear {
-  const uint8_t* q;
-  const float* scales;
-  const float* mins;
-  int64_t n, k, group;
-  int bits;
-};
-
-Linear linear_at(const int64_t* f) {
+// A linear's fields (QuantizedWeight.kernel_args, then in_features) as quant_cpu.cpp's Weights.
+Weights linear_at(const int64_t* f) {
   return {reinterpret_cast<const uint8_t*>(f[0]), reinterpret_cast<const float*>(f[1]),
-          reinterpret_cast<const float*>(f[2]), f[3], f[4], f[5], static_cast<int>(f[6])};
+          reinterpret_cast<const float*>(f[2]), f[3], f[6], f[4], static_cast<int>(f[5])};
 }
 
 template <typename T>
@@ -55,7 +49,7 @@ struct Buffers {
   }
 };
 
-void run_linear(const Linear& w, const float* x, int64_t m, float* y, int mode, int threads) {
+void run_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
   rq_linear(x, m, w.k, w.q, w.scales, w.mins, w.n, w.group, w.bits, y, mode, threads);
 }
 
@@ -81,8 +75,8 @@ void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, 
   memset(residual, 0, tokens * hidden_size * sizeof(float));  // layer 0's residual add: 0 + embeddings
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * kFields;
-    const Linear qkv_w = linear_at(f + 5), o_w = linear_at(f + 5 + kLinearFields);
-    const Linear gate_up_w = linear_at(f + 5 + 2 * kLinearFields), down_w = linear_at(f + 5 + 3 * kLinearFields);
+    const Weights qkv_w = linear_at(f + 5), o_w = linear_at(f + 5 + kLinearFields);
+    const Weights gate_up_w = linear_at(f + 5 + 2 * kLinearFields), down_w = linear_at(f + 5 + 3 * kLinearFields);
     rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[0]), x, tokens, hidden_size, eps, fused_mode,
                 threads);
     run_linear(qkv_w, x, tokens, qkv, linear_mode, threads);

@@ -70,17 +70,10 @@ def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
 
 
 def _linear_fields(linear: Linear) -> list[int]:
+    """The quantized kernel's weight arguments, then in_features (see llama_cpu.cpp)."""
     q = linear.quantized
     assert q is not None
-    return [
-        q.qweight.data_ptr(),
-        q.scales.data_ptr(),
-        0 if q.mins is None else q.mins.data_ptr(),
-        q.out_features,
-        q.in_features,
-        q.group_size,
-        q.bits,
-    ]
+    return [arg or 0 for arg in q.kernel_args] + [q.in_features]
 
 
 class LlamaCpuDecoder:
