@@ -19,7 +19,7 @@ from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.quant_kernels import QuantKernelError, load_kernels
+from radixlm_runtime.layers.linear_kernels import QuantKernelError, load_kernels
 from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
 from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
@@ -168,7 +168,7 @@ class ModelRunner:
         model.load_weights(load_weights(model_dir))
         model.eval()
         self._quantize(model)
-        prepack_linears(model)
+        logger.info("float linears: %s", prepack_linears(model))
         return model
 
     def _quantize(self, model: LlamaForCausalLM) -> None:
@@ -250,11 +250,14 @@ class ModelRunner:
                 f"{type(self.attn_backend).__name__}"
             )
         self.attn_backend.per_token = True
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.row_block = DETERMINISTIC_ROW_BLOCK
+        blocked = [m for m in self.model.modules() if isinstance(m, Linear) and not m.batch_invariant]
+        for module in blocked:
+            module.row_block = DETERMINISTIC_ROW_BLOCK
         logger.info(
-            "deterministic: batch-invariant kernels (matmuls in blocks of %d rows)", DETERMINISTIC_ROW_BLOCK
+            "deterministic: per-token attention, %d linears in blocks of %d rows (the others are "
+            "batch-invariant as they are)",
+            len(blocked),
+            DETERMINISTIC_ROW_BLOCK,
         )
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:

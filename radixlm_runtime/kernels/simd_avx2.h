@@ -1,4 +1,4 @@
-// AVX2+FMA helpers shared by the C++ CPU kernels (layers/quant_cpu.cpp, layers/fused_cpu.cpp,
+// AVX2+FMA helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
 // attention/cpu_attention.cpp). kernels/native.py compiles each kernel with this folder on the include
 // path and hashes this header into every library's cache key, so editing it rebuilds them all.
 

@@ -1,9 +1,10 @@
-"""Linear layers whose CPU fp32 path runs through oneDNN with the weight prepacked once, or through
-the weight-only quantized kernels (quant_kernels.py) once `set_quantized` gave them int8/int4 weights.
+"""Linear layers whose CPU path runs on the project's kernels (linear_kernels.py): float32 weights
+repacked once into panels, or the int8/int4 weights `set_quantized` gave them.
 
-torch's default CPU GEMM repacks the weight on every call; for the small row counts of decode
-steps that repacking costs as much as the multiply. Prepacking once at load time makes decode-step
-projections about 2x faster on AVX2 machines (and large prefill GEMMs ~1.4x).
+torch's default CPU GEMM repacks the weight on every call; for the small row counts of decode steps
+that repacking costs as much as the multiply. The panel kernels read the weights as stored: 2x oneDNN's
+prepacked GEMM at one row, 1.25x at 16-64, at par on prefill. Where they have no SIMD path (a CPU
+without AVX2, e.g. ARM) oneDNN's GEMM with the weight prepacked once serves instead.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm_runtime.layers.quant_kernels import quantized_linear
+from radixlm_runtime.layers.linear_kernels import FloatPanels, cpu_linear, panels_available
 from radixlm_runtime.layers.quantization import QuantizedWeight
 
 
@@ -26,8 +27,9 @@ def onednn_available(weight: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    _packed: torch.Tensor | None = None
+    _packed: torch.Tensor | None = None  # oneDNN's prepacked weight (the fallback)
     quantized: QuantizedWeight | None = None
+    panels: FloatPanels | None = None
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
@@ -42,14 +44,28 @@ class Linear(nn.Linear):
                 f"the layer {self.out_features}x{self.in_features}"
             )
         self.quantized = weight
-        self._packed = None
+        self._packed = self.panels = None
         self._drop_weight()
+
+    @property
+    def kernel_weight(self) -> QuantizedWeight | FloatPanels | None:
+        """The weight the CPU linear kernels read, if they serve this layer."""
+        return self.quantized if self.quantized is not None else self.panels
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's output never depends on the rows beside it (the panel kernels' FMA chains)."""
+        return self.panels is not None
 
     def prepack(self) -> None:
         """Call after the weights are loaded; later weight edits are not seen by the packed copy."""
-        if self.quantized is None and onednn_available(self.weight):
+        if self.quantized is not None or not onednn_available(self.weight):
+            return
+        if panels_available():
+            self.panels = FloatPanels.pack(self.weight)
+        else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            self._drop_weight()
+        self._drop_weight()
 
     def _drop_weight(self) -> None:
         if not self.keep_weight:
@@ -72,18 +88,19 @@ class Linear(nn.Linear):
         return torch.cat([self._matmul(block) for block in x.split(r)])[:n]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            return quantized_linear(x, self.quantized, self.bias)
+        if self.kernel_weight is not None:
+            return cpu_linear(x, self.kernel_weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def prepack_linears(module: nn.Module) -> int:
-    """Prepacks every float Linear in module; returns how many were packed."""
-    count = 0
+def prepack_linears(module: nn.Module) -> str:
+    """Prepacks every float Linear in module; returns what serves them (for the start-up log)."""
+    kinds = set()
     for sub in module.modules():
-        if isinstance(sub, Linear):
+        if isinstance(sub, Linear) and sub.quantized is None:
             sub.prepack()
-            count += sub._packed is not None
-    return count
+            onednn = "oneDNN" if sub._packed is not None else "torch"
+            kinds.add("panel kernels" if sub.panels is not None else onednn)
+    return ", ".join(sorted(kinds)) or "none"

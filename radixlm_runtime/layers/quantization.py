@@ -1,7 +1,7 @@
 """Weight-only quantized weights: their format, quantizing float weights into it, and the per-linear
 plan of `--quantization` (which linears get int8 or int4, from a checkpoint's own blocks or from floats).
 
-Format (what the CPU kernels in quant_cpu.cpp read): per output row, chunks of 32 input columns in
+Format (what the CPU kernels in linear_cpu.cpp read): per output row, chunks of 32 input columns in
 GGUF's block layout (int4: 16 bytes, byte j holding column j in its low nibble and column j + 16 in its
 high nibble; int8: 32 signed bytes), with fp32 `scales` and `mins` per group of `group_size` columns;
 the weight is `scale * q + min`. GGUF Q4_0/Q4_1/Q8_0 blocks are this format with group 32, so they are

@@ -1,7 +1,8 @@
-// The Llama decoder stack in one call, for float32 activations on CPUs with weight-only quantized
-// linears: every layer's norm, projections, rotary, KV store, attention and MLP.
+// The Llama decoder stack in one call, for float32 activations on CPUs with linears on linear_cpu.cpp's
+// kernels (float32 panels or weight-only int8/int4): every layer's norm, projections, rotary, KV store,
+// attention and MLP.
 //
-// Per layer the Python path makes about ten calls into the C++ kernels (norms, four quantized linears,
+// Per layer the Python path makes about ten calls into the C++ kernels (norms, four linears,
 // rotary, KV store, attention, SiLU-and-mul) plus their torch wrappers: at one decode token the
 // interpreter's share of those, ~2.5 ms a step over 30 layers, is a fifth of the step. This file
 // compiles the same kernels into one library (a unity build of their sources) and chains them here, so
@@ -10,19 +11,20 @@
 //
 // Each layer's weights arrive as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
 //   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf,
-//   then four linears (qkv, o, gate_up, down) of 7 values each: q, scales, mins (0: none), n, group,
-//   bits, k.
+//   then four linears (qkv, o, gate_up, down) of 7 values each: q (or float32 panels), scales, mins
+//   (0: none), n, group, bits, k.
 
 #include "../attention/cpu_attention.cpp"
 #include "../layers/fused_cpu.cpp"
-#include "../layers/quant_cpu.cpp"
+#include "../layers/linear_cpu.cpp"
 
 namespace {
 
 constexpr int64_t kLinearFields = 7;
 constexpr int64_t kFields = 5 + 4 * kLinearFields;
 
-// A linear's fields (QuantizedWeight.kernel_args, then in_features) as quant_cpu.cpp's Weights.
+// A linear's fields (kernel_args of its QuantizedWeight or FloatPanels, then in_features) as
+// linear_cpu.cpp's Weights.
 Weights linear_at(const int64_t* f) {
   return {reinterpret_cast<const uint8_t*>(f[0]), reinterpret_cast<const float*>(f[1]),
           reinterpret_cast<const float*>(f[2]), f[3], f[6], f[4], static_cast<int>(f[5])};
@@ -59,7 +61,7 @@ extern "C" {
 
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
 // stream out (the model's final norm adds the two). cos, sin [T, D / 2]. loc [T]: the new tokens' KV
-// slots. table, requests, groups, members: as ca_decode takes them. Modes: the quantized linears' kernel (rq_linear),
+// slots. table, requests, groups, members: as ca_decode takes them. Modes: the linears' kernel (rq_linear),
 // the fused ops' and the attention's (0 scalar, 1 SIMD).
 void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, int64_t inter, int64_t q_heads,
                 int64_t kv_heads, int64_t head_dim, float eps, float scale, float* hidden, float* residual,

@@ -1,11 +1,11 @@
-"""The decoder stack of a quantized Llama in one C++ call on the CPU (llama_cpu.cpp).
+"""The decoder stack of a Llama in one C++ call on the CPU (llama_cpu.cpp).
 
-Serves a forward when every decoder linear is weight-only quantized, the activations are float32 on
-the CPU and attention runs on the C++ CPU backend: then each layer is nothing but calls into the C++
-kernels, and making them from C++ instead of Python takes the interpreter out of the step (a fifth of
-a single-stream int4 decode step). The outputs are bit-identical to the Python path's: the same kernels
-in the same order. Everything else (embeddings, final norm, lm_head, --deterministic's fixed-shape
-matmuls) stays in Python.
+Serves a forward when every decoder linear runs on the CPU linear kernels (float32 panels or
+weight-only int8/int4), the activations are float32 on the CPU and attention runs on the C++ CPU
+backend: then each layer is nothing but calls into the C++ kernels, and making them from C++ instead of
+Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step). The outputs
+are bit-identical to the Python path's: the same kernels in the same order. Everything else
+(embeddings, final norm, lm_head, --deterministic's per-token attention) stays in Python.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers import fused_cpu
 from radixlm_runtime.layers.linear import Linear
-from radixlm_runtime.layers.quant_kernels import kernel_mode
+from radixlm_runtime.layers.linear_kernels import kernel_mode
 from radixlm_runtime.layers.rotary import CosSin
 from radixlm_runtime.utils.logging import get_logger
 
@@ -70,10 +70,10 @@ def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
 
 
 def _linear_fields(linear: Linear) -> list[int]:
-    """The quantized kernel's weight arguments, then in_features (see llama_cpu.cpp)."""
-    q = linear.quantized
-    assert q is not None
-    return [arg or 0 for arg in q.kernel_args] + [q.in_features]
+    """The linear kernel's weight arguments, then in_features (see llama_cpu.cpp)."""
+    w = linear.kernel_weight
+    assert w is not None
+    return [arg or 0 for arg in w.kernel_args] + [w.in_features]
 
 
 class LlamaCpuDecoder:
@@ -115,7 +115,7 @@ class LlamaCpuDecoder:
             return None
         for layer in model.layers:
             linears = _linears(layer)
-            if any(lin.quantized is None or lin.row_block for lin in linears):
+            if any(lin.kernel_weight is None or lin.row_block for lin in linears):
                 return None
             if any(lin.bias is not None for lin in linears[1:]):
                 return None

@@ -10,15 +10,15 @@ import torch
 
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers.linear import Linear
-from radixlm_runtime.layers.quant_kernels import (
+from radixlm_runtime.layers.linear_kernels import (
     PANEL_GEMM,
     PANEL_GEMM_MIN_ROWS,
     ROW_DOT,
     ROW_DOT_512,
     SCALAR,
+    cpu_linear,
     has_avx2_fma,
     kernel_mode,
-    quantized_linear,
 )
 from radixlm_runtime.layers.quantization import (
     LinearShards,
@@ -51,7 +51,7 @@ def test_kernels_match_the_dequantized_reference(mode: int, bits: int, group: in
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(n)
     ref = x @ weight.dequantize().T + bias
-    out = quantized_linear(x, weight, bias, mode=mode)
+    out = cpu_linear(x, weight, bias, mode=mode)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -61,7 +61,7 @@ def test_kernel_paths_agree_on_model_shapes() -> None:
     for rows in (1, 32):
         x = torch.randn(rows, 576)
         ref = x @ weight.dequantize().T
-        torch.testing.assert_close(quantized_linear(x, weight), ref, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(cpu_linear(x, weight), ref, rtol=1e-4, atol=1e-3)
 
 
 def test_kernel_mode_follows_the_cpu_and_row_count() -> None:
@@ -77,17 +77,17 @@ def test_kernel_mode_follows_the_cpu_and_row_count() -> None:
 def test_batched_input_shapes_and_empty_rows() -> None:
     weight = _weight(8, 40, 64, None)
     x = torch.randn(2, 3, 64)
-    assert quantized_linear(x, weight).shape == (2, 3, 40)
-    torch.testing.assert_close(quantized_linear(x, weight)[1, 2], x[1, 2] @ weight.dequantize().T)
-    assert quantized_linear(torch.empty(0, 64), weight).shape == (0, 40)
+    assert cpu_linear(x, weight).shape == (2, 3, 40)
+    torch.testing.assert_close(cpu_linear(x, weight)[1, 2], x[1, 2] @ weight.dequantize().T)
+    assert cpu_linear(torch.empty(0, 64), weight).shape == (0, 40)
 
 
 def test_bad_activations_are_rejected() -> None:
     weight = _weight(4, 16, 64, 32)
     with pytest.raises(ValueError, match="float32"):
-        quantized_linear(torch.randn(1, 64, dtype=torch.bfloat16), weight)
+        cpu_linear(torch.randn(1, 64, dtype=torch.bfloat16), weight)
     with pytest.raises(ValueError, match="features"):
-        quantized_linear(torch.randn(1, 32), weight)
+        cpu_linear(torch.randn(1, 32), weight)
 
 
 def test_int4_quantization_error_is_within_half_a_step() -> None:

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from radixlm_runtime.layers.quant_kernels import PANEL_GEMM, ROW_DOT, ROW_DOT_512, SCALAR, quantized_linear
+from radixlm_runtime.layers.linear_kernels import PANEL_GEMM, ROW_DOT, ROW_DOT_512, SCALAR, cpu_linear
 from radixlm_runtime.models.gguf_weights import (
     GGUFQuantizedWeights,
     gguf_tensor_name,
@@ -45,7 +45,7 @@ def test_kernels_read_the_same_weights_as_gguf(type_name: str, mode: int) -> Non
     """x = I reads every weight back through a kernel: scale * q + min is rounded once, as gguf does."""
     raw, ref = _blocks(type_name)
     weight = repack_blocks(type_name, raw, *ref.shape)
-    out = quantized_linear(torch.eye(ref.shape[1]), weight, mode=mode)
+    out = cpu_linear(torch.eye(ref.shape[1]), weight, mode=mode)
     assert torch.equal(out.T.contiguous(), torch.from_numpy(ref))
 
 

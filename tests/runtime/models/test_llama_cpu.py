@@ -1,7 +1,7 @@
 """The one-call C++ decoder stack (models/llama_cpu.py): bit-identical to the Python layer loop it
 replaces, on a workload that reaches every kernel path it chains (prefill chunks, cached prefixes,
-decode batches below and above the quantized GEMM's panel threshold), and used only where it can serve.
-On the CPU whatever the test device: it runs the C++ CPU kernels."""
+decode batches below and above the quantized GEMM's panel threshold), float32 and quantized, and used
+only where it can serve. On the CPU whatever the test device: it runs the C++ CPU kernels."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import radixlm_runtime as rt
-from radixlm_runtime.layers.quant_kernels import PANEL_GEMM_MIN_ROWS
+from radixlm_runtime.layers.linear_kernels import PANEL_GEMM_MIN_ROWS
+from radixlm_runtime.utils import cpu
 
 # Shared prefixes (radix-cache hits), a prompt longer than a prefill chunk, and more requests than the
 # panel GEMM threshold so decode runs both the row-dot (few rows) and panel kernels.
@@ -30,7 +31,7 @@ def _outputs(model_dir: Path, quantization: str, native: bool) -> list[tuple[lis
         log_level="warning",
     )
     try:
-        assert engine.runner.model.cpu_decoder is not None  # a quantized model on the cpu backend
+        assert engine.runner.model.cpu_decoder is not None  # kernel linears on the cpu backend
         if not native:
             engine.runner.model.cpu_decoder = None
         params = [
@@ -53,12 +54,13 @@ def _outputs(model_dir: Path, quantization: str, native: bool) -> list[tuple[lis
     ]
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_matches_the_python_layers_bit_for_bit(
     arch: str, quantization: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path
 ) -> None:
-    """Same tokens and the same prompt and output logprobs to the last bit (qwen2: with q/k/v biases)."""
+    """Same tokens and the same prompt and output logprobs to the last bit (qwen2: with q/k/v biases);
+    `none`: float32 panels."""
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     native = _outputs(model_dir, quantization, native=True)
     python = _outputs(model_dir, quantization, native=False)
@@ -69,15 +71,20 @@ def test_matches_the_python_layers_bit_for_bit(
 @pytest.mark.parametrize(
     "flags",
     [
-        {"quantization": "none"},
+        {"quantization": "none", "cpu_flags": "sse4_2"},
         {"quantization": "int4", "attention_backend": "torch"},
         {"quantization": "int4", "deterministic": True},
     ],
-    ids=["float-weights", "torch-attention", "deterministic"],
+    ids=["onednn-fallback", "torch-attention", "deterministic"],
 )
-def test_serves_only_quantized_layers_on_the_cpu_attention(tiny_llama_dir: Path, flags: dict) -> None:
-    """Float weights (oneDNN's prepacked GEMMs run from Python), another attention backend or the
-    batch-invariant mode's fixed-shape matmuls keep the Python layer loop."""
+def test_serves_only_kernel_layers_on_the_cpu_attention(
+    tiny_llama_dir: Path, flags: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float weights on oneDNN (a CPU the panel kernels have no SIMD path for), another attention
+    backend or the batch-invariant mode's attention keep the Python layer loop."""
+    if "cpu_flags" in flags:
+        fake = cpu.CpuInfo("fake CPU", frozenset(flags.pop("cpu_flags").split()), 2)
+        monkeypatch.setattr(cpu, "detect", lambda: fake)
     engine = rt.Engine(str(tiny_llama_dir), device="cpu", dtype="float32", max_total_tokens=512, **flags)
     try:
         assert engine.runner.model.cpu_decoder is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm_runtime.layers import fused_cpu, quant_kernels
+from radixlm_runtime.layers import fused_cpu, linear_kernels
 from radixlm_runtime.layers.quantization import quantize_int4
 from radixlm_runtime.utils import cpu
 
@@ -43,24 +43,24 @@ def test_a_cpu_without_avx2_takes_the_portable_kernels(monkeypatch: pytest.Monke
     torch.manual_seed(0)
     x, w = torch.randn(3, 64), torch.randn(40, 64)
     weight = quantize_int4(w, 32)
-    want_linear = quant_kernels.quantized_linear(x, weight, mode=quant_kernels.SCALAR)
+    want_linear = linear_kernels.cpu_linear(x, weight, mode=linear_kernels.SCALAR)
     gate_up = torch.randn(3, 128)
     want_silu = fused_cpu.silu_and_mul(gate_up, mode=fused_cpu.SCALAR)
 
     monkeypatch.setattr(cpu, "detect", lambda: fake("sse4_2"))
-    assert quant_kernels.kernel_mode(1) == quant_kernels.SCALAR
-    assert quant_kernels.kernel_mode(64) == quant_kernels.SCALAR
+    assert linear_kernels.kernel_mode(1) == linear_kernels.SCALAR
+    assert linear_kernels.kernel_mode(64) == linear_kernels.SCALAR
     assert fused_cpu.default_mode() == fused_cpu.SCALAR
     # The default path is now the portable one: bit-identical to forcing it.
-    assert torch.equal(quant_kernels.quantized_linear(x, weight), want_linear)
+    assert torch.equal(linear_kernels.cpu_linear(x, weight), want_linear)
     assert torch.equal(fused_cpu.silu_and_mul(gate_up), want_silu)
 
     monkeypatch.setattr(cpu, "detect", lambda: fake("avx2 fma avx512f avx512bw avx512vl"))
-    assert quant_kernels.kernel_mode(1) == quant_kernels.ROW_DOT_512
+    assert linear_kernels.kernel_mode(1) == linear_kernels.ROW_DOT_512
     assert fused_cpu.default_mode() == fused_cpu.SIMD
     monkeypatch.setattr(cpu, "detect", lambda: fake("avx2 fma"))
-    assert quant_kernels.kernel_mode(1) == quant_kernels.ROW_DOT
-    assert quant_kernels.kernel_mode(64) == quant_kernels.PANEL_GEMM
+    assert linear_kernels.kernel_mode(1) == linear_kernels.ROW_DOT
+    assert linear_kernels.kernel_mode(64) == linear_kernels.PANEL_GEMM
     assert fused_cpu.default_mode() == fused_cpu.SIMD
 
 

@@ -1,21 +1,29 @@
-// Weight-only quantized matmul for CPUs: y[M, N] = x[M, K] @ W^T with fp32 activations and fp32
-// accumulation, W stored as int4 (group-wise scale and min) or int8 (group-wise scale).
+// The CPU matmul of the linear layers: y[M, N] = x[M, K] @ W^T with fp32 activations and fp32
+// accumulation, W stored as float32 panels or weight-only quantized as int4 (group-wise scale and min)
+// or int8 (group-wise scale).
 //
-// torch's own packed kernels (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) are vectorised for
-// AVX-512 only; on AVX2 machines they run 5-400x slower than the fp32 GEMM they replace. These
-// kernels have an AVX2+FMA path picked at run time (the CPU is asked, never assumed) and a portable
-// scalar path for other CPUs.
+// float32 (bits 32): panels of 16 output rows, [ceil(N / 16)][K][16] (k-major within a panel, rows past
+// N zero), the B operand of a register-blocked GEMM read exactly as stored. oneDNN's prepacked GEMM
+// reads weights at ~16 GB/s at decode's 1-16 rows where these kernels stream them at ~32-40 (2x at one
+// row, 1.25x at 16-64) and matches it from a few hundred rows on. Every output is one FMA chain over k
+// in order, whatever the row count, blocking or SIMD width: batch-invariant, and the scalar, AVX2 and
+// AVX-512 paths give the same bits.
 //
-// Layout, per output row n and per chunk of 32 consecutive input columns (GGUF's block layout, so
-// Q4_0/Q4_1/Q8_0 blocks are copied, not re-encoded):
+// int4/int8: torch's own packed kernels (_weight_int4pack_mm_for_cpu, _weight_int8pack_mm) are
+// vectorised for AVX-512 only; on AVX2 machines they run 5-400x slower than the fp32 GEMM they replace.
+// These kernels have an AVX2+FMA path picked at run time (the CPU is asked, never assumed) and a
+// portable scalar path for other CPUs.
+//
+// Quantized layout, per output row n and per chunk of 32 consecutive input columns (GGUF's block
+// layout, so Q4_0/Q4_1/Q8_0 blocks are copied, not re-encoded):
 //   int4: 16 bytes; byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 //   int8: 32 signed bytes.
 // scales and mins are [N, K / group] fp32 (group a multiple of 32); w = scale * q + min, and
 // mins may be null (symmetric int8).
 //
-// Small M (decode) reads each weight once and dots it with every row of x, summing each 32-chunk
-// before scaling it; larger M dequantises 16 output rows at a time into a k-major fp32 panel that a
-// 6x16 register-blocked micro-kernel reuses across all rows of x.
+// Small M (decode) reads each quantized weight once and dots it with every row of x, summing each
+// 32-chunk before scaling it; larger M dequantises 16 output rows at a time into a k-major fp32 panel
+// (the float32 layout) that a 6x16 register-blocked micro-kernel reuses across all rows of x.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -23,6 +31,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "simd_avx2.h"
@@ -396,6 +405,125 @@ RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y
   }
 }
 
+// ---------------------------------------------------------------- float32 panels
+
+const float* panels_of(const Weights& w) { return reinterpret_cast<const float*>(w.q); }
+
+// The panels [p0, p1) of a thread's share, for the given kernel on a group of np panels.
+template <typename Group>
+void for_panel_share(const Weights& w, int threads, int64_t np, Group group) {
+  const int64_t panels = (w.n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous, equal shares (within a panel): each thread streams its weights front to back.
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t p = p0; p < p1; p += np) group(p, std::min(np, p1 - p));
+  }
+}
+
+// Columns of panel p that are real output rows.
+inline int64_t valid_columns(const Weights& w, int64_t p) { return std::min(kPanel, w.n - p * kPanel); }
+
+void f32_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+    const float* panel = panels_of(w) + p * w.k * kPanel;
+    for (int64_t j = 0; j < valid_columns(w, p); ++j) {
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < w.k; ++i) acc = std::fma(x[r * w.k + i], panel[i * kPanel + j], acc);
+        y[r * w.n + p * kPanel + j] = acc;
+      }
+    }
+  });
+}
+
+RQ_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+    const float* panel = panels_of(w) + p * w.k * kPanel;
+    for (int64_t r = 0; r < m; r += kMr) {
+      micro_dispatch(std::min(kMr, m - r), x + r * w.k, w.k, panel, w.k, y + r * w.n + p * kPanel, w.n,
+                     valid_columns(w, p));
+    }
+  });
+}
+
+// MR rows of x times NP consecutive panels: MR x NP accumulators (at most 24 of the 32 registers),
+// per k NP panel loads and MR broadcasts. `last_valid`: real columns of the last panel.
+template <int MR, int NP>
+RQ_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc,
+                             int64_t last_valid) {
+  static_assert(MR * NP <= 24, "accumulators must stay in registers");
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  const int64_t stride = k * kPanel;
+  for (int64_t p = 0; p < k; ++p) {
+    __m512 bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) bv[j] = _mm512_loadu_ps(b + j * stride + p * kPanel);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + p]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
+      _mm512_mask_storeu_ps(c + i * ldc + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), acc[i][j]);
+    }
+  }
+}
+
+template <int NP>
+RQ_AVX512 void micro_f32_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t k, float* c,
+                              int64_t ldc, int64_t last_valid) {
+  switch (rows) {
+#define RQ_ROWS(R) \
+  case R: micro_f32_512<R, NP>(a, lda, b, k, c, ldc, last_valid); break;
+    RQ_ROWS(1) RQ_ROWS(2) RQ_ROWS(3) RQ_ROWS(4)
+#undef RQ_ROWS
+    default:
+      if constexpr (NP <= 3) {
+        switch (rows) {
+          case 5: micro_f32_512<5, NP>(a, lda, b, k, c, ldc, last_valid); break;
+          case 6: micro_f32_512<6, NP>(a, lda, b, k, c, ldc, last_valid); break;
+          case 7: micro_f32_512<7, NP>(a, lda, b, k, c, ldc, last_valid); break;
+          default: micro_f32_512<8, NP>(a, lda, b, k, c, ldc, last_valid); break;
+        }
+      }
+  }
+}
+
+// Up to 4 rows: 4 panels at a time (enough independent FMA chains to stream the weights at memory
+// speed); more: blocks of 8 rows x 3 panels, the blocking that measured best from 5 rows to 2048.
+RQ_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  const int64_t np = m <= 4 ? 4 : 3;
+  const int64_t mr = m <= 4 ? m : 8;
+  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
+    const float* b = panels_of(w) + p * w.k * kPanel;
+    const int64_t last_valid = valid_columns(w, p + count - 1);
+    for (int64_t r = 0; r < m; r += mr) {
+      const int64_t rows = std::min(mr, m - r);
+      const float* a = x + r * w.k;
+      float* c = y + r * w.n + p * kPanel;
+      switch (count) {
+        case 1: micro_f32_rows<1>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
+        case 2: micro_f32_rows<2>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
+        case 3: micro_f32_rows<3>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
+        default: micro_f32_rows<4>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -409,15 +537,20 @@ int rq_has_avx512(void) {
 }
 
 // mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot. The caller
-// picks (see quant_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always
-// runs 0, and one without AVX-512 runs 1 for 3.
+// picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always
+// runs 0, and one without AVX-512 runs 1 for 3. float32 panels (bits 32) have one kernel per SIMD
+// width: 0 scalar, 1 AVX2, 2 or 3 the widest this CPU has.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
   static const bool avx2 = rq_has_avx2_fma();
   static const bool wide = rq_has_avx512();
   if (mode == 0 || !avx2) {
-    linear_scalar(w, x, m, y, threads);
+    if (bits == 32) f32_linear_scalar(w, x, m, y, threads);
+    else linear_scalar(w, x, m, y, threads);
+  } else if (bits == 32) {
+    if (mode >= 2 && wide) f32_linear_avx512(w, x, m, y, threads);
+    else f32_linear_avx2(w, x, m, y, threads);
   } else if (mode == 1 || mode == 3) {
     gemv_dispatch(w, x, m, y, threads, mode == 3 && wide);
   } else {

@@ -1,9 +1,11 @@
-"""Loads and calls the weight-only quantized CPU matmul of quant_cpu.cpp (built by kernels/native.py)."""
+"""Loads and calls the CPU matmul of linear_cpu.cpp (built by kernels/native.py): float32 weights in its
+panel layout, or weight-only quantized int8/int4."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,7 +14,7 @@ from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers.quantization import QuantizedWeight
 from radixlm_runtime.utils import cpu
 
-_SOURCE = Path(__file__).with_name("quant_cpu.cpp")
+_SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 
 # Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel, the AVX2 panel GEMM and the
 # AVX-512 row-dot kernel.
@@ -22,8 +24,54 @@ SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512 = 0, 1, 2, 3
 PANEL_GEMM_MIN_ROWS = 12
 
 
+# Output rows per panel of the float32 layout.
+PANEL = 16
+
+
 class QuantKernelError(RuntimeError):
-    """The quantized CPU kernels cannot be built or loaded on this machine."""
+    """The CPU linear kernels cannot be built or loaded on this machine."""
+
+
+@dataclass
+class FloatPanels:
+    """A float32 [out_features, in_features] weight as linear_cpu.cpp's panels: [ceil(N / 16), K, 16],
+    16 output rows side by side per input column (rows past N are zero)."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> FloatPanels:
+        n, k = weight.shape
+        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+        padded[:n] = weight.detach()
+        panels = padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+        return cls(panels, n)
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int | None, ...]:
+        """rq_linear's weight arguments, as QuantizedWeight.kernel_args: no scales or mins, bits 32."""
+        return (self.panels.data_ptr(), None, None, self.out_features, self.in_features, 32)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] weight back (the tests' reference)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+
+def panels_available() -> bool:
+    """Whether float32 linears run on the panel kernels here: a SIMD path for this CPU (elsewhere, e.g.
+    on ARM, oneDNN's GEMM is the faster fallback) and a compiler to build them."""
+    if cpu.detect().simd == cpu.SCALAR:
+        return False
+    try:
+        _library()
+    except QuantKernelError:
+        return False
+    return True
 
 
 @functools.cache
@@ -73,15 +121,18 @@ def kernel_mode(rows: int) -> int:
     return ROW_DOT_512 if simd == "avx512" else ROW_DOT
 
 
-def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, mode: int | None = None
+def cpu_linear(
+    x: torch.Tensor,
+    weight: QuantizedWeight | FloatPanels,
+    bias: torch.Tensor | None = None,
+    mode: int | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for float32 x on the CPU; `mode` forces a kernel (tests reach every path)."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"quantized CPU linears take float32 CPU activations, got {x.dtype} on {x.device}")
+        raise ValueError(f"the CPU linear kernels take float32 CPU activations, got {x.dtype} on {x.device}")
     k, n = weight.in_features, weight.out_features
     if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the quantized weight expects {k}")
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
     # At decode these calls are a few microseconds each, 121 per step: skip the reshapes a 2-D
     # contiguous input does not need.
     flat = x.dim() == 2 and x.is_contiguous()

@@ -1,0 +1,95 @@
+"""The float32 panel kernels of layers/linear_cpu.cpp and the Linear layer that serves float weights on
+them: equal to torch's matmul, the same bits on every SIMD path, batch-invariant, and oneDNN's GEMM as
+the fallback where the kernels have no SIMD path. On the CPU whatever the test device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixlm_runtime.layers import linear_kernels
+from radixlm_runtime.layers.linear import Linear
+from radixlm_runtime.layers.linear_kernels import (
+    PANEL_GEMM,
+    ROW_DOT,
+    ROW_DOT_512,
+    SCALAR,
+    FloatPanels,
+    cpu_linear,
+)
+from radixlm_runtime.utils import cpu
+
+# Every mode: the scalar loop, AVX2 (1; 2 also picks the widest path), AVX-512 (AVX2 on a CPU without it).
+MODES = [SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512]
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (1, 50, 64),  # a panel group cut short, the last panel 2 columns wide
+        (3, 16, 7),  # one panel, an odd K
+        (5, 33, 96),  # the 8-row blocking with fewer rows
+        (13, 100, 576),  # one full block of 8 and a remainder
+        (37, 200, 40),  # several blocks, 13 panels over two threads
+        (0, 17, 8),
+    ],
+)
+def test_panels_match_torch_on_every_path_to_the_bit(rows: int, out_features: int, in_features: int) -> None:
+    torch.manual_seed(rows + out_features)
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    panels = FloatPanels.pack(w)
+    assert torch.equal(panels.dequantize(), w)
+    outs = [cpu_linear(x, panels, bias, mode=mode) for mode in MODES]
+    torch.testing.assert_close(outs[0], x @ w.T + bias, rtol=1e-5, atol=1e-4)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+def test_panels_are_batch_invariant() -> None:
+    """A row's output is the same bits alone or among any number of other rows (one FMA chain over k
+    per output, whatever the blocking): what --deterministic needs, at no cost."""
+    torch.manual_seed(0)
+    x, panels = torch.randn(40, 576), FloatPanels.pack(torch.randn(200, 576))
+    alone = torch.cat([cpu_linear(x[i : i + 1], panels) for i in range(len(x))])
+    for rows in (2, 4, 5, 8, 9, 16, 40):
+        assert torch.equal(cpu_linear(x[:rows], panels), alone[:rows])
+    assert torch.equal(cpu_linear(x[7:30], panels), alone[7:30])
+
+
+def test_panels_check_their_inputs() -> None:
+    panels = FloatPanels.pack(torch.randn(20, 32))
+    assert (panels.out_features, panels.in_features) == (20, 32)
+    assert cpu_linear(torch.randn(2, 3, 32), panels).shape == (2, 3, 20)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_linear(torch.randn(1, 32, dtype=torch.bfloat16), panels)
+    with pytest.raises(ValueError, match="features"):
+        cpu_linear(torch.randn(1, 31), panels)
+
+
+def test_linear_serves_float_weights_on_panels_and_drops_the_dense_copy() -> None:
+    torch.manual_seed(1)
+    linear = Linear(64, 40, bias=True)
+    weight = linear.weight.detach().clone()
+    linear.prepack()
+    assert linear.panels is not None and linear.batch_invariant and linear.kernel_weight is linear.panels
+    assert linear.weight.numel() == 0
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x), x @ weight.T + linear.bias, rtol=1e-5, atol=1e-5)
+
+    shared = Linear(64, 40, bias=False)
+    shared.keep_weight = True  # a tied lm_head reads the embedding table
+    shared.prepack()
+    assert shared.panels is not None and shared.weight.shape == (40, 64)
+
+
+def test_linear_falls_back_to_onednn_without_a_simd_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU the kernels have no SIMD path for (ARM, or x86 without AVX2) multiplies on oneDNN's GEMM."""
+    monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuInfo("fake CPU", frozenset({"sse4_2"}), 2))
+    assert not linear_kernels.panels_available()
+    linear = Linear(64, 40, bias=False)
+    weight = linear.weight.detach().clone()
+    linear.prepack()
+    assert linear.panels is None and linear.kernel_weight is None and not linear.batch_invariant
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x), x @ weight.T, rtol=1e-5, atol=1e-5)
