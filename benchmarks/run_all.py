@@ -51,6 +51,7 @@ BENCHMARKS = [
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),
     Bench("single_stream", "bench_single_stream.py", "Single-stream decode: quantized weights vs llama.cpp"),
+    Bench("linear_cpu", "bench_linear_cpu.py", "Float32 CPU linears: panel kernels vs oneDNN"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into

@@ -95,6 +95,11 @@ def host_overhead(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def linear_cpu(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_linear_cpu.py", out_dir, "linear_cpu")
+
+
+@pytest.fixture(scope="module")
 def jump_forward(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
@@ -217,6 +222,18 @@ def test_speculative(speculative: dict[str, Any]) -> None:
         assert run_k["gsm8k"]["accept_length"] >= 1.0
     # Prompt lookup finds the quoted paragraph in the RAG prompt.
     assert speculative["runs"]["2"]["rag"]["accept_rate"] > 0
+
+
+def test_linear_cpu(linear_cpu: dict[str, Any]) -> None:
+    """Both sides timed at every row count (outputs checked against each other inside the script)."""
+    assert linear_cpu["isa"] == "native"
+    assert [r["rows"] for r in linear_cpu["results"]] == [1, 16]
+    for r in linear_cpu["results"]:
+        assert r["onednn_ms"] > 0 and r["panels_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["onednn_ms"] / r["panels_ms"])
+    # The decode rows include the lm_head: 1 layer (3.5M weights) + 28.3M, in float32.
+    assert linear_cpu["results"][0]["weight_mb"] == pytest.approx((3_538_944 + 49152 * 576) * 4 / 1e6)
+    assert [row[0] for row in linear_cpu["tables"][0]["rows"]] == ["1", "16"]
 
 
 def test_run_all_renders_readme(
