@@ -2,9 +2,10 @@
 repacked once into panels, or the int8/int4 weights `set_quantized` gave them.
 
 torch's default CPU GEMM repacks the weight on every call; for the small row counts of decode steps
-that repacking costs as much as the multiply. The panel kernels read the weights as stored: 2x oneDNN's
-prepacked GEMM at one row, 1.25x at 16-64, at par on prefill. Where they have no SIMD path (a CPU
-without AVX2, e.g. ARM) oneDNN's GEMM with the weight prepacked once serves instead.
+that repacking costs as much as the multiply. The panel kernels read the weights as stored: 1.75x
+oneDNN's prepacked GEMM at one row, 1.15-1.35x at 16-32, at par from 64 rows on
+(benchmarks/bench_linear_cpu.py). Where they have no SIMD path (a CPU without AVX2, e.g. ARM) oneDNN's
+GEMM with the weight prepacked once serves instead.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class Linear(nn.Linear):
         return torch.cat([self._matmul(block) for block in x.split(r)])[:n]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_weight is not None:
-            return cpu_linear(x, self.kernel_weight, self.bias)
+        weight = self.kernel_weight
+        if weight is not None:
+            return cpu_linear(x, weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -4,8 +4,8 @@
 //
 // float32 (bits 32): panels of 16 output rows, [ceil(N / 16)][K][16] (k-major within a panel, rows past
 // N zero), the B operand of a register-blocked GEMM read exactly as stored. oneDNN's prepacked GEMM
-// reads weights at ~16 GB/s at decode's 1-16 rows where these kernels stream them at ~32-40 (2x at one
-// row, 1.25x at 16-64) and matches it from a few hundred rows on. Every output is one FMA chain over k
+// reads weights at ~16 GB/s at decode's 1-16 rows where these kernels stream them at ~32-40 (1.75x at one
+// row, 1.15-1.35x at 16-32) and matches it from 64 rows on. Every output is one FMA chain over k
 // in order, whatever the row count, blocking or SIMD width: batch-invariant, and the scalar, AVX2 and
 // AVX-512 paths give the same bits.
 //

@@ -111,7 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Runs the decoder layers in one C++ call where the executor found it can (quantized, CPU).
+        # Runs the decoder layers in one C++ call where the executor found it can (CPU kernel linears).
         self.cpu_decoder: LlamaCpuDecoder | None = None
 
     @torch.inference_mode()
