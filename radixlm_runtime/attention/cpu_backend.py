@@ -24,8 +24,9 @@ from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# Kernel modes: the portable loop, or the AVX2+FMA path where the CPU has it (and D is whole vectors).
-SCALAR, SIMD = 0, 1
+# Kernel modes: the portable loop; the AVX2+FMA path; AVX-512 rows-as-lanes tiles for prefill chunks
+# (decode tokens on AVX2). Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
+SCALAR, AVX2, AVX512 = 0, 1, 2
 
 
 @functools.cache
@@ -34,7 +35,8 @@ def _library() -> ctypes.CDLL:
     lib = load_library(_SOURCE)
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.ca_has_avx2_fma.restype = c_int
-    lib.ca_select_path.argtypes = [c_int, c_int, i64]
+    lib.ca_has_avx512.restype = c_int
+    lib.ca_select_path.argtypes = [c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int]
     lib.ca_store_kv.restype = None
@@ -46,12 +48,18 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def kernel_path(head_dim: int, mode: int = SIMD, cpu_has_avx2_fma: bool | None = None) -> int:
-    """The path the kernels run for `mode` (SCALAR or SIMD) on a CPU with the given features (this
-    one's, asked of the CPU, when None): the C++ side's own choice, so a fake feature set tests it."""
+def kernel_path(
+    head_dim: int,
+    mode: int = AVX512,
+    cpu_has_avx2_fma: bool | None = None,
+    cpu_has_avx512: bool | None = None,
+) -> int:
+    """The path the kernels run for `mode` on a CPU with the given features (this one's, asked of the
+    CPU, where None): the C++ side's own choice, so a fake feature set tests it."""
     lib = _library()
-    features = lib.ca_has_avx2_fma() if cpu_has_avx2_fma is None else int(cpu_has_avx2_fma)
-    return lib.ca_select_path(mode, features, head_dim)
+    avx2 = lib.ca_has_avx2_fma() if cpu_has_avx2_fma is None else int(cpu_has_avx2_fma)
+    avx512 = lib.ca_has_avx512() if cpu_has_avx512 is None else int(cpu_has_avx512)
+    return lib.ca_select_path(mode, avx2, avx512, head_dim)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +141,7 @@ def decode_attention(
     req_to_token: torch.Tensor,
     step: StepRequests,
     scale: float,
-    mode: int = SIMD,
+    mode: int = AVX512,
 ) -> None:
     """Writes the rows of out [T, Hq, D] that `step`'s requests own: each new token's causal attention
     over its request's KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row."""
@@ -160,12 +168,12 @@ def decode_attention(
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Float32 KV on the CPU only. `mode` SCALAR forces the kernels' portable path (tests)."""
+    """Float32 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has (tests)."""
 
     supports_per_token = True
 
     def __init__(
-        self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float, mode: int = SIMD
+        self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float, mode: int = AVX512
     ) -> None:
         if kv_pool.dtype != torch.float32 or kv_pool.device.type != "cpu":
             raise ValueError(

@@ -26,7 +26,7 @@ logger = get_logger(__name__)
 
 KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
-# The helpers the kernels share (simd_avx2.h): on every build's include path.
+# The helpers the kernels share (simd.h): on every build's include path.
 INCLUDE_DIR = Path(__file__).parent
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 

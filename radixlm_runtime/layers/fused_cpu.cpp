@@ -14,7 +14,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "simd_avx2.h"
+#include "simd.h"
 
 namespace {
 

@@ -34,7 +34,7 @@
 #include <cmath>
 #include <vector>
 
-#include "simd_avx2.h"
+#include "simd.h"
 
 namespace {
 
@@ -530,11 +530,7 @@ extern "C" {
 
 int rq_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
-int rq_has_avx512(void) {
-  __builtin_cpu_init();
-  return rq_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
+int rq_has_avx512(void) { return simd::cpu_has_avx512(); }
 
 // mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot. The caller
 // picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always

@@ -1,8 +1,8 @@
 """The C++ CPU attention backend (attention/cpu_backend.py, cpu_attention.cpp) against a dense reference
-and the torch backend, on its AVX2 path and its forced portable path: decode tokens, short extends and
-prefill chunks (with and without a cached prefix, longer than the kernel's 16-token query chunks and
-64-key blocks) of requests whose KV sits in shuffled pool slots, read through the fused projection's
-strided q/k/v views."""
+and the torch backend, on each path this CPU has (AVX-512 rows-as-lanes for prefill chunks, AVX2) and
+the forced portable one: decode tokens, short extends and prefill chunks (with and without a cached
+prefix, longer than the kernel's 16-token query chunks and 64-key blocks) of requests whose KV sits in
+shuffled pool slots, read through the fused projection's strided q/k/v views."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from test_backends import PROMPTS, _hand_built_step, _reference_attention, _run
 
 from radixlm_runtime.attention import cpu_backend
-from radixlm_runtime.attention.cpu_backend import SCALAR, SIMD, CpuAttentionBackend, kernel_path
+from radixlm_runtime.attention.cpu_backend import AVX2, AVX512, SCALAR, CpuAttentionBackend, kernel_path
 from radixlm_runtime.attention.torch_backend import MAX_BATCHED_EXTEND, TorchAttentionBackend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor import model_runner
@@ -21,7 +21,7 @@ from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
-MODES = [SCALAR, SIMD]
+MODES = [SCALAR, AVX2, AVX512]
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
@@ -190,14 +190,17 @@ def test_store_writes_what_set_kv_writes() -> None:
 
 
 def test_cpu_features_pick_the_path() -> None:
-    """A fake CPU without AVX2+FMA, or a head dim that is not whole vectors, gets the portable path;
-    this CPU gets the AVX2 one exactly when it has the features."""
-    assert kernel_path(64, SIMD, cpu_has_avx2_fma=True) == SIMD
-    assert kernel_path(64, SIMD, cpu_has_avx2_fma=False) == SCALAR
-    assert kernel_path(20, SIMD, cpu_has_avx2_fma=True) == SCALAR
-    assert kernel_path(64, SCALAR, cpu_has_avx2_fma=True) == SCALAR
-    has = bool(cpu_backend._library().ca_has_avx2_fma())
-    assert kernel_path(64) == (SIMD if has else SCALAR)
+    """A fake CPU without AVX2+FMA, or a head dim that is not whole vectors, gets the portable path; one
+    without AVX-512 the AVX2 path; this CPU the widest it has."""
+    assert kernel_path(64, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=True) == AVX512
+    assert kernel_path(64, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=False) == AVX2
+    assert kernel_path(64, AVX2, cpu_has_avx2_fma=True, cpu_has_avx512=True) == AVX2
+    assert kernel_path(64, AVX512, cpu_has_avx2_fma=False, cpu_has_avx512=False) == SCALAR
+    assert kernel_path(20, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=True) == SCALAR
+    assert kernel_path(64, SCALAR, cpu_has_avx2_fma=True, cpu_has_avx512=True) == SCALAR
+    lib = cpu_backend._library()
+    widest = (AVX512 if lib.ca_has_avx512() else AVX2) if lib.ca_has_avx2_fma() else SCALAR
+    assert kernel_path(64) == widest
 
 
 def test_rejects_what_it_cannot_serve() -> None:

@@ -1,6 +1,7 @@
-// AVX2+FMA helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
-// attention/cpu_attention.cpp). kernels/native.py compiles each kernel with this folder on the include
-// path and hashes this header into every library's cache key, so editing it rebuilds them all.
+// SIMD helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
+// attention/cpu_attention.cpp): CPU feature checks, AVX2 and AVX-512 exp. kernels/native.py compiles
+// each kernel with this folder on the include path and hashes this header into every library's cache
+// key, so editing it rebuilds them all.
 
 #pragma once
 
@@ -12,6 +13,13 @@ namespace simd {
 inline bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// Whether this CPU runs the AVX-512 paths (F, BW, VL on top of AVX2+FMA).
+inline bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 }
 
 // Whether a kernel call runs its AVX2 path: asked for (`mode` != 0; tests force 0 to reach the
@@ -45,6 +53,24 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_avx2(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// exp_avx2 on 16 lanes: the same operations, so the same bits per lane.
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 }  // namespace simd
