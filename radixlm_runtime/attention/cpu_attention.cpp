@@ -23,7 +23,7 @@
 // first, so the pool's threads finish together. Softmax is online (a running max and sum per row,
 // flash-attention style), accumulated in float32. Decoding requests that share a cached prefix attend
 // to it once, in group items that run first (see Item). Decode streams the KV cache from memory: rows
-// are prefetched a block ahead (see item_avx2).
+// are prefetched a block ahead, between compute steps (see Prefetcher).
 //
 // Paths, picked at run time by asking the CPU. AVX2+FMA: scores come from register tiles of 3 rows x 4
 // keys (2 x 4, 1 x 8 for the rest), P.V from tiles of 4 rows x 16 floats (3 x 16, 2 x 32, 1 x 64 for
@@ -56,6 +56,8 @@ constexpr int64_t kBlock = 64;
 constexpr int64_t kQueryChunk = 16;
 // Members per group item: 8 decode tokens x G = 3 heads is 24 query rows.
 constexpr int64_t kGroupChunk = 8;
+// Cache lines requested per scores tile (and one per P.V key) while the next block's rows stream in.
+constexpr int64_t kPrefetchStep = 16;
 // Below this much work (keys x query rows x D summed over items) a call stays on the calling thread,
 // where waking the pool would cost more than it saves.
 constexpr int64_t kAttentionParallelMin = 1 << 18;
@@ -241,6 +243,40 @@ void item_scalar(const Problem& p, const Item& it, Scratch& w) {
   for (int64_t h = it.h0; h < it.h1; ++h) head_scalar(p, it, h, w);
 }
 
+// The next block's K and V rows (heads h0 .. h0 + heads - 1), requested into L2 a few cache lines at a
+// time between the current block's compute steps (scores tiles, P.V keys). Issued in one burst, a
+// block's 1,500 prefetches filled the core's miss queue and stalled it until they landed, so memory and
+// compute took turns: a decode step over unshared KV streamed at ~13 GB/s of the ~29 two cores read.
+struct Prefetcher {
+  const int64_t* slots = nullptr;
+  const float* bufs[2] = {nullptr, nullptr};
+  int64_t row_floats = 0, offset = 0, line_count = 0, rows = 0, next = 0, total = 0;
+
+  void start(const Problem& p, const int64_t* block_slots, int64_t count, int64_t h0, int64_t heads) {
+    slots = block_slots;
+    bufs[0] = p.k_buf;
+    bufs[1] = p.v_buf;
+    row_floats = p.kv_heads * p.head_dim;
+    offset = h0 * p.head_dim;
+    line_count = (heads * p.head_dim * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+    rows = count;
+    next = 0;
+    total = 2 * rows * line_count;
+  }
+
+  // Up to n more lines: K's rows first, then V's.
+  void step(int64_t n) {
+    for (const int64_t end = std::min(total, next + n); next < end; ++next) {
+      const int64_t row = next / line_count, line = next - row * line_count;
+      const float* buf = bufs[row >= rows];
+      const float* base = buf + slots[row >= rows ? row - rows : row] * row_floats + offset;
+      __builtin_prefetch(reinterpret_cast<const char*>(base) + line * 64, 0, 2);
+    }
+  }
+
+  void finish() { step(total); }
+};
+
 // ---------------------------------------------------------------- AVX2 + FMA path
 
 #define CA_AVX2 __attribute__((target("avx2,fma")))
@@ -268,8 +304,10 @@ CA_AVX2 inline __m256 lanes_below(int64_t count) {
 // multiple of KT) into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the
 // FMA latency is hidden; the loops over them unroll fully, which keeps the arrays in registers.
 template <int QT, int KT>
-CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s) {
+CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s,
+                         Prefetcher& pf) {
   for (int64_t t = 0; t < keys; t += KT) {
+    pf.step(kPrefetchStep);
     __m256 acc[QT][KT];
 #pragma GCC unroll 8
     for (int i = 0; i < QT; ++i) {
@@ -301,7 +339,7 @@ CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int6
 // NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
 template <int QT, int NV>
 CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
-                     int64_t e1) {
+                     int64_t e1, Prefetcher& pf) {
   for (int64_t e = e0; e < e1; e += 8 * NV) {
     __m256 a[QT][NV];
 #pragma GCC unroll 8
@@ -310,6 +348,7 @@ CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float
       for (int c = 0; c < NV; ++c) a[i][c] = _mm256_loadu_ps(acc + i * d + e + 8 * c);
     }
     for (int64_t t = 0; t < keys; ++t) {
+      pf.step(1);
       __m256 v[NV];
 #pragma GCC unroll 8
       for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_ps(vp[t] + e + 8 * c);
@@ -331,11 +370,11 @@ CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float
 // P.V for QT rows over all of d: several vectors per pass (3 rows: 2, to stay within 16 registers),
 // then the tail of d a vector at a time.
 template <int QT>
-CA_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d) {
+CA_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
   constexpr int kNv = QT == 1 ? 8 : QT == 2 ? 4 : 2;
   const int64_t whole = d / (8 * kNv) * (8 * kNv);
-  pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole);
-  pv_tile<QT, 1>(p, vp, keys, acc, d, whole, d);
+  pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole, pf);
+  pv_tile<QT, 1>(p, vp, keys, acc, d, whole, d, pf);
 }
 
 // Online-softmax step of one query row over a block: s[0 .. visible) are its scores (visible >= 1),
@@ -368,16 +407,6 @@ CA_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, fl
   m = m_new;
 }
 
-// Asks for heads h0 .. h0 + heads - 1 of the rows of `count` slots of buf to be brought into L2.
-inline void prefetch_rows(const Problem& p, const int64_t* slots, int64_t count, int64_t row_floats, int64_t h0,
-                          int64_t heads, const float* buf) {
-  const int64_t bytes = heads * p.head_dim * static_cast<int64_t>(sizeof(float));
-  for (int64_t t = 0; t < count; ++t) {
-    const char* row = reinterpret_cast<const char*>(buf + slots[t] * row_floats + h0 * p.head_dim);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
-  }
-}
-
 // An item's heads walk its keys together, a block at a time: a block's K/V rows (all kv heads of a
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays.
@@ -392,7 +421,9 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   const float** vp = w.vp.data();
   const float** krow = w.krow.data();
   const float** vrow = w.vrow.data();
-  prefetch_rows(p, slots + sp.from, std::min(kBlock, len - sp.from), row_floats, it.h0, heads, p.k_buf);
+  Prefetcher pf;
+  pf.start(p, slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
+  pf.finish();
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t base = (h - it.h0) * rows;
     load_queries(p, it, sp, h, q + base * d, acc_all + base * d, m_all + base, l_all + base);
@@ -408,13 +439,9 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
       krow[t] = p.k_buf;
       vrow[t] = p.v_buf;
     }
-    // This block's V rows and the next block's K rows are requested into L2 now, so they arrive while
-    // the block's scores and softmax compute: left to the demand misses of one core, streaming a KV
-    // cache from memory ran at a third of the bandwidth (a decode step of 16 requests x 900 tokens
-    // 62 -> 50 ms, one request 5.2 -> 2.7 ms).
-    prefetch_rows(p, slots + b0, keys, row_floats, it.h0, heads, p.v_buf);
-    prefetch_rows(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), row_floats,
-                  it.h0, heads, p.k_buf);
+    // The next block's rows stream into L2 while this one computes: left to the demand misses of one
+    // core, streaming a KV cache from memory ran at a third of the bandwidth.
+    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t base = (h - it.h0) * rows;
       const float* qh = q + base * d;
@@ -424,9 +451,9 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
         vp[t] = vrow[t] + h * d;
       }
       int64_t i = 0;
-      for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(qh + i * d, d, kp, padded, s + i * kBlock);
-      if (rows - i == 2) scores_tile<2, 4>(qh + i * d, d, kp, padded, s + i * kBlock);
-      if (rows - i == 1) scores_tile<1, 8>(qh + i * d, d, kp, padded, s + i * kBlock);
+      for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
+      if (rows - i == 2) scores_tile<2, 4>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
+      if (rows - i == 1) scores_tile<1, 8>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
       for (i = 0; i < rows; ++i) {
         const int64_t visible = std::min(keys, first + i / g + 1 - b0);
         if (visible > 0) {
@@ -435,14 +462,15 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
           std::fill(s + i * kBlock, s + i * kBlock + padded, 0.0f);
         }
       }
-      for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, padded, acc + i * d, d);
+      for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, padded, acc + i * d, d, pf);
       switch (rows - i) {
-        case 3: pv_rows<3>(s + i * kBlock, vp, padded, acc + i * d, d); break;
-        case 2: pv_rows<2>(s + i * kBlock, vp, padded, acc + i * d, d); break;
-        case 1: pv_rows<1>(s + i * kBlock, vp, padded, acc + i * d, d); break;
+        case 3: pv_rows<3>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
+        case 2: pv_rows<2>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
+        case 1: pv_rows<1>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
         default: break;
       }
     }
+    pf.finish();
   }
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t base = (h - it.h0) * rows;
@@ -471,8 +499,9 @@ constexpr int kTilePanels = 3;
 // sum over e of K[t][e] * qt[e][c * 16 ..]. qt and st rows are `lanes` floats apart.
 template <int NP>
 CA_AVX512 void lanes_scores(const float* qt, int64_t lanes, const float* const* kp, int64_t d, int64_t keys,
-                            float* st) {
+                            float* st, Prefetcher& pf) {
   for (int64_t t0 = 0; t0 < keys; t0 += 8) {
+    pf.step(kPrefetchStep);
     __m512 acc[8][NP];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -502,7 +531,7 @@ CA_AVX512 void lanes_scores(const float* qt, int64_t lanes, const float* const* 
 // floats apart), 8 head elements at a time: per key 8 V broadcasts feed 8 x NP FMAs.
 template <int NP>
 CA_AVX512 void lanes_pv(const float* pt, int64_t lanes, const float* const* vp, int64_t d, int64_t keys,
-                        float* acct, const float* corr) {
+                        float* acct, const float* corr, Prefetcher& pf) {
   __m512 cv[NP];
 #pragma GCC unroll 4
   for (int c = 0; c < NP; ++c) cv[c] = _mm512_loadu_ps(corr + c * kLanes);
@@ -516,6 +545,7 @@ CA_AVX512 void lanes_pv(const float* pt, int64_t lanes, const float* const* vp, 
       }
     }
     for (int64_t t = 0; t < keys; ++t) {
+      pf.step(1);
       __m512 pv[NP];
 #pragma GCC unroll 4
       for (int c = 0; c < NP; ++c) pv[c] = _mm512_loadu_ps(pt + t * lanes + c * kLanes);
@@ -585,7 +615,9 @@ CA_AVX512 void item_lanes512(const Problem& p, const Item& it, Scratch& w) {
   // Lane i is query row i: token i / G at position first + i / G, which sees the keys up to there.
   // Padding lanes take the last token's position and zero queries: finite, and never stored.
   for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
-  prefetch_rows(p, slots, std::min(kBlock, len), row_floats, it.h0, heads, p.k_buf);
+  Prefetcher pf;
+  pf.start(p, slots, std::min(kBlock, len), it.h0, heads);
+  pf.finish();
   std::fill(qt, qt + heads * d * lanes, 0.0f);
   for (int64_t h = it.h0; h < it.h1; ++h) {
     float* q = qt + (h - it.h0) * d * lanes;
@@ -610,9 +642,7 @@ CA_AVX512 void item_lanes512(const Problem& p, const Item& it, Scratch& w) {
       krow[t] = p.k_buf;
       vrow[t] = p.v_buf;
     }
-    prefetch_rows(p, slots + b0, keys, row_floats, it.h0, heads, p.v_buf);
-    prefetch_rows(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), row_floats,
-                  it.h0, heads, p.k_buf);
+    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
     // Key b0 + t is visible to the lanes at or past it, and to none once past the sequence.
     for (int64_t c = 0; c < panels; ++c) {
       const __m512i pc = _mm512_loadu_si512(pos + c * kLanes);
@@ -628,16 +658,18 @@ CA_AVX512 void item_lanes512(const Problem& p, const Item& it, Scratch& w) {
         vp[t] = vrow[t] + h * d;
       }
       for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_scores<decltype(np)::value>(q + c0 * kLanes, lanes, kp, d, padded, st + c0 * kLanes);
+        lanes_scores<decltype(np)::value>(q + c0 * kLanes, lanes, kp, d, padded, st + c0 * kLanes, pf);
       });
       for (int64_t c = 0; c < panels; ++c) {
         const int64_t o = hi * lanes + c * kLanes;
         lanes_softmax(st + c * kLanes, lanes, padded, mask + c * kBlock, m + o, l + o, corr + c * kLanes);
       }
       for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_pv<decltype(np)::value>(st + c0 * kLanes, lanes, vp, d, padded, acc + c0 * kLanes, corr + c0 * kLanes);
+        lanes_pv<decltype(np)::value>(st + c0 * kLanes, lanes, vp, d, padded, acc + c0 * kLanes, corr + c0 * kLanes,
+                                      pf);
       });
     }
+    pf.finish();
   }
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t hi = h - it.h0;
