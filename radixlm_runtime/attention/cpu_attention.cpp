@@ -28,10 +28,10 @@
 // Paths, picked at run time by asking the CPU. AVX2+FMA: scores come from register tiles of 3 rows x 4
 // keys (2 x 4, 1 x 8 for the rest), P.V from tiles of 4 rows x 16 floats (3 x 16, 2 x 32, 1 x 64 for
 // the rest): 6 to 12 independent FMA chains, which hide their latency at any R. exp is Cephes' polynomial
-// (within 2 ulp). On AVX-512 CPUs prefill chunks take a rows-as-lanes path instead (see item_lanes512),
-// twice as fast there; decode tokens stay on AVX2. The portable scalar path (key by key, every row
-// updated per key, libm expf) serves other CPUs and head dims that are not a multiple of 8. `mode`
-// caps the path, so tests reach each one on one machine.
+// (within 2 ulp). Prefill chunks take a rows-as-lanes path instead (cpu_attention_lanes.h: AVX-512 or
+// AVX2 vectors, the same bits either way); decode tokens stay on the row-major tiles. The portable scalar
+// path (key by key, every row updated per key, libm expf) serves other CPUs and head dims that are not
+// a multiple of 8. `mode` caps the path, so tests reach each one on one machine.
 
 #include <immintrin.h>
 #include <math.h>
@@ -62,7 +62,7 @@ constexpr int64_t kPrefetchStep = 16;
 // where waking the pool would cost more than it saves.
 constexpr int64_t kAttentionParallelMin = 1 << 18;
 constexpr float kNegInf = -INFINITY;
-// Query rows per AVX-512 vector on the rows-as-lanes prefill path.
+// The most query rows per vector on the rows-as-lanes prefill path (AVX-512's).
 constexpr int64_t kLanes = 16;
 
 struct Problem {
@@ -98,7 +98,6 @@ struct Problem {
 struct Scratch {
   std::vector<float> q, s, acc, m, l, corr;
   std::vector<const float*> kp, vp, krow, vrow;
-  std::vector<__mmask16> mask;
   std::vector<int32_t> pos;
 
   // rows: one head's query rows (rounded up to whole 16-lane panels, which the AVX-512 path fills);
@@ -112,7 +111,6 @@ struct Scratch {
     m.resize(rows * heads);
     l.resize(rows * heads);
     corr.resize(rows);
-    mask.resize(rows / kLanes * kBlock);
     pos.resize(rows);
     for (auto* v : {&kp, &vp, &krow, &vrow}) v->resize(kBlock);
   }
@@ -478,212 +476,74 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   }
 }
 
-// ---------------------------------------------------------------- AVX-512 rows-as-lanes path (prefill)
+// ---------------------------------------------------------------- rows-as-lanes path (prefill)
 //
-// A prefill chunk's R = tokens x G query rows are the 16 lanes of zmm vectors ("panels"), its queries
-// transposed once into qt [D][lanes]. Scores come out transposed, S^T = K . Q^T, by broadcasting each
-// key's elements straight from the pool row against the panels: no horizontal sums, and the online
-// softmax's max, exp and sum run vertically, one vector per key for 16 rows at once (the AVX2 path's
-// scores end in a horizontal sum per row and key, its softmax runs row by row: ~75 GFLOP/s on prefill
-// against ~170 here, on a 2-core Zen 4). P.V is acc^T [D][lanes] += V[key][e] x P^T[key]: V elements
-// broadcast the same way. Register tiles are 8 keys (or 8 head elements) x up to 3 panels: 24
-// accumulators, each input load feeding 3 or 8 FMAs. Decode tokens (a handful of rows) stay on the
-// AVX2 path, whose vectors run along the head dim.
+// Prefill chunks on AVX2 and AVX-512 CPUs: the query rows are the vector lanes (cpu_attention_lanes.h,
+// compiled once per vector width). The row-major tiles above end each score in a horizontal sum and run
+// the softmax row by row; these do neither: 1.15-1.25x on prefill shapes with AVX-512 vectors (~165
+// GFLOP/s, ~80 % of the fp32 peak of a 2-core Zen 4), 1.1x with AVX2 ones. Every lane runs the same
+// operations in the same order whatever the width, so both give the same bits. Decode tokens (a
+// handful of rows) stay on the row-major tiles, whose vectors run along the head dim.
 
 #define CA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
-// Panels per register tile: 8 x 3 accumulators, 3 panel loads and a broadcast are 28 of 32 registers.
-constexpr int kTilePanels = 3;
+struct Avx512 {
+  using Reg = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  static constexpr int kTile = 8;
+  CA_AVX512 static Reg zero() { return _mm512_setzero_ps(); }
+  CA_AVX512 static Reg load(const float* x) { return _mm512_loadu_ps(x); }
+  CA_AVX512 static void store(float* x, Reg v) { _mm512_storeu_ps(x, v); }
+  CA_AVX512 static Reg set1(float x) { return _mm512_set1_ps(x); }
+  CA_AVX512 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  CA_AVX512 static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  CA_AVX512 static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  CA_AVX512 static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  CA_AVX512 static Reg exp(Reg x) { return simd::exp_avx512(x); }
+  // The lanes whose position is at or past key t.
+  CA_AVX512 static Mask visible(const int32_t* pos, int64_t t) {
+    return _mm512_cmpge_epi32_mask(_mm512_loadu_si512(pos), _mm512_set1_epi32(static_cast<int>(t)));
+  }
+  CA_AVX512 static Reg max_where(Reg a, Mask m, Reg b) { return _mm512_mask_max_ps(a, m, a, b); }
+  CA_AVX512 static Reg zero_unless(Mask m, Reg v) { return _mm512_maskz_mov_ps(m, v); }
+};
 
-// S^T rows (keys t of kp[0 .. keys), keys a multiple of 8) for NP panels: st[t][c * 16 ..] =
-// sum over e of K[t][e] * qt[e][c * 16 ..]. qt and st rows are `lanes` floats apart.
-template <int NP>
-CA_AVX512 void lanes_scores(const float* qt, int64_t lanes, const float* const* kp, int64_t d, int64_t keys,
-                            float* st, Prefetcher& pf) {
-  for (int64_t t0 = 0; t0 < keys; t0 += 8) {
-    pf.step(kPrefetchStep);
-    __m512 acc[8][NP];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) acc[j][c] = _mm512_setzero_ps();
-    }
-    for (int64_t e = 0; e < d; ++e) {
-      __m512 qv[NP];
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) qv[c] = _mm512_loadu_ps(qt + e * lanes + c * kLanes);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512 kb = _mm512_set1_ps(kp[t0 + j][e]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NP; ++c) acc[j][c] = _mm512_fmadd_ps(kb, qv[c], acc[j][c]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) _mm512_storeu_ps(st + (t0 + j) * lanes + c * kLanes, acc[j][c]);
-    }
+struct Avx2 {
+  using Reg = __m256;
+  using Mask = __m256;
+  static constexpr int64_t kLanes = 8;
+  static constexpr int kTile = 4;
+  CA_AVX2 static Reg zero() { return _mm256_setzero_ps(); }
+  CA_AVX2 static Reg load(const float* x) { return _mm256_loadu_ps(x); }
+  CA_AVX2 static void store(float* x, Reg v) { _mm256_storeu_ps(x, v); }
+  CA_AVX2 static Reg set1(float x) { return _mm256_set1_ps(x); }
+  CA_AVX2 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  CA_AVX2 static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  CA_AVX2 static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  CA_AVX2 static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  CA_AVX2 static Reg exp(Reg x) { return exp_avx2(x); }
+  CA_AVX2 static Mask visible(const int32_t* pos, int64_t t) {
+    const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(at, _mm256_set1_epi32(static_cast<int>(t - 1))));
   }
-}
+  CA_AVX2 static Reg max_where(Reg a, Mask m, Reg b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
+  CA_AVX2 static Reg zero_unless(Mask m, Reg v) { return _mm256_and_ps(m, v); }
+};
 
-// acc^T [D][lanes] of NP panels = acc^T * corr + sum over keys t of V[t] x P^T[t] (pt rows `lanes`
-// floats apart), 8 head elements at a time: per key 8 V broadcasts feed 8 x NP FMAs.
-template <int NP>
-CA_AVX512 void lanes_pv(const float* pt, int64_t lanes, const float* const* vp, int64_t d, int64_t keys,
-                        float* acct, const float* corr, Prefetcher& pf) {
-  __m512 cv[NP];
-#pragma GCC unroll 4
-  for (int c = 0; c < NP; ++c) cv[c] = _mm512_loadu_ps(corr + c * kLanes);
-  for (int64_t e0 = 0; e0 < d; e0 += 8) {
-    __m512 a[8][NP];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) {
-        a[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acct + (e0 + j) * lanes + c * kLanes), cv[c]);
-      }
-    }
-    for (int64_t t = 0; t < keys; ++t) {
-      pf.step(1);
-      __m512 pv[NP];
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) pv[c] = _mm512_loadu_ps(pt + t * lanes + c * kLanes);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        const __m512 vb = _mm512_set1_ps(vp[t][e0 + j]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NP; ++c) a[j][c] = _mm512_fmadd_ps(vb, pv[c], a[j][c]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) _mm512_storeu_ps(acct + (e0 + j) * lanes + c * kLanes, a[j][c]);
-    }
-  }
-}
+namespace lanes16 {
+using V = Avx512;
+#define LANES_TARGET CA_AVX512
+#include "cpu_attention_lanes.h"
+#undef LANES_TARGET
+}  // namespace lanes16
 
-// Runs `f.template operator()<NP>(c0)` over the panels in tiles of up to kTilePanels.
-template <typename F>
-CA_AVX512 void for_panel_tiles(int64_t panels, F&& f) {
-  for (int64_t c0 = 0; c0 < panels; c0 += kTilePanels) {
-    switch (std::min<int64_t>(kTilePanels, panels - c0)) {
-      case 1: f(std::integral_constant<int, 1>{}, c0); break;
-      case 2: f(std::integral_constant<int, 2>{}, c0); break;
-      default: f(std::integral_constant<int, 3>{}, c0); break;
-    }
-  }
-}
-
-// Online-softmax step of one panel over a block: st's column of scores (keys rows, `lanes` apart)
-// becomes the weights exp(s - new max), 0 where mask[t] hides key t from a lane; m and l move to the
-// new max, and corr (exp(old max - new max)) is what the accumulators are rescaled by.
-CA_AVX512 void lanes_softmax(float* st, int64_t lanes, int64_t keys, const __mmask16* mask, float* m, float* l,
-                             float* corr) {
-  const __m512 m_old = _mm512_loadu_ps(m);
-  __m512 mx = m_old;
-  for (int64_t t = 0; t < keys; ++t) mx = _mm512_mask_max_ps(mx, mask[t], mx, _mm512_loadu_ps(st + t * lanes));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < keys; ++t) {
-    const __m512 w = _mm512_maskz_mov_ps(mask[t], simd::exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(st + t * lanes), mx)));
-    _mm512_storeu_ps(st + t * lanes, w);
-    sum = _mm512_add_ps(sum, w);
-  }
-  const __m512 c = simd::exp_avx512(_mm512_sub_ps(m_old, mx));  // ~0 on the first block (m = -inf)
-  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, sum));
-  _mm512_storeu_ps(m, mx);
-  _mm512_storeu_ps(corr, c);
-}
-
-// A request chunk (r >= 0, from 0, two or more tokens) on the rows-as-lanes path. Scratch: qt and acc
-// hold [D][lanes] per head, s [kBlock][lanes], m / l / corr `lanes` per head.
-CA_AVX512 void item_lanes512(const Problem& p, const Item& it, Scratch& w) {
-  const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
-  const Span sp = span_of(p, it);
-  const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
-  const int64_t panels = (rows + kLanes - 1) / kLanes, lanes = panels * kLanes, row_floats = p.kv_heads * d;
-  const int64_t* slots = sp.slots;
-  float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
-  float* corr = w.corr.data();
-  __mmask16* mask = w.mask.data();
-  int32_t* pos = w.pos.data();
-  const float** kp = w.kp.data();
-  const float** vp = w.vp.data();
-  const float** krow = w.krow.data();
-  const float** vrow = w.vrow.data();
-  // Lane i is query row i: token i / G at position first + i / G, which sees the keys up to there.
-  // Padding lanes take the last token's position and zero queries: finite, and never stored.
-  for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
-  Prefetcher pf;
-  pf.start(p, slots, std::min(kBlock, len), it.h0, heads);
-  pf.finish();
-  std::fill(qt, qt + heads * d * lanes, 0.0f);
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    float* q = qt + (h - it.h0) * d * lanes;
-    for (int64_t t = 0; t < sp.tokens; ++t) {
-      const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
-      for (int64_t e = 0; e < g; ++e) {
-        for (int64_t i = 0; i < d; ++i) q[i * lanes + t * g + e] = src[e * d + i] * p.scale;
-      }
-    }
-  }
-  std::fill(acct, acct + heads * d * lanes, 0.0f);
-  std::fill(m, m + heads * lanes, kNegInf);
-  std::fill(l, l + heads * lanes, 0.0f);
-  for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
-    const int64_t keys = std::min(kBlock, len - b0);
-    const int64_t padded = (keys + 7) & ~int64_t{7};
-    for (int64_t t = 0; t < keys; ++t) {
-      krow[t] = p.k_buf + slots[b0 + t] * row_floats;
-      vrow[t] = p.v_buf + slots[b0 + t] * row_floats;
-    }
-    for (int64_t t = keys; t < padded; ++t) {  // the dummy slot 0: zeros, masked out below
-      krow[t] = p.k_buf;
-      vrow[t] = p.v_buf;
-    }
-    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
-    // Key b0 + t is visible to the lanes at or past it, and to none once past the sequence.
-    for (int64_t c = 0; c < panels; ++c) {
-      const __m512i pc = _mm512_loadu_si512(pos + c * kLanes);
-      for (int64_t t = 0; t < padded; ++t) {
-        mask[c * kBlock + t] = t < keys ? _mm512_cmpge_epi32_mask(pc, _mm512_set1_epi32(static_cast<int>(b0 + t))) : 0;
-      }
-    }
-    for (int64_t h = it.h0; h < it.h1; ++h) {
-      const int64_t hi = h - it.h0;
-      float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
-      for (int64_t t = 0; t < padded; ++t) {
-        kp[t] = krow[t] + h * d;
-        vp[t] = vrow[t] + h * d;
-      }
-      for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_scores<decltype(np)::value>(q + c0 * kLanes, lanes, kp, d, padded, st + c0 * kLanes, pf);
-      });
-      for (int64_t c = 0; c < panels; ++c) {
-        const int64_t o = hi * lanes + c * kLanes;
-        lanes_softmax(st + c * kLanes, lanes, padded, mask + c * kBlock, m + o, l + o, corr + c * kLanes);
-      }
-      for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_pv<decltype(np)::value>(st + c0 * kLanes, lanes, vp, d, padded, acc + c0 * kLanes, corr + c0 * kLanes,
-                                      pf);
-      });
-    }
-    pf.finish();
-  }
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    const int64_t hi = h - it.h0;
-    const float *acc = acct + hi * d * lanes, *lh = l + hi * lanes;
-    for (int64_t t = 0; t < sp.tokens; ++t) {
-      float* dst = p.out + token_row(p, it, t) * p.out_stride + h * g * d;
-      for (int64_t e = 0; e < g; ++e) {
-        const int64_t lane = t * g + e;
-        const float inv = 1.0f / lh[lane];
-        for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[i * lanes + lane] * inv;
-      }
-    }
-  }
-}
+namespace lanes8 {
+using V = Avx2;
+#define LANES_TARGET CA_AVX2
+#include "cpu_attention_lanes.h"
+#undef LANES_TARGET
+}  // namespace lanes8
 
 // The path a call runs: the widest of the mode asked for (0 scalar, 1 AVX2, 2 AVX-512 on prefill
 // chunks) that the CPU has, where a head is whole 8-float vectors; otherwise the scalar one.
@@ -722,7 +582,7 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 // lengths, first q rows and new-token counts (each >= 1). `groups` ([3, num_groups]: offsets into
 // `members`, member counts, shared prefix lengths) lists decoding requests (one new token each) whose KV
 // starts with the same prefix slots: that prefix is attended once for all members (0 groups: none).
-// mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 on prefill chunks, where select_path allows it.
+// mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on AVX2), where select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
                const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
@@ -785,7 +645,9 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     // Prefill chunks (a request adding two or more tokens, all of a request's chunks alike so a
     // token's result does not depend on how its request was cut) take the rows-as-lanes path.
     auto run = [&](const Item& it) {
-      if (path == 2 && it.r >= 0 && p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0) item_lanes512(p, it, w);
+      const bool prefill = it.r >= 0 && p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0;
+      if (path == 2 && prefill) lanes16::item_lanes(p, it, w);
+      else if (path == 1 && prefill) lanes8::item_lanes(p, it, w);
       else if (path >= 1) item_avx2(p, it, w);
       else item_scalar(p, it, w);
     };

@@ -24,8 +24,8 @@ from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# Kernel modes: the portable loop; the AVX2+FMA path; AVX-512 rows-as-lanes tiles for prefill chunks
-# (decode tokens on AVX2). Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
+# Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks (decode tokens on AVX2). Each
+# runs where the CPU has it and D is whole 8-float vectors, else the one below.
 SCALAR, AVX2, AVX512 = 0, 1, 2
 
 

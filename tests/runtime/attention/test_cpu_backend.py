@@ -174,6 +174,23 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     torch.testing.assert_close(got, want, **TOL)
 
 
+def test_vector_widths_give_the_same_bits() -> None:
+    """Prefill chunks run the rows-as-lanes kernel on AVX2 and AVX-512 vectors alike, each lane the same
+    operations in the same order, and decode tokens the same AVX2 tiles: so a whole step gives the same
+    bits on either width (a result does not depend on which x86 CPU served it)."""
+    lib = cpu_backend._library()
+    if not (lib.ca_has_avx2_fma() and lib.ca_has_avx512()):
+        pytest.skip("needs a CPU with AVX-512 to run both widths")
+    pool, table, _, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, 3, 64, seed=7)
+    q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=8)
+    outs = []
+    for mode in (AVX2, AVX512):
+        backend = CpuAttentionBackend(pool, table, 0.125, mode=mode)
+        backend.init_forward_metadata(batch)
+        outs.append(backend.attend(q, 0, batch))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_store_writes_what_set_kv_writes() -> None:
     """The C++ row copy equals KVPool.set_kv's index_put on every slot, from strided k/v views."""
     gen = torch.Generator().manual_seed(5)

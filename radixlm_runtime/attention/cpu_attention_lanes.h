@@ -1,0 +1,199 @@
+// The rows-as-lanes prefill path of cpu_attention.cpp, written once over a vector type: that file
+// includes it twice, inside namespace lanes16 (V = 16-float AVX-512 vectors) and lanes8 (V = 8-float
+// AVX2 vectors), with LANES_TARGET the matching target attribute. V gives Reg, Mask, kLanes (query rows
+// per vector), kTile (keys, or head elements, per register-tile row: 8 x 3 zmm or 4 x 3 ymm
+// accumulators, within the 32 or 16 registers) and the few operations below.
+//
+// A prefill chunk's R = tokens x G query rows are the lanes of V vectors ("panels"), its queries
+// transposed once into qt [D][lanes]. Scores come out transposed, S^T = K . Q^T, by broadcasting each
+// key's elements straight from the pool row against up to 3 panels: no horizontal sums, and the online
+// softmax's max, exp and sum run vertically, one vector per key for kLanes rows at once. P.V is
+// acc^T [D][lanes] += V[key][e] x P^T[key], V elements broadcast the same way.
+
+// Panels per register tile.
+constexpr int kTilePanels = 3;
+
+// S^T rows (keys t of kp[0 .. keys), keys a multiple of kTile) for NP panels: st[t][c * kLanes ..] =
+// sum over e of K[t][e] * qt[e][c * kLanes ..]. qt and st rows are `lanes` floats apart.
+template <int NP>
+LANES_TARGET void lanes_scores(const float* qt, int64_t lanes, const float* const* kp, int64_t d, int64_t keys,
+                               float* st, Prefetcher& pf) {
+  constexpr int kt = V::kTile;
+  for (int64_t t0 = 0; t0 < keys; t0 += kt) {
+    pf.step(kPrefetchStep);
+    typename V::Reg acc[kt][NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < kt; ++j) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) acc[j][c] = V::zero();
+    }
+    for (int64_t e = 0; e < d; ++e) {
+      typename V::Reg qv[NP];
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) qv[c] = V::load(qt + e * lanes + c * V::kLanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < kt; ++j) {
+        const typename V::Reg kb = V::set1(kp[t0 + j][e]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) acc[j][c] = V::fmadd(kb, qv[c], acc[j][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kt; ++j) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) V::store(st + (t0 + j) * lanes + c * V::kLanes, acc[j][c]);
+    }
+  }
+}
+
+// acc^T [D][lanes] of NP panels = acc^T * corr + sum over keys t of V[t] x P^T[t] (pt rows `lanes`
+// floats apart), kTile head elements at a time: per key kTile V broadcasts feed kTile x NP FMAs.
+template <int NP>
+LANES_TARGET void lanes_pv(const float* pt, int64_t lanes, const float* const* vp, int64_t d, int64_t keys,
+                           float* acct, const float* corr, Prefetcher& pf) {
+  constexpr int kt = V::kTile;
+  typename V::Reg cv[NP];
+#pragma GCC unroll 4
+  for (int c = 0; c < NP; ++c) cv[c] = V::load(corr + c * V::kLanes);
+  for (int64_t e0 = 0; e0 < d; e0 += kt) {
+    typename V::Reg a[kt][NP];
+#pragma GCC unroll 8
+    for (int j = 0; j < kt; ++j) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) a[j][c] = V::mul(V::load(acct + (e0 + j) * lanes + c * V::kLanes), cv[c]);
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      pf.step(1);
+      typename V::Reg pv[NP];
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) pv[c] = V::load(pt + t * lanes + c * V::kLanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < kt; ++j) {
+        const typename V::Reg vb = V::set1(vp[t][e0 + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) a[j][c] = V::fmadd(vb, pv[c], a[j][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kt; ++j) {
+#pragma GCC unroll 4
+      for (int c = 0; c < NP; ++c) V::store(acct + (e0 + j) * lanes + c * V::kLanes, a[j][c]);
+    }
+  }
+}
+
+// Runs f(NP, c0) over the panels in tiles of up to kTilePanels.
+template <typename F>
+void for_panel_tiles(int64_t panels, F&& f) {
+  for (int64_t c0 = 0; c0 < panels; c0 += kTilePanels) {
+    switch (std::min<int64_t>(kTilePanels, panels - c0)) {
+      case 1: f(std::integral_constant<int, 1>{}, c0); break;
+      case 2: f(std::integral_constant<int, 2>{}, c0); break;
+      default: f(std::integral_constant<int, 3>{}, c0); break;
+    }
+  }
+}
+
+// Online-softmax step of one panel over a block of keys b0 .. b0 + keys - 1 (st's column of scores,
+// rows `lanes` apart, padded to `padded` rows): scores become the weights exp(s - new max), 0 where a
+// key is past the lane's position (pos) and in the padding; m and l move to the new max, and corr
+// (exp(old max - new max)) is what the accumulators are rescaled by.
+LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t keys, int64_t padded,
+                                const int32_t* pos, float* m, float* l, float* corr) {
+  const typename V::Reg m_old = V::load(m);
+  typename V::Reg mx = m_old;
+  for (int64_t t = 0; t < keys; ++t) mx = V::max_where(mx, V::visible(pos, b0 + t), V::load(st + t * lanes));
+  typename V::Reg sum = V::zero();
+  for (int64_t t = 0; t < keys; ++t) {
+    const typename V::Reg x = V::sub(V::load(st + t * lanes), mx);
+    const typename V::Reg w = V::zero_unless(V::visible(pos, b0 + t), V::exp(x));
+    V::store(st + t * lanes, w);
+    sum = V::add(sum, w);
+  }
+  for (int64_t t = keys; t < padded; ++t) V::store(st + t * lanes, V::zero());
+  const typename V::Reg c = V::exp(V::sub(m_old, mx));  // ~0 on the first block (m = -inf)
+  V::store(l, V::fmadd(V::load(l), c, sum));
+  V::store(m, mx);
+  V::store(corr, c);
+}
+
+// A request chunk (r >= 0, from 0, two or more tokens) on the rows-as-lanes path. Scratch: qt and acc
+// hold [D][lanes] per head, s [kBlock][lanes], m / l `lanes` per head, corr and pos `lanes`.
+LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
+  constexpr int64_t kl = V::kLanes;
+  const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
+  const Span sp = span_of(p, it);
+  const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
+  const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl, row_floats = p.kv_heads * d;
+  const int64_t* slots = sp.slots;
+  float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
+  float* corr = w.corr.data();
+  int32_t* pos = w.pos.data();
+  const float** kp = w.kp.data();
+  const float** vp = w.vp.data();
+  const float** krow = w.krow.data();
+  const float** vrow = w.vrow.data();
+  // Lane i is query row i: token i / G at position first + i / G, which sees the keys up to there.
+  // Padding lanes take the last token's position and zero queries: finite, and never stored.
+  for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
+  Prefetcher pf;
+  pf.start(p, slots, std::min(kBlock, len), it.h0, heads);
+  pf.finish();
+  std::fill(qt, qt + heads * d * lanes, 0.0f);
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    float* q = qt + (h - it.h0) * d * lanes;
+    for (int64_t t = 0; t < sp.tokens; ++t) {
+      const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
+      for (int64_t e = 0; e < g; ++e) {
+        for (int64_t i = 0; i < d; ++i) q[i * lanes + t * g + e] = src[e * d + i] * p.scale;
+      }
+    }
+  }
+  std::fill(acct, acct + heads * d * lanes, 0.0f);
+  std::fill(m, m + heads * lanes, kNegInf);
+  std::fill(l, l + heads * lanes, 0.0f);
+  for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
+    const int64_t keys = std::min(kBlock, len - b0);
+    const int64_t padded = (keys + V::kTile - 1) / V::kTile * V::kTile;
+    for (int64_t t = 0; t < keys; ++t) {
+      krow[t] = p.k_buf + slots[b0 + t] * row_floats;
+      vrow[t] = p.v_buf + slots[b0 + t] * row_floats;
+    }
+    for (int64_t t = keys; t < padded; ++t) {  // the dummy slot 0: zeros, weighted 0
+      krow[t] = p.k_buf;
+      vrow[t] = p.v_buf;
+    }
+    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      const int64_t hi = h - it.h0;
+      float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
+      for (int64_t t = 0; t < padded; ++t) {
+        kp[t] = krow[t] + h * d;
+        vp[t] = vrow[t] + h * d;
+      }
+      for_panel_tiles(panels, [&](auto np, int64_t c0) {
+        lanes_scores<decltype(np)::value>(q + c0 * kl, lanes, kp, d, padded, st + c0 * kl, pf);
+      });
+      for (int64_t c = 0; c < panels; ++c) {
+        const int64_t o = hi * lanes + c * kl;
+        lanes_softmax(st + c * kl, lanes, b0, keys, padded, pos + c * kl, m + o, l + o, corr + c * kl);
+      }
+      for_panel_tiles(panels, [&](auto np, int64_t c0) {
+        lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);
+      });
+    }
+    pf.finish();
+  }
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    const int64_t hi = h - it.h0;
+    const float *acc = acct + hi * d * lanes, *lh = l + hi * lanes;
+    for (int64_t t = 0; t < sp.tokens; ++t) {
+      float* dst = p.out + token_row(p, it, t) * p.out_stride + h * g * d;
+      for (int64_t e = 0; e < g; ++e) {
+        const int64_t lane = t * g + e;
+        const float inv = 1.0f / lh[lane];
+        for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[i * lanes + lane] * inv;
+      }
+    }
+  }
+}
