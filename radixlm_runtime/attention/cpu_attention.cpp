@@ -54,8 +54,10 @@ using simd::hsum;
 constexpr int64_t kBlock = 64;
 // New tokens per item: 16 tokens x G = 3 heads is 48 query rows, 12 KB of scores and accumulators.
 constexpr int64_t kQueryChunk = 16;
-// Members per group item: 8 decode tokens x G = 3 heads is 24 query rows.
-constexpr int64_t kGroupChunk = 8;
+// Members per group item: 16 decode tokens (x G = 3 heads: 48 query rows, three full AVX-512 panels)
+// where a group still gives every thread two items that way, else 8. Scratch is sized for kQueryChunk.
+constexpr int64_t kGroupChunk = 8, kWideGroupChunk = 16;
+static_assert(kWideGroupChunk <= kQueryChunk, "group items use the request chunks' scratch");
 // Cache lines requested per scores tile (and one per P.V key) while the next block's rows stream in.
 constexpr int64_t kPrefetchStep = 16;
 // Below this much work (keys x query rows x D summed over items) a call stays on the calling thread,
@@ -275,6 +277,23 @@ struct Prefetcher {
   void finish() { step(total); }
 };
 
+// Row pointers (all kv heads) of the item's keys b0 .. b0 + keys - 1 for a block padded to `padded`
+// keys with the dummy slot 0 (zeros, weighted 0); and the next block's rows asked of the prefetcher.
+inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t b0, int64_t keys, int64_t padded,
+                       const float** krow, const float** vrow, Prefetcher& pf) {
+  const int64_t row_floats = p.kv_heads * p.head_dim;
+  for (int64_t t = 0; t < keys; ++t) {
+    krow[t] = p.k_buf + sp.slots[b0 + t] * row_floats;
+    vrow[t] = p.v_buf + sp.slots[b0 + t] * row_floats;
+  }
+  for (int64_t t = keys; t < padded; ++t) {
+    krow[t] = p.k_buf;
+    vrow[t] = p.v_buf;
+  }
+  const int64_t next = std::max<int64_t>(0, std::min(kBlock, sp.len - b0 - kBlock));
+  pf.start(p, sp.slots + b0 + kBlock, next, it.h0, it.h1 - it.h0);
+}
+
 // ---------------------------------------------------------------- AVX2 + FMA path
 
 #define CA_AVX2 __attribute__((target("avx2,fma")))
@@ -412,15 +431,14 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
   const Span sp = span_of(p, it);
   const int64_t first = sp.first, len = sp.len;
-  const int64_t rows = sp.tokens * g, row_floats = p.kv_heads * d;
-  const int64_t* slots = sp.slots;
+  const int64_t rows = sp.tokens * g;
   float *q = w.q.data(), *s = w.s.data(), *acc_all = w.acc.data(), *m_all = w.m.data(), *l_all = w.l.data();
   const float** kp = w.kp.data();
   const float** vp = w.vp.data();
   const float** krow = w.krow.data();
   const float** vrow = w.vrow.data();
   Prefetcher pf;
-  pf.start(p, slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
+  pf.start(p, sp.slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
   pf.finish();
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t base = (h - it.h0) * rows;
@@ -429,17 +447,9 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   for (int64_t b0 = sp.from; b0 < len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, len - b0);
     const int64_t padded = (keys + 7) & ~int64_t{7};
-    for (int64_t t = 0; t < keys; ++t) {
-      krow[t] = p.k_buf + slots[b0 + t] * row_floats;
-      vrow[t] = p.v_buf + slots[b0 + t] * row_floats;
-    }
-    for (int64_t t = keys; t < padded; ++t) {  // the dummy slot 0: zeros, weighted 0
-      krow[t] = p.k_buf;
-      vrow[t] = p.v_buf;
-    }
     // The next block's rows stream into L2 while this one computes: left to the demand misses of one
     // core, streaming a KV cache from memory ran at a third of the bandwidth.
-    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
+    block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t base = (h - it.h0) * rows;
       const float* qh = q + base * d;
@@ -614,11 +624,13 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   const int64_t head_step = chunks >= 2 * threads ? num_kv_heads : 1;
   static thread_local std::vector<Item> items;
   items.clear();
-  // A group's prefix is the bulk of the step's arithmetic: it is split finely (a kv head and kGroupChunk
+  // A group's prefix is the bulk of the step's arithmetic: it is split finely (a kv head and 8 or 16
   // members an item), so every thread has a share.
   for (int64_t g = 0; g < num_groups; ++g) {
-    for (int64_t j0 = 0; j0 < groups[num_groups + g]; j0 += kGroupChunk) {
-      const int64_t j1 = std::min(groups[num_groups + g], j0 + kGroupChunk);
+    const int64_t size = groups[num_groups + g];
+    const int64_t chunk = size / kWideGroupChunk * num_kv_heads >= 2 * threads ? kWideGroupChunk : kGroupChunk;
+    for (int64_t j0 = 0; j0 < size; j0 += chunk) {
+      const int64_t j1 = std::min(size, j0 + chunk);
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({-1 - g, h, h + 1, j0, j1});
     }
   }
@@ -643,13 +655,21 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     Scratch& w = tls_scratch;
     w.fit(kQueryChunk * group, head_step, head_dim);  // group items are smaller
     // Prefill chunks (a request adding two or more tokens, all of a request's chunks alike so a
-    // token's result does not depend on how its request was cut) take the rows-as-lanes path.
+    // token's result does not depend on how its request was cut) and group items take the
+    // rows-as-lanes path, on AVX-512 vectors where the item fills three panels of 16 rows (on fewer
+    // rows part-empty panels made them slower than AVX2's; either width gives the same bits);
+    // decode tokens the row-major tiles.
     auto run = [&](const Item& it) {
-      const bool prefill = it.r >= 0 && p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0;
-      if (path == 2 && prefill) lanes16::item_lanes(p, it, w);
-      else if (path == 1 && prefill) lanes8::item_lanes(p, it, w);
-      else if (path >= 1) item_avx2(p, it, w);
-      else item_scalar(p, it, w);
+      const bool lanes = it.r < 0 || (p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0);
+      if (path == 2 && lanes && (it.j1 - it.j0) * group >= lanes16::kTilePanels * Avx512::kLanes) {
+        lanes16::item_lanes(p, it, w);
+      } else if (path >= 1 && lanes) {
+        lanes8::item_lanes(p, it, w);
+      } else if (path >= 1) {
+        item_avx2(p, it, w);
+      } else {
+        item_scalar(p, it, w);
+      }
     };
     // Group items first: their states are where the members' own items start (the loop's barrier).
 #pragma omp for schedule(dynamic, 1)

@@ -117,15 +117,15 @@ LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t ke
   V::store(corr, c);
 }
 
-// A request chunk (r >= 0, from 0, two or more tokens) on the rows-as-lanes path. Scratch: qt and acc
+// A request chunk (from 0, two or more tokens) or a group item on the rows-as-lanes path; a group's
+// member tokens all see the whole shared prefix (their positions are past it). Scratch: qt and acc
 // hold [D][lanes] per head, s [kBlock][lanes], m / l `lanes` per head, corr and pos `lanes`.
 LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
   constexpr int64_t kl = V::kLanes;
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
   const Span sp = span_of(p, it);
   const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
-  const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl, row_floats = p.kv_heads * d;
-  const int64_t* slots = sp.slots;
+  const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float* corr = w.corr.data();
   int32_t* pos = w.pos.data();
@@ -137,7 +137,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
   // Padding lanes take the last token's position and zero queries: finite, and never stored.
   for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
   Prefetcher pf;
-  pf.start(p, slots, std::min(kBlock, len), it.h0, heads);
+  pf.start(p, sp.slots, std::min(kBlock, len), it.h0, heads);
   pf.finish();
   std::fill(qt, qt + heads * d * lanes, 0.0f);
   for (int64_t h = it.h0; h < it.h1; ++h) {
@@ -155,15 +155,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
   for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, len - b0);
     const int64_t padded = (keys + V::kTile - 1) / V::kTile * V::kTile;
-    for (int64_t t = 0; t < keys; ++t) {
-      krow[t] = p.k_buf + slots[b0 + t] * row_floats;
-      vrow[t] = p.v_buf + slots[b0 + t] * row_floats;
-    }
-    for (int64_t t = keys; t < padded; ++t) {  // the dummy slot 0: zeros, weighted 0
-      krow[t] = p.k_buf;
-      vrow[t] = p.v_buf;
-    }
-    pf.start(p, slots + b0 + kBlock, std::max<int64_t>(0, std::min(kBlock, len - b0 - kBlock)), it.h0, heads);
+    block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
@@ -184,15 +176,24 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
     }
     pf.finish();
   }
+  // A request chunk's outputs, normalized; a group item's state, saved for its members' own items.
+  const int64_t hq = p.kv_heads * g;
   for (int64_t h = it.h0; h < it.h1; ++h) {
     const int64_t hi = h - it.h0;
-    const float *acc = acct + hi * d * lanes, *lh = l + hi * lanes;
+    const float *acc = acct + hi * d * lanes, *mh = m + hi * lanes, *lh = l + hi * lanes;
     for (int64_t t = 0; t < sp.tokens; ++t) {
-      float* dst = p.out + token_row(p, it, t) * p.out_stride + h * g * d;
       for (int64_t e = 0; e < g; ++e) {
         const int64_t lane = t * g + e;
+        if (sp.group) {
+          const int64_t st = token_req(p, it, t) * hq + h * g + e;
+          p.state_m[st] = mh[lane];
+          p.state_l[st] = lh[lane];
+          for (int64_t i = 0; i < d; ++i) p.state_acc[st * d + i] = acc[i * lanes + lane];
+          continue;
+        }
+        float* dst = p.out + token_row(p, it, t) * p.out_stride + (h * g + e) * d;
         const float inv = 1.0f / lh[lane];
-        for (int64_t i = 0; i < d; ++i) dst[e * d + i] = acc[i * lanes + lane] * inv;
+        for (int64_t i = 0; i < d; ++i) dst[i] = acc[i * lanes + lane] * inv;
       }
     }
   }

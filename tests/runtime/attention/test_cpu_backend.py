@@ -132,6 +132,25 @@ def test_attend_matches_torch_backend(mode: int, extend_lens: list[int]) -> None
     torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
 
+def _table_and_batch(seqs: list[list[int]], extend_lens: list[int]) -> tuple[ReqToTokenTable, ForwardBatch]:
+    """A table row per request (its slots in order) and the step adding each one's last extend_lens[b]
+    tokens."""
+    table = ReqToTokenTable(len(seqs), max(len(s) for s in seqs) + 8)
+    for row, slots in enumerate(seqs):
+        table.req_to_token[row, : len(slots)] = torch.tensor(slots)
+    batch = ForwardBatch.build(
+        input_ids=[0] * sum(extend_lens),
+        req_pool_indices=list(range(len(seqs))),
+        prefix_lens=[len(s) - n for s, n in zip(seqs, extend_lens)],
+        extend_lens=extend_lens,
+        out_cache_loc=[s for slots, n in zip(seqs, extend_lens) for s in slots[len(slots) - n :]],
+        logits_indices=[],
+        seq_slots=seqs,
+        device=torch.device("cpu"),
+    )
+    return table, batch
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     """20 decoding requests share a 150-slot prefix (more members than one group item holds, a prefix of
@@ -150,19 +169,7 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     seqs += [second + [next(free) for _ in range(1 + 9 * i)] for i in range(5)]
     seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
     extend_lens = [1] * 26 + [30]
-    table = ReqToTokenTable(len(seqs), 200)
-    for row, slots in enumerate(seqs):
-        table.req_to_token[row, : len(slots)] = torch.tensor(slots)
-    batch = ForwardBatch.build(
-        input_ids=[0] * sum(extend_lens),
-        req_pool_indices=list(range(len(seqs))),
-        prefix_lens=[len(s) - n for s, n in zip(seqs, extend_lens)],
-        extend_lens=extend_lens,
-        out_cache_loc=[s for slots, n in zip(seqs, extend_lens) for s in slots[len(slots) - n :]],
-        logits_indices=[],
-        seq_slots=seqs,
-        device=torch.device("cpu"),
-    )
+    table, batch = _table_and_batch(seqs, extend_lens)
     backend = CpuAttentionBackend(pool, table, head_dim**-0.5, mode=mode)
     backend.init_forward_metadata(batch)
     step = batch.attn_metadata
@@ -172,6 +179,28 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     got = backend.attend(q, 0, batch)
     want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, head_dim**-0.5)
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_large_group_matches_the_dense_reference(mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 decoding requests on one 130-slot prefix: with two threads the kernel gives its group items
+    16 members (48 query rows, whole AVX-512 panels) instead of 8, the last one partly filled."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(11)
+    pool = KVPool(600, 1, 3, 64, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(600, 3, 64, generator=gen)
+    pool.v_buffers[0][1:] = torch.randn(600, 3, 64, generator=gen)
+    free = iter((torch.randperm(600, generator=gen) + 1).tolist())
+    prefix = [next(free) for _ in range(130)]
+    seqs = [prefix + [next(free) for _ in range(1 + i % 5)] for i in range(40)]
+    table, batch = _table_and_batch(seqs, [1] * len(seqs))
+    backend = CpuAttentionBackend(pool, table, 0.125, mode=mode)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.groups is not None
+    assert batch.attn_metadata.groups[1].tolist() == [40]
+    q = torch.randn(len(seqs), 9, 64, generator=gen)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * len(seqs), 0.125)
+    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
 
 def test_vector_widths_give_the_same_bits() -> None:
