@@ -28,10 +28,11 @@
 // Paths, picked at run time by asking the CPU. AVX2+FMA: scores come from register tiles of 3 rows x 4
 // keys (2 x 4, 1 x 8 for the rest), P.V from tiles of 4 rows x 16 floats (3 x 16, 2 x 32, 1 x 64 for
 // the rest): 6 to 12 independent FMA chains, which hide their latency at any R. exp is Cephes' polynomial
-// (within 2 ulp). Prefill chunks take a rows-as-lanes path instead (cpu_attention_lanes.h: AVX-512 or
-// AVX2 vectors, the same bits either way); decode tokens stay on the row-major tiles. The portable scalar
-// path (key by key, every row updated per key, libm expf) serves other CPUs and head dims that are not
-// a multiple of 8. `mode` caps the path, so tests reach each one on one machine.
+// (within 2 ulp). Prefill chunks and group items take a rows-as-lanes path instead
+// (cpu_attention_lanes.h: AVX-512 or AVX2 vectors, the same bits either way); decode tokens stay on the
+// row-major tiles. The portable scalar path (key by key, every row updated per key, libm expf) serves
+// other CPUs and head dims that are not a multiple of 8. `mode` caps the path, so tests reach each one
+// on one machine.
 
 #include <immintrin.h>
 #include <math.h>
