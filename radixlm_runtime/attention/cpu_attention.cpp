@@ -297,9 +297,7 @@ inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 
-#define CA_AVX2 __attribute__((target("avx2,fma")))
-
-CA_AVX2 inline float hmax(__m256 v) {
+SIMD_AVX2 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
@@ -307,13 +305,13 @@ CA_AVX2 inline float hmax(__m256 v) {
 }
 
 // [sum(a), sum(b), sum(c), sum(d)]: four dot products finished with three horizontal adds.
-CA_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+SIMD_AVX2 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 // All-ones lanes where the lane index is below `count`.
-CA_AVX2 inline __m256 lanes_below(int64_t count) {
+SIMD_AVX2 inline __m256 lanes_below(int64_t count) {
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), iota));
 }
@@ -322,8 +320,8 @@ CA_AVX2 inline __m256 lanes_below(int64_t count) {
 // multiple of KT) into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the
 // FMA latency is hidden; the loops over them unroll fully, which keeps the arrays in registers.
 template <int QT, int KT>
-CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s,
-                         Prefetcher& pf) {
+SIMD_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s,
+                           Prefetcher& pf) {
   for (int64_t t = 0; t < keys; t += KT) {
     pf.step(kPrefetchStep);
     __m256 acc[QT][KT];
@@ -356,8 +354,8 @@ CA_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int6
 // acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart),
 // NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
 template <int QT, int NV>
-CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
-                     int64_t e1, Prefetcher& pf) {
+SIMD_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
+                       int64_t e1, Prefetcher& pf) {
   for (int64_t e = e0; e < e1; e += 8 * NV) {
     __m256 a[QT][NV];
 #pragma GCC unroll 8
@@ -388,7 +386,7 @@ CA_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float
 // P.V for QT rows over all of d: several vectors per pass (3 rows: 2, to stay within 16 registers),
 // then the tail of d a vector at a time.
 template <int QT>
-CA_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
+SIMD_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
   constexpr int kNv = QT == 1 ? 8 : QT == 2 ? 4 : 2;
   const int64_t whole = d / (8 * kNv) * (8 * kNv);
   pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole, pf);
@@ -398,8 +396,8 @@ CA_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float
 // Online-softmax step of one query row over a block: s[0 .. visible) are its scores (visible >= 1),
 // turned into weights exp(s - new max) in place; s[visible .. padded) become 0 so the P.V tile can
 // run over every row's whole block. Rescales the row's sum and accumulator to the new max.
-CA_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, float& l, float* acc,
-                         int64_t d) {
+SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, float& l, float* acc,
+                           int64_t d) {
   __m256 mx = _mm256_set1_ps(kNegInf);
   int64_t t = 0;
   for (; t + 8 <= visible; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
@@ -428,7 +426,7 @@ CA_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, fl
 // An item's heads walk its keys together, a block at a time: a block's K/V rows (all kv heads of a
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays.
-CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
+SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
   const Span sp = span_of(p, it);
   const int64_t first = sp.first, len = sp.len;
@@ -496,28 +494,26 @@ CA_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
 // operations in the same order whatever the width, so both give the same bits. Decode tokens (a
 // handful of rows) stay on the row-major tiles, whose vectors run along the head dim.
 
-#define CA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
 struct Avx512 {
   using Reg = __m512;
   using Mask = __mmask16;
   static constexpr int64_t kLanes = 16;
   static constexpr int kTile = 8;
-  CA_AVX512 static Reg zero() { return _mm512_setzero_ps(); }
-  CA_AVX512 static Reg load(const float* x) { return _mm512_loadu_ps(x); }
-  CA_AVX512 static void store(float* x, Reg v) { _mm512_storeu_ps(x, v); }
-  CA_AVX512 static Reg set1(float x) { return _mm512_set1_ps(x); }
-  CA_AVX512 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-  CA_AVX512 static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
-  CA_AVX512 static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
-  CA_AVX512 static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
-  CA_AVX512 static Reg exp(Reg x) { return simd::exp_avx512(x); }
+  SIMD_AVX512 static Reg zero() { return _mm512_setzero_ps(); }
+  SIMD_AVX512 static Reg load(const float* x) { return _mm512_loadu_ps(x); }
+  SIMD_AVX512 static void store(float* x, Reg v) { _mm512_storeu_ps(x, v); }
+  SIMD_AVX512 static Reg set1(float x) { return _mm512_set1_ps(x); }
+  SIMD_AVX512 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  SIMD_AVX512 static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  SIMD_AVX512 static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  SIMD_AVX512 static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  SIMD_AVX512 static Reg exp(Reg x) { return simd::exp_avx512(x); }
   // The lanes whose position is at or past key t.
-  CA_AVX512 static Mask visible(const int32_t* pos, int64_t t) {
+  SIMD_AVX512 static Mask visible(const int32_t* pos, int64_t t) {
     return _mm512_cmpge_epi32_mask(_mm512_loadu_si512(pos), _mm512_set1_epi32(static_cast<int>(t)));
   }
-  CA_AVX512 static Reg max_where(Reg a, Mask m, Reg b) { return _mm512_mask_max_ps(a, m, a, b); }
-  CA_AVX512 static Reg zero_unless(Mask m, Reg v) { return _mm512_maskz_mov_ps(m, v); }
+  SIMD_AVX512 static Reg max_where(Reg a, Mask m, Reg b) { return _mm512_mask_max_ps(a, m, a, b); }
+  SIMD_AVX512 static Reg zero_unless(Mask m, Reg v) { return _mm512_maskz_mov_ps(m, v); }
 };
 
 struct Avx2 {
@@ -525,33 +521,33 @@ struct Avx2 {
   using Mask = __m256;
   static constexpr int64_t kLanes = 8;
   static constexpr int kTile = 4;
-  CA_AVX2 static Reg zero() { return _mm256_setzero_ps(); }
-  CA_AVX2 static Reg load(const float* x) { return _mm256_loadu_ps(x); }
-  CA_AVX2 static void store(float* x, Reg v) { _mm256_storeu_ps(x, v); }
-  CA_AVX2 static Reg set1(float x) { return _mm256_set1_ps(x); }
-  CA_AVX2 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-  CA_AVX2 static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
-  CA_AVX2 static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
-  CA_AVX2 static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
-  CA_AVX2 static Reg exp(Reg x) { return exp_avx2(x); }
-  CA_AVX2 static Mask visible(const int32_t* pos, int64_t t) {
+  SIMD_AVX2 static Reg zero() { return _mm256_setzero_ps(); }
+  SIMD_AVX2 static Reg load(const float* x) { return _mm256_loadu_ps(x); }
+  SIMD_AVX2 static void store(float* x, Reg v) { _mm256_storeu_ps(x, v); }
+  SIMD_AVX2 static Reg set1(float x) { return _mm256_set1_ps(x); }
+  SIMD_AVX2 static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  SIMD_AVX2 static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  SIMD_AVX2 static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  SIMD_AVX2 static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  SIMD_AVX2 static Reg exp(Reg x) { return exp_avx2(x); }
+  SIMD_AVX2 static Mask visible(const int32_t* pos, int64_t t) {
     const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(at, _mm256_set1_epi32(static_cast<int>(t - 1))));
   }
-  CA_AVX2 static Reg max_where(Reg a, Mask m, Reg b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
-  CA_AVX2 static Reg zero_unless(Mask m, Reg v) { return _mm256_and_ps(m, v); }
+  SIMD_AVX2 static Reg max_where(Reg a, Mask m, Reg b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
+  SIMD_AVX2 static Reg zero_unless(Mask m, Reg v) { return _mm256_and_ps(m, v); }
 };
 
 namespace lanes16 {
 using V = Avx512;
-#define LANES_TARGET CA_AVX512
+#define LANES_TARGET SIMD_AVX512
 #include "cpu_attention_lanes.h"
 #undef LANES_TARGET
 }  // namespace lanes16
 
 namespace lanes8 {
 using V = Avx2;
-#define LANES_TARGET CA_AVX2
+#define LANES_TARGET SIMD_AVX2
 #include "cpu_attention_lanes.h"
 #undef LANES_TARGET
 }  // namespace lanes8
@@ -654,7 +650,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     Scratch& w = tls_scratch;
-    w.fit(kQueryChunk * group, head_step, head_dim);  // group items are smaller
+    w.fit(kQueryChunk * group, head_step, head_dim);  // group items are no larger
     // Prefill chunks (a request adding two or more tokens, all of a request's chunks alike so a
     // token's result does not depend on how its request was cut) and group items take the
     // rows-as-lanes path, on AVX-512 vectors where the item fills three panels of 16 rows (on fewer

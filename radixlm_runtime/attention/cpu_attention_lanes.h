@@ -185,10 +185,10 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
       for (int64_t e = 0; e < g; ++e) {
         const int64_t lane = t * g + e;
         if (sp.group) {
-          const int64_t st = token_req(p, it, t) * hq + h * g + e;
-          p.state_m[st] = mh[lane];
-          p.state_l[st] = lh[lane];
-          for (int64_t i = 0; i < d; ++i) p.state_acc[st * d + i] = acc[i * lanes + lane];
+          const int64_t at = token_req(p, it, t) * hq + h * g + e;
+          p.state_m[at] = mh[lane];
+          p.state_l[at] = lh[lane];
+          for (int64_t i = 0; i < d; ++i) p.state_acc[at * d + i] = acc[i * lanes + lane];
           continue;
         }
         float* dst = p.out + token_row(p, it, t) * p.out_stride + (h * g + e) * d;

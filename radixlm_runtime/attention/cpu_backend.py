@@ -24,8 +24,9 @@ from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks (decode tokens on AVX2). Each
-# runs where the CPU has it and D is whole 8-float vectors, else the one below.
+# Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
+# more (the rest on AVX2). Each runs where the CPU has it and D is whole 8-float vectors, else the one
+# below.
 SCALAR, AVX2, AVX512 = 0, 1, 2
 
 

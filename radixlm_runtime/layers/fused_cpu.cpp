@@ -63,8 +63,7 @@ void silu_mul_row_scalar(const float* gate_up, float* out, int64_t inter) {
 
 // ---------------------------------------------------------------- AVX2 + FMA
 
-__attribute__((target("avx2,fma"))) void rms_norm_row_avx2(const float* x, float* residual, const float* w,
-                                                          float* out, int64_t h, float eps) {
+SIMD_AVX2 void rms_norm_row_avx2(const float* x, float* residual, const float* w, float* out, int64_t h, float eps) {
   const float* src = x;
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
@@ -93,8 +92,7 @@ __attribute__((target("avx2,fma"))) void rms_norm_row_avx2(const float* x, float
   for (; i < h; ++i) out[i] = w[i] * (src[i] * scale);
 }
 
-__attribute__((target("avx2,fma"))) void rope_row_avx2(float* x, const float* cos, const float* sin,
-                                                      int64_t heads, int64_t d) {
+SIMD_AVX2 void rope_row_avx2(float* x, const float* cos, const float* sin, int64_t heads, int64_t d) {
   const int64_t half = d / 2;
   for (int64_t h = 0; h < heads; ++h) {
     float* x1 = x + h * d;
@@ -114,7 +112,7 @@ __attribute__((target("avx2,fma"))) void rope_row_avx2(float* x, const float* co
   }
 }
 
-__attribute__((target("avx2,fma"))) void silu_mul_row_avx2(const float* gate_up, float* out, int64_t inter) {
+SIMD_AVX2 void silu_mul_row_avx2(const float* gate_up, float* out, int64_t inter) {
   const float* up = gate_up + inter;
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 sign = _mm256_set1_ps(-0.0f);

@@ -101,10 +101,8 @@ void linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int th
 
 // ---------------------------------------------------------------- AVX2 + FMA path
 
-#define RQ_AVX2 __attribute__((target("avx2,fma")))
-
 // The i-th run of 8 quantized values (i in 0..3) of the 32-value chunk at p, as floats.
-RQ_AVX2 inline __m256 load_run(const uint8_t* p, int bits, int i) {
+SIMD_AVX2 inline __m256 load_run(const uint8_t* p, int bits, int i) {
   if (bits == 8) {
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
@@ -116,7 +114,7 @@ RQ_AVX2 inline __m256 load_run(const uint8_t* p, int bits, int i) {
 }
 
 // All four runs of a chunk; the int4 nibbles are split once.
-RQ_AVX2 inline void load_chunk(const uint8_t* p, int bits, __m256 out[4]) {
+SIMD_AVX2 inline void load_chunk(const uint8_t* p, int bits, __m256 out[4]) {
   if (bits == 8) {
     for (int i = 0; i < 4; ++i) out[i] = load_run(p, 8, i);
     return;
@@ -131,7 +129,7 @@ RQ_AVX2 inline void load_chunk(const uint8_t* p, int bits, __m256 out[4]) {
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-RQ_AVX2 inline float dot_avx2(const float* a, const float* b, int64_t len) {
+SIMD_AVX2 inline float dot_avx2(const float* a, const float* b, int64_t len) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
@@ -141,7 +139,7 @@ RQ_AVX2 inline float dot_avx2(const float* a, const float* b, int64_t len) {
 }
 
 // Sum over 32 columns of one chunk times x, for one row of x.
-RQ_AVX2 inline __m256 chunk_dot(const __m256 wv[4], const float* x) {
+SIMD_AVX2 inline __m256 chunk_dot(const __m256 wv[4], const float* x) {
   __m256 a = _mm256_mul_ps(wv[0], _mm256_loadu_ps(x));
   __m256 b = _mm256_mul_ps(wv[1], _mm256_loadu_ps(x + 8));
   a = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(x + 16), a);
@@ -153,8 +151,8 @@ RQ_AVX2 inline __m256 chunk_dot(const __m256 wv[4], const float* x) {
 // weights is scaled once, and the mins add min * sum(x over the group) from precomputed sums.
 // Accumulators are named variables: GCC spills arrays of vectors to the stack every iteration.
 template <int ROWS>
-RQ_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
-                       float* y) {
+SIMD_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
+                         float* y) {
   const int64_t chunks_per_group = w.group / kChunk;
   const int64_t groups = w.groups();
   const int64_t k = w.k;
@@ -189,10 +187,8 @@ RQ_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, int6
 // halve them. Two accumulators per row alternate between chunks, so the chain of scaled adds does
 // not wait on its own latency.
 
-#define RQ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-
 // The chunk's 32 codes as two 16-lane float vectors (columns 0-15, 16-31).
-RQ_AVX512 inline void load_chunk16(const uint8_t* p, int bits, __m512& lo, __m512& hi) {
+SIMD_AVX512 inline void load_chunk16(const uint8_t* p, int bits, __m512& lo, __m512& hi) {
   if (bits == 8) {
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
@@ -204,13 +200,13 @@ RQ_AVX512 inline void load_chunk16(const uint8_t* p, int bits, __m512& lo, __m51
   hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
 }
 
-RQ_AVX512 inline __m512 chunk_dot16(__m512 lo, __m512 hi, const float* x) {
+SIMD_AVX512 inline __m512 chunk_dot16(__m512 lo, __m512 hi, const float* x) {
   return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
 }
 
 template <int ROWS>
-RQ_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
-                           float* y) {
+SIMD_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
+                             float* y) {
   const int64_t chunks_per_group = w.group / kChunk;
   const int64_t groups = w.groups();
   const int64_t k = w.k;
@@ -245,7 +241,7 @@ RQ_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum, 
   }
 }
 
-RQ_AVX2 inline void transpose8(__m256 r[8]) {
+SIMD_AVX2 inline void transpose8(__m256 r[8]) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
   const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -266,7 +262,7 @@ RQ_AVX2 inline void transpose8(__m256 r[8]) {
 
 // Dequantises output rows [n0, n0 + valid) into panel[k * 16 + j] (missing rows read as zero),
 // 8 rows x 8 columns at a time through a register transpose.
-RQ_AVX2 void pack_panel_avx2(const Weights& w, int64_t n0, int64_t valid, float* panel) {
+SIMD_AVX2 void pack_panel_avx2(const Weights& w, int64_t n0, int64_t valid, float* panel) {
   const int64_t chunks = w.k / kChunk;
   const int64_t chunks_per_group = w.group / kChunk;
   const int64_t groups = w.groups();
@@ -295,7 +291,7 @@ RQ_AVX2 void pack_panel_avx2(const Weights& w, int64_t n0, int64_t valid, float*
   }
 }
 
-RQ_AVX2 inline void store_row(float* c, __m256 lo, __m256 hi, int64_t valid) {
+SIMD_AVX2 inline void store_row(float* c, __m256 lo, __m256 hi, int64_t valid) {
   if (valid == kPanel) {
     _mm256_storeu_ps(c, lo);
     _mm256_storeu_ps(c + 8, hi);
@@ -309,8 +305,8 @@ RQ_AVX2 inline void store_row(float* c, __m256 lo, __m256 hi, int64_t valid) {
 
 // MR (1..6) rows of x times one 16-column panel, 12 named accumulators.
 template <int MR>
-RQ_AVX2 void micro_avx2(const float* a, int64_t lda, const float* panel, int64_t k, float* c, int64_t ldc,
-                        int64_t valid) {
+SIMD_AVX2 void micro_avx2(const float* a, int64_t lda, const float* panel, int64_t k, float* c, int64_t ldc,
+                          int64_t valid) {
   const __m256 z = _mm256_setzero_ps();
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z,
          c51 = z;
@@ -334,8 +330,8 @@ RQ_AVX2 void micro_avx2(const float* a, int64_t lda, const float* panel, int64_t
   if constexpr (MR > 5) store_row(c + 5 * ldc, c50, c51, valid);
 }
 
-RQ_AVX2 void micro_dispatch(int64_t rows, const float* a, int64_t lda, const float* panel, int64_t k, float* c,
-                            int64_t ldc, int64_t valid) {
+SIMD_AVX2 void micro_dispatch(int64_t rows, const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+                              int64_t ldc, int64_t valid) {
   switch (rows) {
     case 1: micro_avx2<1>(a, lda, panel, k, c, ldc, valid); break;
     case 2: micro_avx2<2>(a, lda, panel, k, c, ldc, valid); break;
@@ -346,7 +342,7 @@ RQ_AVX2 void micro_dispatch(int64_t rows, const float* a, int64_t lda, const flo
   }
 }
 
-RQ_AVX2 void gemm_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+SIMD_AVX2 void gemm_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
@@ -365,7 +361,7 @@ RQ_AVX2 void gemm_avx2(const Weights& w, const float* x, int64_t m, float* y, in
 }
 
 // wide: the AVX-512 kernel (the caller checked the CPU has it).
-RQ_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y, int threads, bool wide) {
+SIMD_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y, int threads, bool wide) {
   const int64_t groups = w.groups();
   std::vector<float> xsum(w.mins ? m * groups : 0);
   for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()) / groups; ++r) {
@@ -438,7 +434,7 @@ void f32_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, in
   });
 }
 
-RQ_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+SIMD_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
     const float* panel = panels_of(w) + p * w.k * kPanel;
     for (int64_t r = 0; r < m; r += kMr) {
@@ -451,8 +447,8 @@ RQ_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, float*
 // MR rows of x times NP consecutive panels: MR x NP accumulators (at most 24 of the 32 registers),
 // per k NP panel loads and MR broadcasts. `last_valid`: real columns of the last panel.
 template <int MR, int NP>
-RQ_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc,
-                             int64_t last_valid) {
+SIMD_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc,
+                               int64_t last_valid) {
   static_assert(MR * NP <= 24, "accumulators must stay in registers");
   __m512 acc[MR][NP];
 #pragma GCC unroll 8
@@ -483,8 +479,8 @@ RQ_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int64_
 }
 
 template <int NP>
-RQ_AVX512 void micro_f32_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t k, float* c,
-                              int64_t ldc, int64_t last_valid) {
+SIMD_AVX512 void micro_f32_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_t k, float* c,
+                                int64_t ldc, int64_t last_valid) {
   switch (rows) {
 #define RQ_ROWS(R) \
   case R: micro_f32_512<R, NP>(a, lda, b, k, c, ldc, last_valid); break;
@@ -504,7 +500,7 @@ RQ_AVX512 void micro_f32_rows(int64_t rows, const float* a, int64_t lda, const f
 
 // Up to 4 rows: 4 panels at a time (enough independent FMA chains to stream the weights at memory
 // speed); more: blocks of 8 rows x 3 panels, the blocking that measured best from 5 rows to 2048.
-RQ_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+SIMD_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   const int64_t np = m <= 4 ? 4 : 3;
   const int64_t mr = m <= 4 ? m : 8;
   for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
