@@ -97,6 +97,13 @@ struct Problem {
   float* state_acc;
 };
 
+// Grows v to at least n elements, never shrinks it: each buffer is checked against its own size, since
+// calls differ in every dimension (one process may serve models of different head sizes).
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 // One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
 struct Scratch {
   std::vector<float> q, s, acc, m, l, corr;
@@ -107,15 +114,14 @@ struct Scratch {
   // heads: how many heads an item holds.
   void fit(int64_t rows, int64_t heads, int64_t d) {
     rows = (rows + kLanes - 1) / kLanes * kLanes;
-    if (static_cast<int64_t>(m.size()) >= rows * heads && static_cast<int64_t>(s.size()) >= rows * kBlock) return;
-    q.resize(rows * heads * d);
-    acc.resize(rows * heads * d);
-    s.resize(rows * kBlock);
-    m.resize(rows * heads);
-    l.resize(rows * heads);
-    corr.resize(rows);
-    pos.resize(rows);
-    for (auto* v : {&kp, &vp, &krow, &vrow}) v->resize(kBlock);
+    grow(q, rows * heads * d);
+    grow(acc, rows * heads * d);
+    grow(s, rows * kBlock);
+    grow(m, rows * heads);
+    grow(l, rows * heads);
+    grow(corr, rows);
+    grow(pos, rows);
+    for (auto* v : {&kp, &vp, &krow, &vrow}) grow(*v, kBlock);
   }
 };
 
@@ -605,10 +611,10 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   for (int64_t g = 0; g < num_groups; ++g) {
     for (int64_t i = 0; i < groups[num_groups + g]; ++i) prefix_of[members[groups[g] + i]] = groups[2 * num_groups + g];
   }
-  if (num_groups > 0 && static_cast<int64_t>(state_m.size()) < num_reqs * num_q_heads) {
-    state_m.resize(num_reqs * num_q_heads);
-    state_l.resize(num_reqs * num_q_heads);
-    state_acc.resize(num_reqs * num_q_heads * head_dim);
+  if (num_groups > 0) {
+    grow(state_m, num_reqs * num_q_heads);
+    grow(state_l, num_reqs * num_q_heads);
+    grow(state_acc, num_reqs * num_q_heads * head_dim);
   }
   const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
                   table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,

@@ -25,7 +25,11 @@ from radixlm_runtime.utils.logging import get_logger
 logger = get_logger(__name__)
 
 KERNEL_CACHE_ENV = "RADIXLM_KERNEL_CACHE_DIR"
+# "address": builds instrumented with AddressSanitizer, for the tests that run the kernels under it
+# (the process must preload libasan).
+SANITIZE_ENV = "RADIXLM_KERNEL_SANITIZE"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
+SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer")
 # The helpers the kernels share (simd.h): on every build's include path.
 INCLUDE_DIR = Path(__file__).parent
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
@@ -50,13 +54,20 @@ def _compiler() -> str:
     )
 
 
-def _build(source: Path, target: Path) -> None:
+def _flags() -> tuple[str, ...]:
+    sanitize = os.environ.get(SANITIZE_ENV, "")
+    if sanitize not in ("", "address"):
+        raise KernelBuildError(f"{SANITIZE_ENV}: expected 'address' or nothing, got {sanitize!r}")
+    return FLAGS + SANITIZE_FLAGS if sanitize else FLAGS
+
+
+def _build(source: Path, target: Path, flags: tuple[str, ...]) -> None:
     compiler = _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building %s into %s (once per machine)", source.name, target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         staged = Path(tmp) / target.name
-        command = [compiler, *FLAGS, "-I", str(INCLUDE_DIR), str(source), "-o", str(staged)]
+        command = [compiler, *flags, "-I", str(INCLUDE_DIR), str(source), "-o", str(staged)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise KernelBuildError(f"building {source.name} with {compiler} failed:\n{result.stderr[-4000:]}")
@@ -86,11 +97,12 @@ def _quoted_includes(source: Path) -> list[Path]:
 def load_library(source: Path) -> ctypes.CDLL:
     """The compiled library of `source` (a .cpp file), built on first use; rebuilt when it or anything
     it includes changes."""
+    flags = _flags()
     hashed = [source.read_bytes(), *(h.read_bytes() for h in _quoted_includes(source))]
-    digest = hashlib.sha256(b"".join(hashed) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(hashed) + " ".join(flags).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{digest}.so"
     if not path.is_file():
-        _build(source, path)
+        _build(source, path, flags)
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:

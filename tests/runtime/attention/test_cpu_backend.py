@@ -181,26 +181,44 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     torch.testing.assert_close(got, want, **TOL)
 
 
+def _check_group_step(mode: int, members: int, kv_heads: int, q_heads: int, head_dim: int, seed: int) -> None:
+    """`members` decoding requests on one 130-slot prefix (plus 1-5 tokens of their own) against the
+    dense reference."""
+    gen = torch.Generator().manual_seed(seed)
+    size = 130 + 5 * members
+    pool = KVPool(size, 1, kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
+    pool.v_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
+    free = iter((torch.randperm(size, generator=gen) + 1).tolist())
+    prefix = [next(free) for _ in range(130)]
+    seqs = [prefix + [next(free) for _ in range(1 + i % 5)] for i in range(members)]
+    table, batch = _table_and_batch(seqs, [1] * members)
+    scale = head_dim**-0.5
+    backend = CpuAttentionBackend(pool, table, scale, mode=mode)
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.groups is not None
+    assert batch.attn_metadata.groups[1].tolist() == [members]
+    q = torch.randn(members, q_heads, head_dim, generator=gen)
+    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * members, scale)
+    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_large_group_matches_the_dense_reference(mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """40 decoding requests on one 130-slot prefix: with two threads the kernel gives its group items
     16 members (48 query rows, whole AVX-512 panels) instead of 8, the last one partly filled."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    gen = torch.Generator().manual_seed(11)
-    pool = KVPool(600, 1, 3, 64, torch.float32, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(600, 3, 64, generator=gen)
-    pool.v_buffers[0][1:] = torch.randn(600, 3, 64, generator=gen)
-    free = iter((torch.randperm(600, generator=gen) + 1).tolist())
-    prefix = [next(free) for _ in range(130)]
-    seqs = [prefix + [next(free) for _ in range(1 + i % 5)] for i in range(40)]
-    table, batch = _table_and_batch(seqs, [1] * len(seqs))
-    backend = CpuAttentionBackend(pool, table, 0.125, mode=mode)
-    backend.init_forward_metadata(batch)
-    assert batch.attn_metadata.groups is not None
-    assert batch.attn_metadata.groups[1].tolist() == [40]
-    q = torch.randn(len(seqs), 9, 64, generator=gen)
-    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * len(seqs), 0.125)
-    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
+    _check_group_step(mode, members=40, kv_heads=3, q_heads=9, head_dim=64, seed=11)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_of_other_shapes_reuse_the_kernel_buffers_safely(mode: int) -> None:
+    """The kernel keeps its per-thread buffers across calls; a call with more requests and smaller heads
+    (another model in the same process) must not leave them too small for the next. Under
+    AddressSanitizer (tests/runtime/kernels/test_sanitizers.py) an overrun here is an error, not luck."""
+    _check_group_step(mode, members=60, kv_heads=4, q_heads=12, head_dim=16, seed=5)
+    _check_group_step(mode, members=30, kv_heads=3, q_heads=9, head_dim=64, seed=6)
+    _check_group_step(mode, members=2, kv_heads=1, q_heads=8, head_dim=128, seed=7)
 
 
 def test_vector_widths_give_the_same_bits() -> None:
