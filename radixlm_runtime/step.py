@@ -42,9 +42,9 @@ def future_token(row: int) -> int:
 class SampleSpec:
     """How to pick a request's next token from the last row of its logits."""
 
-    uid: int  # the executor keeps the request's RNG under this id until `Executor.release`
     params: SamplingParams
     seed: int
+    draw: int  # which of the request's output tokens this row draws: its uniform is (seed, draw)'s
     banned_ids: list[int] = field(default_factory=list)  # blocked until min_new_tokens is reached
     # (prompt ids, output ids), given only when a penalty needs the history.
     history: tuple[list[int], list[int]] | None = None
@@ -139,6 +139,3 @@ class Executor(Protocol):
     def launch(self, plan: StepPlan) -> Any: ...
 
     def collect(self, handle: Any) -> StepResult: ...
-
-    def release(self, uid: int) -> None:
-        """The request ended: its RNG state may go."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,13 +26,7 @@ from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.models.loader import gguf_source, load_weights
-from radixlm_runtime.sampling.sampler import (
-    Sampler,
-    SamplingBatchInfo,
-    build_token_bitmask,
-    make_generator,
-    replay_draws,
-)
+from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
@@ -71,16 +64,6 @@ def _available_memory_bytes(device: torch.device) -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
-
-
-@dataclass
-class PendingStep:
-    """A launched step whose results are still on their way from the device."""
-
-    plan: StepPlan
-    outputs: StepOutputs
-    # RNG state of each sampling item with draft tokens, before its verification draws.
-    rng_before: dict[int, torch.Tensor]
 
 
 class ModelRunner:
@@ -129,8 +112,6 @@ class ModelRunner:
         self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
         self.graphs = self._capture_cuda_graphs()
         self.sampler = Sampler(device=self.device)
-        # Each sampling request's RNG, kept across steps (and retractions) until it ends.
-        self.generators: dict[int, torch.Generator] = {}
         self.info = RunnerInfo(
             vocab_size=self.config.vocab_size,
             context_len=self.context_len,
@@ -283,9 +264,10 @@ class ModelRunner:
         return self.collect(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> PendingStep:
+    def launch(self, plan: StepPlan) -> StepOutputs:
         """Queues one step on the device: the plan's table entries, the forward, sampling, logprobs
-        and the copy of their results to the host. Nothing here waits for the device."""
+        and the copy of their results to the host. Nothing here waits for the device; the returned
+        outputs are read by `collect`."""
         batch, writes = build_batch(plan, self.device)
         if writes is not None:
             self.req_to_token.write(*writes)
@@ -294,7 +276,6 @@ class ModelRunner:
         logits = self.forward(batch)
         outputs = StepOutputs(plan)
         specs = outputs.sample_specs()
-        rng_before = self._draft_rng_states(plan)
         if specs:
             rows = outputs.sample_rows()
             # A pure decode step samples every logits row in order: no gather, no copy.
@@ -311,7 +292,7 @@ class ModelRunner:
         self._last_sampled = sampled.next_token_ids if specs else None
         outputs.add_prompt_logprobs(logits)
         outputs.start_read()
-        return PendingStep(plan, outputs, rng_before)
+        return outputs
 
     def _resolve_futures(self, ids: torch.Tensor) -> torch.Tensor:
         """Input ids with each future token (`future_token(i)`) replaced, on the device, by the token
@@ -321,35 +302,18 @@ class ModelRunner:
         return torch.where(ids < 0, self._last_sampled[(-ids - 1).clamp_(min=0)], ids)
 
     @torch.inference_mode()
-    def collect(self, pending: PendingStep) -> StepResult:
+    def collect(self, outputs: StepOutputs) -> StepResult:
         """Waits for a launched step's results and returns them as plain data."""
-        result = pending.outputs.read()
-        for i, state in pending.rng_before.items():
-            spec = pending.plan.items[i].sample
-            assert spec is not None
-            replay_draws(self.generators[spec.uid], state, len(result.items[i].accepted) + 1)
-        return result
-
-    def _draft_rng_states(self, plan: StepPlan) -> dict[int, torch.Tensor]:
-        """RNG state of each sampling item with draft tokens, by item index: verification draws for
-        every row, and the draws of rows past the emitted tokens are then taken back."""
-        states = {}
-        for i, it in enumerate(plan.items):
-            if it.draft_len and it.sample is not None and not it.sample.params.is_greedy:
-                states[i] = self._generator(it.sample).get_state()
-        return states
-
-    def release(self, uid: int) -> None:
-        self.generators.pop(uid, None)
+        return outputs.read()
 
     def _sampling_info(self, specs: list[SampleSpec]) -> SamplingBatchInfo:
         params = [s.params for s in specs]
-        generators = [None if s.params.is_greedy else self._generator(s) for s in specs]
+        draws = [None if s.params.is_greedy else (s.seed, s.draw) for s in specs]
         histories = [s.history or ([], []) for s in specs]
         banned = [s.banned_ids for s in specs]
         info = SamplingBatchInfo.build(
             params,
-            generators,
+            draws,
             histories if any(s.history for s in specs) else None,
             self.config.vocab_size,
             self.device,
@@ -357,9 +321,3 @@ class ModelRunner:
         )
         info.vocab_mask = build_token_bitmask([s.allowed for s in specs], self.config.vocab_size, self.device)
         return info
-
-    def _generator(self, spec: SampleSpec) -> torch.Generator:
-        gen = self.generators.get(spec.uid)
-        if gen is None:
-            gen = self.generators[spec.uid] = make_generator(spec.seed, self.device)
-        return gen

@@ -1,15 +1,19 @@
 """Batched next-token sampling: penalties, masks, temperature, top-k/top-p/min-p, per-request RNG.
 
-Everything except drawing one uniform number per request is a batched tensor op. The costly
-pieces are only paid for when some request needs them: penalties touch just the (row, token)
-pairs in the history, top-k/top-p work on a `torch.topk` prefix, and a full vocabulary sort
-happens only for top-p rows whose nucleus does not fit in that prefix.
+Every step is a batched tensor op. A seeded row's one uniform number is a pure function of the
+request's seed and which of its output tokens the row draws (`seeded_uniform`), computed on the
+host with the row's other parameters and copied with them: no RNG state to keep per request, no
+device call per row, and a request samples the same tokens whatever batch it joins, however often
+it is retracted and recomputed, with or without speculative decoding. The costly pieces are only
+paid for when some request needs them: penalties touch just the (row, token) pairs in the history,
+top-k/top-p work on a `torch.topk` prefix, and a full vocabulary sort happens only for top-p rows
+whose nucleus does not fit in that prefix.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -28,11 +32,23 @@ _F32_TINY = torch.finfo(torch.float32).tiny
 _NUCLEUS_PREFIX = 256
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's own RNG: the caller keeps it across steps so the stream continues, and a seeded
-    request samples the same tokens whatever batch it joins."""
-    # torch seeds are 64-bit; reducing mod 2**64 maps negative seeds exactly as torch itself does.
-    return torch.Generator(device=device).manual_seed(seed % 2**64)
+_MASK64 = 2**64 - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's output function: a bijection of 64-bit integers with full avalanche."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, draw: int) -> float:
+    """U[0, 1) for draw number `draw` of a request seeded with `seed`: output `draw` of a SplitMix64
+    stream whose state starts at the mixed seed (seeds are taken mod 2**64). 24 bits, so the value is
+    exact in float32."""
+    state = _mix64(seed & _MASK64)
+    return (_mix64((state + (draw + 1) * _GOLDEN64) & _MASK64) >> 40) * 2.0**-24
 
 
 def accepted_draft_len(draft: Sequence[int], sampled: Sequence[int]) -> int:
@@ -193,7 +209,8 @@ class BannedTokens:
 
 @dataclass
 class SamplingBatchInfo:
-    """Per-batch tensors built once per step from the requests' params, so sampling is a few batched ops."""
+    """Per-batch tensors built once per step from the requests' params, so sampling is a few batched
+    ops. The per-row values travel to the device in two copies (one float32, one int64)."""
 
     temperatures: torch.Tensor  # [B, 1] float32, floored at the smallest normal float so division is safe
     top_ps: torch.Tensor  # [B] float32
@@ -204,13 +221,14 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_min_p: bool
     sampled_rows: torch.Tensor  # [S] int64: batch rows that are not greedy
-    sampled_rows_cpu: list[int]
     filtered: torch.Tensor  # [F] int64: positions within sampled_rows that use top-k or top-p
     candidate_len: int  # topk prefix length for the filtered rows (vocab size means a full sort)
     penalties: PenaltyInfo | None
     banned: BannedTokens | None
     logit_bias: LogitBias | None
-    generators: list[torch.Generator | None]
+    uniforms: torch.Tensor  # [S] float32: each sampled row's seeded draw (0 where unseeded)
+    unseeded: torch.Tensor  # [Q] int64: positions within sampled_rows drawing from the shared RNG
+    batch_size: int
     vocab_size: int
     # [B, ceil(V / 32)] int32 bitmask (bit set = allowed); set by constrained decoding
     vocab_mask: torch.Tensor | None = None
@@ -229,19 +247,22 @@ class SamplingBatchInfo:
     def build(
         cls,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        draws: list[tuple[int, int] | None],
         token_history: list[tuple[list[int], list[int]]] | None,
         vocab_size: int,
         device: torch.device | str = "cpu",
         banned_token_ids: list[list[int]] | None = None,
     ) -> SamplingBatchInfo:
-        if len(generators) != len(params):
-            raise ValueError(f"generators: expected {len(params)} entries, got {len(generators)}")
+        """`draws[i]` is (seed, draw number) of row i's request (see `seeded_uniform`), or None for a
+        row drawing from the sampler's shared generator (greedy rows draw nothing)."""
+        if len(draws) != len(params):
+            raise ValueError(f"draws: expected {len(params)} entries, got {len(draws)}")
         if banned_token_ids is not None and len(banned_token_ids) != len(params):
             raise ValueError(f"banned_token_ids: expected {len(params)} entries, got {len(banned_token_ids)}")
         for p in params:
             if not math.isfinite(p.temperature):
                 raise ValueError(f"sampling_params.temperature must be finite, got {p.temperature}")
+        device = torch.device(device)
         top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         uses_top_k = [top_ks[i] < vocab_size for i in sampled]
@@ -249,36 +270,48 @@ class SamplingBatchInfo:
         filtered = [pos for pos, (k, p) in enumerate(zip(uses_top_k, uses_top_p, strict=True)) if k or p]
         candidate_len = max((top_ks[i] for i, k in zip(sampled, uses_top_k, strict=True) if k), default=0)
         if any(p and not k for k, p in zip(uses_top_k, uses_top_p, strict=True)):
-            prefix = vocab_size if torch.device(device).type == "cuda" else _NUCLEUS_PREFIX
+            prefix = vocab_size if device.type == "cuda" else _NUCLEUS_PREFIX
             candidate_len = max(candidate_len, prefix)
         banned = None
         if banned_token_ids is not None and any(banned_token_ids):
             rows, ids, _ = _unique_pairs(range(len(params)), banned_token_ids, vocab_size, "banned_token_ids")
             banned = BannedTokens(rows=to_device(rows, device), ids=to_device(ids, device))
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device)
-
-        if not sampled:
+        if sampled:
+            row_draws = [draws[i] for i in sampled]
+            unseeded = [pos for pos, d in enumerate(row_draws) if d is None]
+            uniforms = [0.0 if d is None else seeded_uniform(*d) for d in row_draws]
+            floats = [max(p.temperature, _F32_TINY) for p in params] + [p.top_p for p in params]
+            floats += [p.min_p for p in params] + uniforms
+            ints = top_ks + sampled + filtered + unseeded
+            f32 = to_device(torch.tensor(floats, dtype=torch.float32), device)
+            i64 = to_device(torch.tensor(ints, dtype=torch.int64), device)
+            temperatures, top_ps, min_ps, uniform_t = f32.split([len(params)] * 3 + [len(sampled)])
+            top_k_t, sampled_t, filtered_t, unseeded_t = i64.split(
+                [len(params), len(sampled), len(filtered), len(unseeded)]
+            )
+        else:
             # An all-greedy batch reads none of the per-row tensors: no copies to the device.
-            tensor = _empty_tensors(torch.device(device))
+            f, i = _empty(device, torch.float32), _empty(device, torch.int64)
+            temperatures, top_ps, min_ps, uniform_t = f, f, f, f
+            top_k_t, sampled_t, filtered_t, unseeded_t = i, i, i, i
         return cls(
-            temperatures=tensor([max(p.temperature, _F32_TINY) for p in params], torch.float32).unsqueeze(1),
-            top_ps=tensor([p.top_p for p in params], torch.float32),
-            top_ks=tensor(top_ks, torch.int64),
-            min_ps=tensor([p.min_p for p in params], torch.float32),
+            temperatures=temperatures.unsqueeze(1),
+            top_ps=top_ps,
+            top_ks=top_k_t,
+            min_ps=min_ps,
             is_all_greedy=not sampled,
             need_top_p=any(uses_top_p),
             need_top_k=any(uses_top_k),
             need_min_p=any(params[i].min_p > 0.0 for i in sampled),
-            sampled_rows=tensor(sampled, torch.int64),
-            sampled_rows_cpu=sampled,
-            filtered=tensor(filtered, torch.int64),
+            sampled_rows=sampled_t,
+            filtered=filtered_t,
             candidate_len=min(candidate_len, vocab_size),
             penalties=PenaltyInfo.build(params, token_history, vocab_size, device),
             banned=banned,
             logit_bias=LogitBias.build(params, vocab_size, device),
-            generators=list(generators),
+            uniforms=uniform_t,
+            unseeded=unseeded_t,
+            batch_size=len(params),
             vocab_size=vocab_size,
         )
 
@@ -286,16 +319,12 @@ class SamplingBatchInfo:
 _EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _empty_tensors(device: torch.device) -> Callable[[list, torch.dtype], torch.Tensor]:
-    """Stands in for the per-row tensors of an all-greedy batch, one cached empty tensor per dtype."""
-
-    def empty(values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = _EMPTY.get((device, dtype))
-        if t is None:
-            t = _EMPTY[device, dtype] = torch.empty(0, dtype=dtype, device=device)
-        return t
-
-    return empty
+def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A cached empty tensor: stands in for the per-row tensors of an all-greedy batch."""
+    t = _EMPTY.get((device, dtype))
+    if t is None:
+        t = _EMPTY[device, dtype] = torch.empty(0, dtype=dtype, device=device)
+    return t
 
 
 @dataclass
@@ -327,8 +356,8 @@ class Sampler:
         batch, width = logits.shape
         if width < info.vocab_size:
             raise ValueError(f"logits: width {width} is smaller than vocab_size {info.vocab_size}")
-        if len(info.generators) != batch:
-            raise ValueError(f"logits: batch {batch} does not match {len(info.generators)} requests")
+        if info.batch_size != batch:
+            raise ValueError(f"logits: batch {batch} does not match {info.batch_size} requests")
         raw = logits[:, : info.vocab_size].float()
         x, row_max, next_ids = _allowed_logits(raw, info)
         if not info.is_all_greedy:
@@ -372,26 +401,12 @@ class Sampler:
         return out
 
     def _uniforms(self, info: SamplingBatchInfo) -> torch.Tensor:
-        """One U[0, 1) per sampled row, from the row's own generator or else the shared one."""
-        device = info.sampled_rows.device
-        draws = []
-        for row in info.sampled_rows_cpu:
-            gen = info.generators[row] or self.default_generator
-            draws.append(_uniform(gen).to(device))
-        return torch.cat(draws)
-
-
-def _uniform(gen: torch.Generator) -> torch.Tensor:
-    return torch.rand(1, generator=gen, device=gen.device)
-
-
-def replay_draws(gen: torch.Generator, state: torch.Tensor, n: int) -> None:
-    """Resets gen to `state` and makes the draws of n sampled rows: after verifying a draft, a
-    request's RNG has moved on by one draw per emitted token, as without speculation, so a seeded
-    request samples the same stream with or without it."""
-    gen.set_state(state)
-    for _ in range(n):
-        _uniform(gen)
+        """One U[0, 1) per sampled row: its seeded draw, or else one from the shared generator."""
+        n = info.unseeded.numel()
+        if not n:
+            return info.uniforms
+        shared = torch.rand(n, generator=self.default_generator, device=info.uniforms.device)
+        return info.uniforms.index_put((info.unseeded,), shared)
 
 
 def _allowed_logits(

@@ -100,9 +100,9 @@ def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size
         banned = sorted(eos_ids)
     penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
     return SampleSpec(
-        uid=req.uid,
         params=sp,
         seed=req.seed,
+        draw=req.output_len + len(ahead),
         banned_ids=banned,
         history=(req.origin_input_ids, req.output_ids + ahead) if penalised else None,
         allowed=req.guide.allowed_mask(vocab_size) if req.guide is not None else None,

@@ -16,7 +16,6 @@ from radixlm_runtime.step import TopLogprobs
 
 @dataclass(eq=False)
 class Req:
-    uid: int  # unique per scheduler: keys the request's RNG in the executor
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams
@@ -80,10 +79,9 @@ class Req:
             self.token_top = [None] * len(self.token_ids)
 
     @classmethod
-    def from_message(cls, m: GenerateReq, uid: int, seed: int) -> Req:
+    def from_message(cls, m: GenerateReq, seed: int) -> Req:
         """The one constructor: both entry points send a GenerateReq."""
         return cls(
-            uid=uid,
             rid=m.rid,
             origin_input_ids=m.input_ids,
             sampling_params=m.sampling_params,

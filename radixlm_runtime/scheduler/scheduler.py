@@ -74,7 +74,6 @@ class Scheduler:
             tokenizer, eos_ids, self.runner_info.vocab_size, config.grammar_backend
         )
         self.output = OutputProcessor(config, tokenizer, eos_ids, self.runner_info.context_len, self.stats)
-        self._uids = itertools.count()
         self._seeds = itertools.count()
         self._aborts: set[str] = set()
         # Overlap scheduling: where steps run asynchronously, the step launched last, whose results
@@ -89,7 +88,7 @@ class Scheduler:
         """Queues one sample; a constrained one first compiles in the background while others run."""
         # Unseeded requests still get a seed of their own, so their draws never depend on the batch.
         seed = m.seed if m.seed is not None else self.config.random_seed * 1_000_003 + next(self._seeds)
-        req = Req.from_message(m, next(self._uids), seed)
+        req = Req.from_message(m, seed)
         self.stats.num_requests += 1
         if req.session_id is not None:
             self.cache.sessions.open(req.session_id, req.rid)
@@ -304,7 +303,6 @@ class Scheduler:
         if req in self.admission.running:
             self.admission.running.remove(req)
         self.cache.finish(req)
-        self.runner.release(req.uid)
         self.stats.prompt_tokens += req.prompt_len
         self.stats.cached_tokens += max(req.cached_tokens, 0)
         self.stats.finished_requests += 1

@@ -19,7 +19,7 @@ from radixlm_runtime.sampling.sampler import (
     apply_penalties,
     apply_token_bitmask_,
     build_token_bitmask,
-    make_generator,
+    seeded_uniform,
     unpack_bits_numpy,
     unpack_bits_shifts,
 )
@@ -35,9 +35,11 @@ def build(
     history: list[tuple[list[int], list[int]]] | None = None,
     banned: list[list[int]] | None = None,
     seeded: bool = True,
+    draw: int = 0,
 ) -> SamplingBatchInfo:
-    gens = [None if p.seed is None or not seeded else make_generator(p.seed) for p in params]
-    return SamplingBatchInfo.build(params, gens, history, vocab_size, banned_token_ids=banned)
+    """A batch whose seeded rows take draw number `draw` of their seed's stream."""
+    draws = [None if p.seed is None or not seeded else (p.seed, draw) for p in params]
+    return SamplingBatchInfo.build(params, draws, history, vocab_size, banned_token_ids=banned)
 
 
 def random_logits(batch: int, vocab: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -106,15 +108,12 @@ def test_seeded_request_samples_the_same_in_any_batch() -> None:
 
     def run(position: int, others: list[SamplingParams]) -> list[int]:
         params = others[:position] + [target] + others[position:]
-        gens = [None if p.seed is None else make_generator(p.seed) for p in params]
         logits = random_logits(len(params), vocab, seed=4)
         logits[position] = target_logits
         sampler = Sampler(seed=position)
-        tokens = []
-        for _ in range(20):
-            info = SamplingBatchInfo.build(params, gens, None, vocab)
-            tokens.append(int(sampler(logits, info).next_token_ids[position]))
-        return tokens
+        return [
+            int(sampler(logits, build(params, vocab, draw=d)).next_token_ids[position]) for d in range(20)
+        ]
 
     alone = run(0, [])
     assert len(set(alone)) > 5  # genuinely random, so equality below is meaningful
@@ -127,17 +126,61 @@ def test_different_seeds_differ_and_same_seed_repeats() -> None:
     logits = torch.zeros(1, 100)
 
     def sequence(seed: int) -> list[int]:
-        params = [sp(seed=seed)]
-        gens = [make_generator(params[0].seed)]
         sampler = Sampler(seed=0)
-        return [
-            int(sampler(logits, SamplingBatchInfo.build(params, gens, None, 100)).next_token_ids)
-            for _ in range(50)
-        ]
+        return [int(sampler(logits, build([sp(seed=seed)], 100, draw=i)).next_token_ids) for i in range(50)]
 
     assert sequence(1) == sequence(1)
     assert sequence(1) != sequence(2)
-    assert sequence(-1) == sequence(2**64 - 1)  # torch's own 64-bit wrap-around
+    assert sequence(-1) == sequence(2**64 - 1)  # seeds are taken mod 2**64
+
+
+def _splitmix64_reference(seed: int, draw: int) -> float:
+    """SplitMix64 in numpy's wrapping uint64 arithmetic: state = mix(seed), then `draw + 1` steps."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+
+    def mix(z: np.uint64) -> np.uint64:
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        state = mix(np.uint64(seed % 2**64))
+        out = mix(state + np.uint64(draw + 1) * golden)
+    return int(out >> np.uint64(40)) / 2**24
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**63, 2**64 - 1, -5])
+def test_seeded_uniform_is_splitmix64(seed: int) -> None:
+    for draw in (0, 1, 7, 10**6, 2**40):
+        assert seeded_uniform(seed, draw) == _splitmix64_reference(seed, draw)
+
+
+def test_seeded_uniforms_are_uniform_and_independent() -> None:
+    """Along one request's draws and across requests' seeds: 20-bin chi-square, float32-exact values
+    in [0, 1), and no correlation between consecutive draws or neighbouring seeds."""
+    n = 20000
+    along = np.array([seeded_uniform(12345, d) for d in range(n)])
+    across = np.array([seeded_uniform(s, 3) for s in range(n)])
+    for u in (along, across):
+        assert ((u >= 0) & (u < 1)).all()
+        assert (u.astype(np.float32) == u).all()
+        counts = np.bincount((u * 20).astype(int), minlength=20)
+        chi2 = float(((counts - n / 20) ** 2 / (n / 20)).sum())
+        assert chi2 < 50.0  # 19 degrees of freedom: p ~ 1e-4
+        assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.05
+
+
+def test_seeded_rows_sample_the_softmax() -> None:
+    """Rows of one seed at successive draw numbers follow the distribution, as a request's tokens do."""
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 20000
+    params = [sp(seed=99)] * n
+    draws = [(99, i) for i in range(n)]
+    info = SamplingBatchInfo.build(params, draws, None, 6)
+    ids = Sampler(seed=0)(row.expand(n, -1).contiguous(), info).next_token_ids
+    counts = torch.bincount(ids, minlength=6).double()
+    expected = torch.softmax(row.double(), dim=-1) * n
+    assert float(((counts - expected) ** 2 / expected).sum()) < 25.0
 
 
 # --- filters --------------------------------------------------------------------------------------
@@ -525,7 +568,7 @@ def test_padded_logits_never_yield_ids_past_the_vocab() -> None:
 def test_build_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="banned_token_ids"):
         build([sp()], 10, banned=[[10]])
-    with pytest.raises(ValueError, match="generators"):
+    with pytest.raises(ValueError, match="draws"):
         SamplingBatchInfo.build([sp()], [], None, 10)
     with pytest.raises(ValueError, match="temperature"):
         build([SamplingParams(temperature=math.inf)], 10)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import radixlm_runtime as rt
 from radixlm_runtime.io.messages import GenerateReq
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.req import Req
-
-_uids = itertools.count(1_000_000)
 
 
 def message(
@@ -24,7 +21,7 @@ def make_req(
     rid: str, ids: list[int], params: dict[str, Any] | None = None, session_id: str | None = None
 ) -> Req:
     """A Req built the way the scheduler builds one, for tests of its parts."""
-    return Req.from_message(message(rid, ids, params, session_id), uid=next(_uids), seed=0)
+    return Req.from_message(message(rid, ids, params, session_id), seed=0)
 
 
 def assert_no_leak(engine: rt.Engine) -> None:

@@ -46,6 +46,36 @@ def test_retraction_under_tiny_kv_pool(tiny_llama_dir: Path, reference: list[lis
     assert_no_leak(engine)
 
 
+def test_seeded_sampling_survives_retraction(tiny_llama_dir: Path) -> None:
+    """A seeded request's draws are numbered by output token, not kept as RNG state: retracted and
+    recomputed, and batched with others, it samples the same tokens as alone in a roomy pool
+    (--deterministic, so the recomputed KV has the same bits and top_p's sort the same order)."""
+    params = [
+        {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 40, "ignore_eos": True, "seed": s}
+        for s in range(12)
+    ]
+
+    def engine(max_total_tokens: int) -> rt.Engine:
+        return rt.Engine(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_total_tokens=max_total_tokens,
+            deterministic=True,
+            log_level="warning",
+        )
+
+    roomy = engine(8192)
+    alone = [
+        roomy.generate(input_ids=p, sampling_params=q)["output_ids"] for p, q in zip(_prompts(12), params)
+    ]
+    assert len({tuple(o) for o in alone}) == 12
+    tight = engine(160)
+    outs = tight.generate(input_ids=_prompts(12), sampling_params=params)
+    assert tight.scheduler.stats.num_retractions > 0
+    assert [o["output_ids"] for o in outs] == alone
+    assert_no_leak(tight)
+
+
 def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     engine = rt.Engine(
         str(tiny_llama_dir),

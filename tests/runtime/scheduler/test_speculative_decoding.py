@@ -233,7 +233,7 @@ def test_sampled_outputs_follow_the_same_distribution(
 def test_seeded_requests_sample_the_same_tokens_as_without_speculation(
     engines: tuple[rt.Engine, rt.Engine], lookup_prompt: list[int]
 ) -> None:
-    """A request's RNG moves on by one draw per emitted token, so a seed gives the same stream."""
+    """A row's draw is numbered by the output token it samples, so a seed gives the same stream."""
     plain, spec = engines
     params = [
         {"temperature": 0.8, "top_k": 3, "max_new_tokens": 12, "seed": s, "ignore_eos": True}
