@@ -8,11 +8,13 @@ lists stay alongside (`*_cpu`) so backends plan their work without reading the d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import add, ne
 from typing import Any
 
 import torch
 
-from radixlm_runtime.utils.transfer import to_device
+from radixlm_runtime.utils.transfer import host_tensor, to_device
 
 
 @dataclass
@@ -60,14 +62,15 @@ class ForwardBatch:
         seq_slots: list[list[int]],
         device: torch.device,
     ) -> ForwardBatch:
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        if any(len(s) != n for s, n in zip(seq_slots, seq_lens)):
+        seq_lens = list(map(add, prefix_lens, extend_lens))
+        if any(map(ne, map(len, seq_slots), seq_lens)):
             raise ValueError("seq_slots: each request needs exactly one KV slot per token of its sequence")
-        positions = [pos for p, e in zip(prefix_lens, extend_lens) for pos in range(p, p + e)]
-        starts = [0] * len(extend_lens)
-        for b in range(1, len(extend_lens)):
-            starts[b] = starts[b - 1] + extend_lens[b - 1]
-        parts = (
+        if extend_lens.count(1) == len(extend_lens):  # one token each (a decode step)
+            positions = list(prefix_lens)
+        else:
+            positions = [pos for p, e in zip(prefix_lens, extend_lens) for pos in range(p, p + e)]
+        starts = list(accumulate(extend_lens[:-1], initial=0)) if extend_lens else []
+        parts = [
             input_ids,
             positions,
             out_cache_loc,
@@ -76,8 +79,8 @@ class ForwardBatch:
             extend_lens,
             starts,
             logits_indices,
-        )
-        packed = to_device(torch.tensor([v for part in parts for v in part], dtype=torch.int64), device)
+        ]
+        packed = to_device(host_tensor(parts), device)
         views = packed.split([len(part) for part in parts])
         return cls(
             *views,

@@ -8,7 +8,7 @@ import torch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.sampling.sampler import accepted_draft_len
 from radixlm_runtime.step import ItemResult, SampleSpec, StepPlan, StepResult, TopLogprobs
-from radixlm_runtime.utils.transfer import to_device
+from radixlm_runtime.utils.transfer import host_tensor, to_device
 
 TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -24,16 +24,18 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
     w_slots: list[int] = []
     offset = 0
     for it in plan.items:
-        end = it.seq_len
-        input_ids.extend(it.input_ids)
-        out_loc.extend(it.seq_slots[it.prefix_len : end])
-        first_row = offset + it.logits_from - it.prefix_len
-        logit_rows.extend(range(first_row, first_row + it.num_logit_rows))
+        n = len(it.input_ids)
+        start, end = it.prefix_len, it.prefix_len + n
+        input_ids += it.input_ids
+        out_loc += it.seq_slots[start:end]
+        if it.logits_from < end:
+            first_row = offset + it.logits_from - start
+            logit_rows += range(first_row, offset + n)
         if it.write_from < end:
-            w_rows.extend([it.row] * (end - it.write_from))
-            w_cols.extend(range(it.write_from, end))
-            w_slots.extend(it.seq_slots[it.write_from : end])
-        offset += len(it.input_ids)
+            w_rows += [it.row] * (end - it.write_from)
+            w_cols += range(it.write_from, end)
+            w_slots += it.seq_slots[it.write_from : end]
+        offset += n
     batch = ForwardBatch.build(
         input_ids=input_ids,
         req_pool_indices=[it.row for it in plan.items],
@@ -46,7 +48,7 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
     )
     if not w_rows:
         return batch, None
-    packed = to_device(torch.tensor(w_rows + w_cols + w_slots, dtype=torch.int64), device)
+    packed = to_device(host_tensor([w_rows, w_cols, w_slots]), device)
     rows, cols, slots = packed.split(len(w_rows))
     return batch, (rows, cols, slots)
 
@@ -160,8 +162,8 @@ class StepOutputs:
                 it, res = self.items[i], results[i]
                 rows = range(j, j + 1 + it.draft_len)
                 j = rows.stop
-                sampled = [int(ids[r]) for r in rows]
-                m = accepted_draft_len(it.draft, sampled)
+                sampled = [int(v) for v in ids[rows.start : j]]
+                m = accepted_draft_len(it.draft, sampled) if it.draft_len else 0
                 res.accepted, res.next_token = sampled[:m], sampled[m]
                 if lps is not None:
                     res.accepted_logprobs, res.logprob = lps[rows[0] : rows[m]], lps[rows[m]]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.utils.transfer import to_device
+from radixlm_runtime.utils.transfer import host_tensor, to_device
 
 _NEG_INF = float("-inf")
 _F32_MAX = torch.finfo(torch.float32).max
@@ -280,11 +280,10 @@ class SamplingBatchInfo:
             row_draws = [draws[i] for i in sampled]
             unseeded = [pos for pos, d in enumerate(row_draws) if d is None]
             uniforms = [0.0 if d is None else seeded_uniform(*d) for d in row_draws]
-            floats = [max(p.temperature, _F32_TINY) for p in params] + [p.top_p for p in params]
-            floats += [p.min_p for p in params] + uniforms
-            ints = top_ks + sampled + filtered + unseeded
-            f32 = to_device(torch.tensor(floats, dtype=torch.float32), device)
-            i64 = to_device(torch.tensor(ints, dtype=torch.int64), device)
+            temperatures = [max(p.temperature, _F32_TINY) for p in params]
+            floats = [temperatures, [p.top_p for p in params], [p.min_p for p in params], uniforms]
+            f32 = to_device(host_tensor(floats, torch.float32), device)
+            i64 = to_device(host_tensor([top_ks, sampled, filtered, unseeded]), device)
             temperatures, top_ps, min_ps, uniform_t = f32.split([len(params)] * 3 + [len(sampled)])
             top_k_t, sampled_t, filtered_t, unseeded_t = i64.split(
                 [len(params), len(sampled), len(filtered), len(unseeded)]

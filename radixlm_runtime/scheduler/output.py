@@ -66,10 +66,14 @@ class OutputProcessor:
         constrained request whose budget is running out is completed (`complete_within_budget`)."""
         assert res.next_token is not None
         kept = len(req.token_ids)
-        tokens = [*res.accepted, res.next_token]
-        unknown = [None] * len(res.accepted)
-        logprobs = [*(res.accepted_logprobs or unknown), res.logprob]
-        tops = [*(res.accepted_top_logprobs or unknown), res.top_logprobs]
+        tokens: list[int] = [res.next_token]
+        logprobs: list[float | None] = [res.logprob]
+        tops: list[TopLogprobs | None] = [res.top_logprobs]
+        if res.accepted:
+            unknown = [None] * len(res.accepted)
+            tokens[:0] = res.accepted
+            logprobs[:0] = res.accepted_logprobs or unknown
+            tops[:0] = res.accepted_top_logprobs or unknown
         for tok, logprob, top in zip(tokens, logprobs, tops, strict=True):
             self._append_token(req, tok, logprob, top, now)
             if req.finished:

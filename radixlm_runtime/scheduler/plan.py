@@ -22,17 +22,19 @@ def build_plan(
         req = it.req
         assert len(req.kv_slots) == it.prefix_len, "a request's slots and its computed KV disagree"
         end = it.prefix_len + it.extend_len
-        req.kv_slots.extend(slots[offset : offset + it.extend_len])
+        req.kv_slots += slots[offset : offset + it.extend_len]
         offset += it.extend_len
-        first = _first_logit_pos(it)
-        wants_prompt = req.needs_prompt_logprobs and first < end
+        needs_prompt = req.needs_prompt_logprobs
+        first = _first_logit_pos(it, needs_prompt)
         due = it.completes and req.sampling_params.max_new_tokens > 0
         specs = _sample_specs(req, it.draft, eos_ids, vocab_size) if due else []
+        input_ids = req.token_ids[it.prefix_len : end - len(it.draft)]
+        wants_prompt = needs_prompt and first < end
         forward.append(
             ForwardItem(
                 row=_row(req),
                 prefix_len=it.prefix_len,
-                input_ids=req.token_ids[it.prefix_len : end - len(it.draft)] + it.draft,
+                input_ids=input_ids + it.draft if it.draft else input_ids,
                 seq_slots=req.kv_slots,
                 write_from=req.table_synced,
                 logits_from=first,
@@ -53,13 +55,12 @@ def _row(req: Req) -> int:
     return req.req_pool_idx
 
 
-def _first_logit_pos(it: ScheduledItem) -> int:
+def _first_logit_pos(it: ScheduledItem, needs_prompt: bool) -> int:
     """First position of this chunk whose logits are needed: the prompt-logprob range when asked
     for, else only the last token (and only when the chunk completes the request's tokens)."""
-    req = it.req
     last = it.prefix_len + it.extend_len - 1 - len(it.draft)
-    if req.needs_prompt_logprobs:
-        return max(it.prefix_len, req.logprob_start_len - 1, 0)
+    if needs_prompt:
+        return max(it.prefix_len, it.req.logprob_start_len - 1, 0)
     return last if it.completes else last + 1
 
 
@@ -92,7 +93,8 @@ def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size
     """The spec of the row after req's tokens followed by `ahead` (draft tokens; the guide already
     advanced through them)."""
     sp = req.sampling_params
-    early = req.output_len + len(ahead) < sp.min_new_tokens
+    draw = req.output_len + len(ahead)
+    early = draw < sp.min_new_tokens
     banned = sorted(eos_ids | set(sp.stop_token_ids)) if early else []
     if not early and sp.ignore_eos and req.guide is not None:
         # A constraint ends its output on EOS; under ignore_eos it goes on while any other token
@@ -102,7 +104,7 @@ def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size
     return SampleSpec(
         params=sp,
         seed=req.seed,
-        draw=req.output_len + len(ahead),
+        draw=draw,
         banned_ids=banned,
         history=(req.origin_input_ids, req.output_ids + ahead) if penalised else None,
         allowed=req.guide.allowed_mask(vocab_size) if req.guide is not None else None,
