@@ -76,9 +76,10 @@ class EngineConfig:
     deterministic: bool = flag(
         False,
         "Batch-invariant kernels: a request gets the same tokens and logprobs whatever it is batched "
-        "with and whether its prefix came from the radix cache. Every linear runs in fixed blocks of "
-        "rows and every token attends on its own (the decode kernel), which costs throughput (see "
-        "benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
+        "with and whether its prefix came from the radix cache. Every token attends on its own (the "
+        "decode kernel); linears run on kernels whose tiling does not depend on the row count (CUDA: a "
+        "Triton matmul; CPU: the float32 panel kernels, other CPU linears in fixed blocks of 16 rows). "
+        "It costs throughput (see benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
     )
     disable_cuda_graph: bool = flag(
         False,

@@ -17,6 +17,7 @@ from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
 from radixlm_runtime.layers.linear_kernels import QuantKernelError, load_kernels
 from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
@@ -224,20 +225,25 @@ class ModelRunner:
         return TorchAttentionBackend(self.kv_pool, self.req_to_token, scale)
 
     def _make_batch_invariant(self) -> None:
-        """--deterministic: per-token attention and fixed-shape matmuls (see EngineConfig)."""
+        """--deterministic: per-token attention and batch-invariant matmuls (see EngineConfig)."""
         if not self.attn_backend.supports_per_token:
             raise ValueError(
                 "deterministic needs the 'cpu' (float32 on CPU) or 'triton' attention backend, not "
                 f"{type(self.attn_backend).__name__}"
             )
         self.attn_backend.per_token = True
-        blocked = [m for m in self.model.modules() if isinstance(m, Linear) and not m.batch_invariant]
-        for module in blocked:
-            module.row_block = DETERMINISTIC_ROW_BLOCK
+        variant = [m for m in self.model.modules() if isinstance(m, Linear) and not m.batch_invariant]
+        for module in variant:
+            if fused_triton.supports(module.weight):
+                module.invariant_matmul = True
+            else:
+                module.row_block = DETERMINISTIC_ROW_BLOCK
+        on_triton = sum(m.invariant_matmul for m in variant)
         logger.info(
-            "deterministic: per-token attention, %d linears in blocks of %d rows (the others are "
-            "batch-invariant as they are)",
-            len(blocked),
+            "deterministic: per-token attention; %d linears on the invariant Triton matmul, %d in "
+            "blocks of %d rows (the others are batch-invariant as they are)",
+            on_triton,
+            len(variant) - on_triton,
             DETERMINISTIC_ROW_BLOCK,
         )
 

@@ -1,12 +1,13 @@
 """Triton kernels for the decoder layer's elementwise ops on CUDA tensors: RMSNorm with the residual
-add, rotary in place, SiLU-and-mul, and the KV store, one launch each.
+add, rotary in place, SiLU-and-mul, and the KV store, one launch each; and the batch-invariant matmul
+that --deterministic runs the linears on.
 
 On a GPU these ops are launch-bound, not bandwidth-bound: written as torch ops each costs several
 kernel launches (casts, reductions, index_put), most of a small model's per-layer time at decode.
 The layers call these where `supports` says so and keep their torch code as the reference (and the
 path for other devices and dtypes). Every kernel computes in float32 and rounds where the reference
-does, so results match it up to float32 summation order. The device code is in triton_elementwise.py,
-imported on first launch, so a CPU process never loads Triton.
+does, so results match it up to float32 summation order. The device code is in triton_elementwise.py
+and triton_matmul.py, imported on first launch, so a CPU process never loads Triton.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _kernels() -> ModuleType:
     from radixlm_runtime.layers import triton_elementwise
 
     return triton_elementwise
+
+
+@functools.cache
+def _matmul_kernels() -> ModuleType:
+    from radixlm_runtime.layers import triton_matmul
+
+    return triton_matmul
 
 
 def _pow2(n: int) -> int:
@@ -145,3 +153,48 @@ def store_kv(
         BLOCK_D=block_d,
         num_warps=_num_warps(2 * block_h * block_d),
     )
+
+
+# The matmul's one tile shape, whatever the row count: what makes it batch-invariant.
+INVARIANT_BLOCK_M, INVARIANT_BLOCK_N, INVARIANT_BLOCK_K = 32, 64, 32
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias for x [T, K] (rows of contiguous elements), weight [N, K] contiguous, in x's
+    dtype, accumulated in float32 (float32 inputs multiply in full precision, not tf32). Each row's
+    result is bit-identical whatever rows come with it, in one launch: --deterministic's linears
+    (cuBLAS picks its algorithm, and splits K, by the row count)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or not weight.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError(f"x [{rows}, {k}] (contiguous rows) needs a contiguous weight [N, {k}]")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype of {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    kernels = _matmul_kernels()
+    grid = (-(-rows // INVARIANT_BLOCK_M), -(-n // INVARIANT_BLOCK_N))
+    kernels._invariant_matmul_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        DOT_DTYPE=kernels.dot_dtype(x.dtype),
+        # Triton's default for every dtype; float32 operands would otherwise be rounded to tf32.
+        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=INVARIANT_BLOCK_M,
+        BLOCK_N=INVARIANT_BLOCK_N,
+        BLOCK_K=INVARIANT_BLOCK_K,
+        num_warps=4,
+    )
+    return out

@@ -5,7 +5,8 @@ torch's default CPU GEMM repacks the weight on every call; for the small row cou
 that repacking costs as much as the multiply. The panel kernels read the weights as stored: 1.75x
 oneDNN's prepacked GEMM at one row, 1.15-1.35x at 16-32, at par from 64 rows on
 (benchmarks/bench_linear_cpu.py). Where they have no SIMD path (a CPU without AVX2, e.g. ARM) oneDNN's
-GEMM with the weight prepacked once serves instead.
+GEMM with the weight prepacked once serves instead. Under --deterministic, CUDA linears run on the
+batch-invariant Triton matmul (fused_triton.invariant_linear).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear_kernels import FloatPanels, cpu_linear, panels_available
 from radixlm_runtime.layers.quantization import QuantizedWeight
 
@@ -34,7 +36,9 @@ class Linear(nn.Linear):
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
-    # Rows per matmul call when batch invariance is wanted (--deterministic); 0: one call for all rows.
+    # Batch invariance (--deterministic): the Triton matmul with one tile shape for every row count
+    # (CUDA), or else rows per matmul call (0: one call for all rows).
+    invariant_matmul: bool = False
     row_block: int = 0
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
@@ -75,6 +79,8 @@ class Linear(nn.Linear):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant_matmul:
+            return fused_triton.invariant_linear(x, self.weight, self.bias)
         if self.row_block:
             return self._fixed_row_blocks(x)
         return self._matmul(x)
