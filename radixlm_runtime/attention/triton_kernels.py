@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import JITFunction
+
+from radixlm_runtime.kernels.triton_dot import dot_dtype
 
 # Finite stand-in for -inf as the running max: keeps ``exp(m_old - m_new)`` at 0 instead of NaN
 # for rows that have not seen an unmasked key yet (padding rows, padding heads).
@@ -19,27 +20,12 @@ _NEG_LARGE = tl.constexpr(-1.0e30)
 # tl.dot lower bound on the M/N dims (tensor-core tiles need >= 16 rows/cols).
 _MIN_DOT = 16
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
 
 def _block_d(head_dim: int) -> int:
     """Padded power-of-two head dim; the tail lanes are masked in the kernels."""
     if head_dim > 256:
         raise ValueError(f"head_dim {head_dim} > 256 is not supported")
     return max(_MIN_DOT, triton.next_power_of_2(head_dim))
-
-
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """Operand dtype for tl.dot: the storage dtype, except bf16 under the Triton interpreter.
-
-    The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits as integers,
-    so there (CPU / TRITON_INTERPRET=1) bf16 operands are upcast to fp32 first.
-    """
-    if dtype not in _TL_DTYPES:
-        raise TypeError(f"unsupported attention dtype {dtype}")
-    if dtype == torch.bfloat16 and not isinstance(_extend_fwd_kernel, JITFunction):
-        return tl.float32
-    return _TL_DTYPES[dtype]
 
 
 @triton.jit
@@ -182,7 +168,7 @@ def extend_attention_fwd(
         req_to_token.stride(0),
         HEAD_DIM=head_dim,
         KV_GROUP=num_q_heads // num_kv_heads,
-        DOT_DTYPE=_dot_dtype(k_buffer.dtype),
+        DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -388,7 +374,7 @@ def decode_attention_fwd(
         mid_lse.stride(1),
         HEAD_DIM=head_dim,
         KV_GROUP=kv_group,
-        DOT_DTYPE=_dot_dtype(k_buffer.dtype),
+        DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
         NUM_KV_SPLITS=num_kv_splits,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(kv_group)),
         BLOCK_N=block_n,

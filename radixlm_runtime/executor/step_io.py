@@ -28,9 +28,7 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
         start, end = it.prefix_len, it.prefix_len + n
         input_ids += it.input_ids
         out_loc += it.seq_slots[start:end]
-        if it.logits_from < end:
-            first_row = offset + it.logits_from - start
-            logit_rows += range(first_row, offset + n)
+        logit_rows += range(offset + n - it.num_logit_rows, offset + n)
         if it.write_from < end:
             w_rows += [it.row] * (end - it.write_from)
             w_cols += range(it.write_from, end)

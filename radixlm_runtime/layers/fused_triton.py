@@ -175,6 +175,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    from radixlm_runtime.kernels.triton_dot import dot_dtype  # loads Triton: only where a kernel runs
+
     kernels = _matmul_kernels()
     grid = (-(-rows // INVARIANT_BLOCK_M), -(-n // INVARIANT_BLOCK_N))
     kernels._invariant_matmul_kernel[grid](
@@ -189,9 +191,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        DOT_DTYPE=kernels.dot_dtype(x.dtype),
-        # Triton's default for every dtype; float32 operands would otherwise be rounded to tf32.
-        INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(x.dtype, kernels._invariant_matmul_kernel),
         BLOCK_M=INVARIANT_BLOCK_M,
         BLOCK_N=INVARIANT_BLOCK_N,
         BLOCK_K=INVARIANT_BLOCK_K,

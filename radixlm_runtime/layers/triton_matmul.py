@@ -1,10 +1,8 @@
 """The Triton device code of `fused_triton.invariant_linear`: imported on first use, so a process that
 never touches a CUDA tensor never loads Triton."""
 
-import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -21,7 +19,6 @@ def _invariant_matmul_kernel(
     stride_y,
     HAS_BIAS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -44,19 +41,9 @@ def _invariant_matmul_kernel(
         w = tl.load(
             W + cols[None, :] * stride_w + k[:, None], mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0
         )
-        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+        # "ieee" keeps float32 operands from being rounded to tf32; fp16/bf16 ignore it.
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], acc.to(Y.dtype.element_ty), mask=mask)
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The operands' dtype in tl.dot: their own, except bf16 under the Triton interpreter, which keeps
-    bf16 as raw bits and would multiply them as integers (there they are upcast to float32)."""
-    if dtype == torch.bfloat16 and not isinstance(_invariant_matmul_kernel, JITFunction):
-        return tl.float32
-    return _TL_DTYPES[dtype]
