@@ -12,7 +12,7 @@ import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.config import EngineConfig
-from radixlm_runtime.executor.cuda_graph import CudaGraphRunner
+from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
@@ -254,10 +254,15 @@ class ModelRunner:
         if not self.attn_backend.graph_capturable:
             logger.info("CUDA graphs off: the %s backend is not capturable", type(self.attn_backend).__name__)
             return None
+        return self.capture_decode_graphs(CudaGraphCapturer(self.device))
+
+    def capture_decode_graphs(self, capturer: GraphCapturer) -> CudaGraphRunner:
+        """Decode graphs up to --cuda-graph-max-bs, recorded by `capturer`."""
+        config = self.engine_config
         max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
         # The table's last row is never handed to a request (RowAllocator gives out max_reqs rows).
         dummy_row = self.req_to_token.max_reqs - 1
-        return CudaGraphRunner(self.model, self.attn_backend, max_bs, dummy_row, self.device)
+        return CudaGraphRunner(self.model, self.attn_backend, max_bs, dummy_row, self.device, capturer)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """CUDA-graph decode: replayed steps give exactly what eager steps give, padding rows never leak into
-real ones, and a decode step queues its work without waiting for the device. The graph tests need a
-GPU (RADIXLM_TEST_DEVICE=cuda); sizing and flag checks run everywhere."""
+real ones, and a decode step queues its work without waiting for the device. Recording real graphs
+needs a GPU (RADIXLM_TEST_DEVICE=cuda); the runner's static buffers, padding and replay run everywhere
+through a capturer that re-runs the captured forward, and so do sizing and flag checks."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import radixlm_runtime as rt
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import capture_sizes
+from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.step import StepPlan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -35,6 +37,84 @@ def test_cuda_graph_max_bs_is_validated() -> None:
 def test_cpu_runner_captures_nothing(tiny_llama_dir: Path) -> None:
     engine = rt.Engine(str(tiny_llama_dir), device="cpu", max_total_tokens=512, log_level="warning")
     assert engine.runner.graphs is None
+
+
+class RerunCapturer:
+    """Stands in for CUDA graphs where there are none: a replay runs the captured forward again on
+    the same static buffers, with the attention metadata set at capture (a graph never recomputes
+    it), into the captured output tensor. What it cannot check is the recording itself."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def capture(self, forward):  # type: ignore[no-untyped-def]
+        self.captured += 1
+        output = forward()
+        return (lambda: output.copy_(forward())), output
+
+
+def _rerun_engine(model_dir: Path, graphs: bool) -> rt.Engine:
+    """A CPU engine on the graph-capturable Triton backend (under the interpreter on CPU), its decode
+    steps through the graph runner when `graphs`."""
+    engine = rt.Engine(
+        str(model_dir),
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        max_total_tokens=2048,
+        max_running_requests=10,
+        log_level="warning",
+    )
+    if graphs:
+        engine.runner.graphs = engine.runner.capture_decode_graphs(RerunCapturer())
+    return engine
+
+
+def test_graph_runner_pads_and_replays_like_eager_on_cpu(tiny_llama_dir: Path) -> None:
+    """Requests of different lengths leave one by one, so decode batches of 10 down to 1 (but for
+    steps that also prefill, which run eagerly) run padded to 10, 8, 4, 2 and 1: tokens and logprobs
+    equal the eager runs', and every padding row holds the dummy request (its KV goes to slot 0),
+    rows a larger batch used before included."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + " x" * i for i in range(10)]
+    params = [{"max_new_tokens": 2 + i, "temperature": 0, "ignore_eos": True} for i in range(10)]
+
+    def run(graphs: bool) -> tuple[list[dict], dict[int, int]]:
+        engine = _rerun_engine(tiny_llama_dir, graphs)
+        padded: dict[int, int] = {}
+        runner = engine.runner.graphs
+        if runner is not None:
+            replay = runner.replay
+
+            def counted(batch: ForwardBatch) -> torch.Tensor:
+                out = replay(batch)
+                bs = batch.batch_size
+                padded[bs] = runner.sizes[[s >= bs for s in runner.sizes].index(True)]
+                pad = runner.inputs[:, bs : padded[bs]]
+                assert pad.tolist() == runner.pad[:, bs : padded[bs]].tolist()
+                return out
+
+            runner.replay = counted
+        outs = engine.generate(prompts, params, return_logprob=True)
+        return outs, padded
+
+    eager, _ = run(graphs=False)
+    graphed, padded = run(graphs=True)
+    assert len(padded) >= 7 and set(padded.values()) == {1, 2, 4, 8, 10}
+    for e, g in zip(eager, graphed, strict=True):
+        assert g["output_ids"] == e["output_ids"]
+        assert g["meta_info"]["output_token_logprobs"] == e["meta_info"]["output_token_logprobs"]
+
+
+def test_graph_runner_captures_every_size_with_the_dummy_request(tiny_llama_dir: Path) -> None:
+    """One capture per size, largest first, each over padding rows only: the dummy request's table
+    row, token 0 at position 0, KV slot 0."""
+    engine = _rerun_engine(tiny_llama_dir, graphs=False)
+    capturer = RerunCapturer()
+    runner = engine.runner.capture_decode_graphs(capturer)
+    assert runner.sizes == [1, 2, 4, 8, 10] and capturer.captured == len(runner.sizes)
+    assert runner.dummy_row == engine.runner.req_to_token.max_reqs - 1
+    assert runner.inputs.tolist() == [[0] * 10, [0] * 10, [0] * 10, [runner.dummy_row] * 10, [1] * 10]
+    assert all(runner.outputs[bs].shape == (bs, 300) for bs in runner.sizes)
 
 
 def _outputs(model_dir: Path, prompts: list[str], **flags: object) -> tuple[list[str], int]:
