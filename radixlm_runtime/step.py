@@ -8,6 +8,7 @@ device once. Nothing here imports torch, so the scheduler never does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,7 +39,7 @@ def future_token(row: int) -> int:
     return -(row + 1)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleSpec:
     """How to pick a request's next token from the last row of its logits."""
 
@@ -55,7 +56,7 @@ class SampleSpec:
     top_logprobs_num: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptLogprobSpec:
     """Prompt logprobs wanted from this step's logits rows of one request."""
 
@@ -65,7 +66,7 @@ class PromptLogprobSpec:
     top_logprobs_num: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class ForwardItem:
     """One request's part of a step: its new tokens, where their KV goes, and what it wants back."""
 
@@ -87,12 +88,8 @@ class ForwardItem:
     draft_samples: list[SampleSpec] = field(default_factory=list)
 
     @property
-    def seq_len(self) -> int:
-        return self.prefix_len + len(self.input_ids)
-
-    @property
     def num_logit_rows(self) -> int:
-        return max(self.seq_len - self.logits_from, 0)
+        return max(self.prefix_len + len(self.input_ids) - self.logits_from, 0)
 
     @property
     def draft(self) -> list[int]:
@@ -109,18 +106,21 @@ class StepPlan:
     items: list[ForwardItem]
 
 
-@dataclass
+@dataclass(slots=True)
 class ItemResult:
+    """A request's part of a step's results. One is made per request per step, so the sequences
+    default to a shared empty tuple instead of new lists."""
+
     next_token: int | None = None
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None
     # Speculative decoding: the draft tokens accepted, in order; next_token follows them (the
     # correction of the first rejected draft token, or the bonus token after the whole draft).
-    accepted: list[int] = field(default_factory=list)
-    accepted_logprobs: list[float] = field(default_factory=list)
-    accepted_top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[float | None] = field(default_factory=list)
-    prompt_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    accepted: Sequence[int] = ()
+    accepted_logprobs: Sequence[float] = ()
+    accepted_top_logprobs: Sequence[TopLogprobs] = ()
+    prompt_logprobs: Sequence[float | None] = ()
+    prompt_top_logprobs: Sequence[TopLogprobs | None] = ()
 
 
 @dataclass

@@ -28,7 +28,7 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
         start, end = it.prefix_len, it.prefix_len + n
         input_ids += it.input_ids
         out_loc += it.seq_slots[start:end]
-        logit_rows += range(offset + n - it.num_logit_rows, offset + n)
+        logit_rows += range(offset + it.logits_from - start, offset + n)  # empty when none
         if it.write_from < end:
             w_rows += [it.row] * (end - it.write_from)
             w_cols += range(it.write_from, end)
@@ -57,12 +57,12 @@ class StepOutputs:
 
     def __init__(self, plan: StepPlan) -> None:
         self.items = plan.items
-        # First logits row of each item: items' rows are laid out in plan order.
-        self._row_base: list[int] = []
+        # First logits row of each item, and the total last: items' rows are laid out in plan order.
+        self._row_base: list[int] = [0]
         base = 0
         for it in self.items:
-            self._row_base.append(base)
             base += it.num_logit_rows
+            self._row_base.append(base)
         self._sampled = [i for i, it in enumerate(self.items) if it.sample is not None]
         self._parts: list[torch.Tensor] = []
         self._sample_top = 0
@@ -80,9 +80,8 @@ class StepOutputs:
         before its draft tokens when it has any."""
         rows: list[int] = []
         for i in self._sampled:
-            it = self.items[i]
-            end = self._row_base[i] + it.num_logit_rows
-            rows.extend(range(end - 1 - it.draft_len, end))
+            end = self._row_base[i + 1]
+            rows.extend(range(end - 1 - self.items[i].draft_len, end))
         return rows
 
     def add_samples(

@@ -28,7 +28,7 @@ IN_BATCH_PREFIX_CHECK = 32
 MIN_CHUNK = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledItem:
     """One request's share of a step: extend_len new tokens on top of prefix_len computed ones."""
 

@@ -66,6 +66,9 @@ class OutputProcessor:
         constrained request whose budget is running out is completed (`complete_within_budget`)."""
         assert res.next_token is not None
         kept = len(req.token_ids)
+        if not res.accepted and req.guide is None:  # the common case: one token, no constraint
+            self._append_token(req, res.next_token, res.logprob, res.top_logprobs, now)
+            return
         tokens: list[int] = [res.next_token]
         logprobs: list[float | None] = [res.logprob]
         tops: list[TopLogprobs | None] = [res.top_logprobs]

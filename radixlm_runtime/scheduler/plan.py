@@ -79,6 +79,8 @@ def _prompt_logprob_spec(req: Req, first: int, end: int) -> PromptLogprobSpec:
 def _sample_specs(req: Req, draft: list[int], eos_ids: frozenset[int], vocab_size: int) -> list[SampleSpec]:
     """How to sample the row of req's last token, then the row of each draft token as if the draft
     up to it were accepted: min_new_tokens, penalties and the constraint see those tokens too."""
+    if not draft:
+        return [_sample_spec(req, draft, eos_ids, vocab_size)]
     specs = []
     for i in range(len(draft) + 1):
         specs.append(_sample_spec(req, draft[:i], eos_ids, vocab_size))
