@@ -208,6 +208,23 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
     assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
 
 
+def test_invariance(out_dir: Path) -> None:
+    """Every variant against the alone-uncached reference, in both modes; under --deterministic each
+    is bit-identical on the CPU (the default mode's counts are reported, not held to anything)."""
+    result = run_tiny("bench_invariance.py", out_dir, "invariance")
+    assert result["device"] == "cpu" and result["dtypes"] == ["float32"]
+    rows = result["results"]
+    variants = ["alone, uncached", "alone, cached", "batched", "reversed"]
+    assert [(r["mode"], r["variant"]) for r in rows] == [
+        (mode, v) for mode in ("default", "deterministic") for v in variants
+    ]
+    for r in rows:
+        assert 0 <= r["same_logprobs"] <= r["same_tokens"] <= r["prompts"] == 3 and r["wall_s"] > 0
+    exact = [r for r in rows if r["mode"] == "deterministic" or r["variant"] == variants[0]]
+    assert len(exact) == 5 and all(r["same_logprobs"] == 3 for r in exact)
+    assert len(result["tables"][0]["rows"]) == 6
+
+
 def test_speculative(speculative: dict[str, Any]) -> None:
     assert speculative["draft_tokens"] == [0, 2]
     for k, run_k in speculative["runs"].items():

