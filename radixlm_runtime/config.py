@@ -62,9 +62,11 @@ class EngineConfig:
     )
     mem_fraction_static: float | None = flag(
         None,
-        "Fraction of available memory after the weights are loaded (host RAM on CPU, free GPU memory "
-        "on CUDA) given to the KV cache pool when --max-total-tokens is not set. Default: 0.15 on "
-        "CPU (the host keeps running everything else), 0.8 on CUDA (the rest is for activations).",
+        "Fraction of available memory after the weights are loaded given to the KV cache pool when "
+        "--max-total-tokens is not set. CPU: of the host's available RAM, default 0.15 (the host keeps "
+        "running everything else). CUDA: of the free GPU memory left once the activations of the "
+        "largest steps (a --chunked-prefill-size prefill, the largest CUDA-graph decode batch), "
+        "measured at start-up, are set aside; default 0.9.",
     )
     max_running_requests: int = flag(
         128, "Most requests decoding at once in the running batch (sizes the request-to-token table)."

@@ -13,6 +13,6 @@ from radixlm_runtime.server_args import ServerArgs
 
 
 def build_scheduler(model_dir: Path, args: ServerArgs, tokenizer: Any) -> Scheduler:
-    runner = ModelRunner(model_dir, args.engine)
+    runner = ModelRunner(model_dir, args.engine, args.scheduler.chunked_prefill_size)
     eos = frozenset(eos_token_ids(tokenizer, list(runner.info.eos_token_ids)))
     return Scheduler(runner, args.scheduler, tokenizer, eos)

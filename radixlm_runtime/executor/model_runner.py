@@ -13,6 +13,13 @@ import torch
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
+from radixlm_runtime.executor.memory import (
+    DEFAULT_MEM_FRACTION,
+    available_memory_bytes,
+    kv_pool_tokens,
+    peak_bytes,
+    scratch_plan,
+)
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
@@ -27,6 +34,7 @@ from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.models.loader import gguf_source, load_weights
+from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
@@ -37,9 +45,6 @@ logger = get_logger(__name__)
 
 # Rows per matmul call under --deterministic: small enough that a decode step pads little.
 DETERMINISTIC_ROW_BLOCK = 16
-
-# Share of available memory for the KV pool by default: (CPU, CUDA).
-DEFAULT_MEM_FRACTION = (0.15, 0.8)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,19 +61,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass max_total_tokens")
-
-
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+    def __init__(self, model_dir: Path, config: EngineConfig, max_step_tokens: int) -> None:
+        """max_step_tokens: the most tokens the scheduler puts in one step (its chunked-prefill
+        budget), which the memory left beside the KV pool must hold."""
         self.engine_config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -95,24 +91,17 @@ class ModelRunner:
             self.dtype,
         )
 
-        self.max_total_tokens = self._kv_pool_size()
-        self.kv_pool = KVPool(
-            self.max_total_tokens,
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            self.dtype,
-            self.device,
-        )
+        if config.deterministic:
+            self._make_linears_batch_invariant()
+        self.sampler = Sampler(device=self.device)
+        self.max_total_tokens = self._kv_pool_size(max_step_tokens)
+        self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.req_to_token = ReqToTokenTable(
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
-        self.attn_backend = self._make_attention_backend()
-        if config.deterministic:
-            self._make_batch_invariant()
+        self.attn_backend = self._make_attention_backend(self.kv_pool, self.req_to_token)
         self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
         self.graphs = self._capture_cuda_graphs()
-        self.sampler = Sampler(device=self.device)
         self.info = RunnerInfo(
             vocab_size=self.config.vocab_size,
             context_len=self.context_len,
@@ -187,7 +176,11 @@ class ModelRunner:
             next((f"int{w.bits}" for t, w in plans if t.is_lm_head), "float"),
         )
 
-    def _kv_pool_size(self) -> int:
+    def _new_kv_pool(self, size: int) -> KVPool:
+        c = self.config
+        return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def _kv_pool_size(self, max_step_tokens: int) -> int:
         if self.engine_config.max_total_tokens is not None:
             return self.engine_config.max_total_tokens
         per_token = KVPool.bytes_per_token_for(
@@ -196,10 +189,56 @@ class ModelRunner:
         fraction = self.engine_config.mem_fraction_static
         if fraction is None:
             fraction = DEFAULT_MEM_FRACTION[self.device.type == "cuda"]
-        budget = int(_available_memory_bytes(self.device) * fraction)
-        return max(1024, budget // per_token)
+        reserved = 0
+        if self.device.type == "cuda":
+            reserved = self._activation_reserve(max_step_tokens)
+            logger.info("activations of the largest steps: %.2f GiB (measured)", reserved / 2**30)
+        available = available_memory_bytes(self.device)
+        return kv_pool_tokens(available, reserved, fraction, per_token, self.device)
 
-    def _make_attention_backend(self) -> AttentionBackend:
+    @torch.inference_mode()
+    def _activation_reserve(self, max_step_tokens: int) -> int:
+        """Device memory, beyond the weights and the KV pool, of the largest steps: a prefill of
+        max_step_tokens tokens whose last max_running_requests rows are sampled with top-p (a sort
+        of the whole vocabulary), plus a decode of the largest captured batch (CUDA graphs keep a
+        memory pool of their own). Measured on a scratch pool before the real one is sized; the
+        run also compiles the kernels the first requests would otherwise wait for."""
+        config = self.engine_config
+        rows = min(config.max_running_requests, max_step_tokens)
+        pool = self._new_kv_pool(max(max_step_tokens, rows) + 1)
+        table = ReqToTokenTable(rows, max_step_tokens, self.device)
+        attn = self._make_attention_backend(pool, table)
+        vocab = self.config.vocab_size
+        params = SamplingParams.from_dict({"temperature": 1.0, "top_p": 0.9}, vocab)
+        draws = [(0, i) for i in range(rows)]
+        info = SamplingBatchInfo.build([params] * rows, draws, None, vocab, self.device)
+
+        def run(plan: StepPlan, sample: bool) -> object:
+            batch, writes = build_batch(plan, self.device)
+            assert writes is not None
+            table.write(*writes)
+            attn.init_forward_metadata(batch)
+            logits = self.model(batch, attn)
+            return self.sampler(logits, info, return_logprob=True) if sample else logits
+
+        reserved = peak_bytes(lambda: run(scratch_plan([max_step_tokens], [rows]), True), self.device)
+        if not config.disable_cuda_graph and attn.graph_capturable:
+            n = min(rows, config.cuda_graph_max_bs)
+            reserved += peak_bytes(lambda: run(scratch_plan([1] * n, [1] * n), False), self.device)
+        return reserved
+
+    def _make_attention_backend(self, pool: KVPool, table: ReqToTokenTable) -> AttentionBackend:
+        backend = self._new_attention_backend(pool, table)
+        if self.engine_config.deterministic:
+            if not backend.supports_per_token:
+                raise ValueError(
+                    "deterministic needs the 'cpu' (float32 on CPU) or 'triton' attention backend, not "
+                    f"{type(backend).__name__}"
+                )
+            backend.per_token = True
+        return backend
+
+    def _new_attention_backend(self, pool: KVPool, table: ReqToTokenTable) -> AttentionBackend:
         name = self.engine_config.attention_backend
         if name == "auto":
             if self.device.type == "cuda":
@@ -210,28 +249,23 @@ class ModelRunner:
         if name == "triton":
             from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
 
-            return TritonAttentionBackend(self.kv_pool, self.req_to_token, scale)
+            return TritonAttentionBackend(pool, table, scale)
         if name == "cpu":
             from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
 
             try:
-                return CpuAttentionBackend(self.kv_pool, self.req_to_token, scale)
+                return CpuAttentionBackend(pool, table, scale)
             except KernelBuildError as e:
                 if self.engine_config.attention_backend == "cpu":
                     raise
                 logger.warning("C++ CPU attention unavailable, the torch backend runs instead: %s", e)
         from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(self.kv_pool, self.req_to_token, scale)
+        return TorchAttentionBackend(pool, table, scale)
 
-    def _make_batch_invariant(self) -> None:
-        """--deterministic: per-token attention and batch-invariant matmuls (see EngineConfig)."""
-        if not self.attn_backend.supports_per_token:
-            raise ValueError(
-                "deterministic needs the 'cpu' (float32 on CPU) or 'triton' attention backend, not "
-                f"{type(self.attn_backend).__name__}"
-            )
-        self.attn_backend.per_token = True
+    def _make_linears_batch_invariant(self) -> None:
+        """--deterministic: batch-invariant matmuls (see EngineConfig); the attention backend is
+        made per-token where it is built."""
         variant = [m for m in self.model.modules() if isinstance(m, Linear) and not m.batch_invariant]
         for module in variant:
             if fused_triton.supports(module.weight):

@@ -288,7 +288,7 @@ def test_runner_picks_cpu_by_default_and_falls_back_without_a_compiler(
 ) -> None:
     def runner(backend: str) -> model_runner.ModelRunner:
         config = EngineConfig(str(tiny_llama_dir), "cpu", max_total_tokens=64, attention_backend=backend)
-        return model_runner.ModelRunner(tiny_llama_dir, config)
+        return model_runner.ModelRunner(tiny_llama_dir, config, max_step_tokens=1024)
 
     assert type(runner("auto").attn_backend) is CpuAttentionBackend
     assert type(runner("torch").attn_backend) is TorchAttentionBackend
