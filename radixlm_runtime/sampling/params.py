@@ -161,6 +161,15 @@ class SamplingParams:
         return Constraint.of(self.regex, self.json_schema, self.ebnf)
 
     @property
+    def is_constrained(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.ebnf is not None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the next token depends on the tokens so far (frequency/presence/repetition)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 

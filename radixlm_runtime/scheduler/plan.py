@@ -102,13 +102,12 @@ def _sample_spec(req: Req, ahead: list[int], eos_ids: frozenset[int], vocab_size
         # A constraint ends its output on EOS; under ignore_eos it goes on while any other token
         # fits (the ban is soft: lifted where EOS is all the constraint allows).
         banned = sorted(eos_ids)
-    penalised = sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1.0
     return SampleSpec(
         params=sp,
         seed=req.seed,
         draw=draw,
         banned_ids=banned,
-        history=(req.origin_input_ids, req.output_ids + ahead) if penalised else None,
+        history=(req.origin_input_ids, req.output_ids + ahead) if sp.has_penalties else None,
         allowed=req.guide.allowed_mask(vocab_size) if req.guide is not None else None,
         return_logprob=req.return_logprob,
         top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,

@@ -114,7 +114,7 @@ class Req:
 
     @property
     def is_constrained(self) -> bool:
-        return self.sampling_params.constraint is not None
+        return self.sampling_params.is_constrained
 
     @property
     def finished(self) -> bool:

@@ -205,11 +205,12 @@ class Scheduler:
     def _append_futures(self, launched: _Launched) -> None:
         """Gives every request sampled in the launched step its future token, so the next step can
         be planned (the token is its decode input) before the results are read."""
+        running = set(map(id, self.admission.running))
         row = 0
         for it, fwd in zip(launched.items, launched.plan.items):
             if fwd.sample is None:
                 continue
-            if not it.req.finished and it.req in self.admission.running:
+            if not it.req.finished and id(it.req) in running:
                 it.req.token_ids.append(future_token(row))
             row += 1
 
@@ -220,18 +221,14 @@ class Scheduler:
         assert self._inflight is not None
         for it in self._inflight.items:
             sp = it.req.sampling_params
-            if (
-                it.req.is_constrained
-                or sp.frequency_penalty
-                or sp.presence_penalty
-                or sp.repetition_penalty != 1
-            ):
+            if sp.is_constrained or sp.has_penalties:
                 return False
         need = sum(r.pending_len for r in self.admission.running) + self.config.chunked_prefill_size
         return self.cache.available_tokens() >= need
 
     def _settle(self, items: list[ScheduledItem]) -> list[Req]:
         updated: list[Req] = []
+        running = set(map(id, self.admission.running))
         for it in items:
             req = it.req
             if req.finished:
@@ -243,8 +240,9 @@ class Scheduler:
                 # them from the next step on instead of recomputing them.
                 self.cache.cache_unfinished(req)
             if it.completes:
-                if req not in self.admission.running:
+                if id(req) not in running:
                     self.admission.running.append(req)
+                    running.add(id(req))
                 updated.append(req)
         return updated
 
