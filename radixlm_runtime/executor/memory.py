@@ -68,3 +68,15 @@ def scratch_plan(extend_lens: list[int], logit_rows: list[int]) -> StepPlan:
         items.append(ForwardItem(row, 0, [0] * n, slots, write_from=0, logits_from=n - rows))
         start += n
     return StepPlan(items)
+
+
+def scratch_prefill(tokens: int, context_len: int, sampled: int) -> StepPlan:
+    """The largest prefill step: `tokens` new tokens as requests no longer than the context (positions
+    past it have no rotary entry), logits for the step's last `sampled` tokens."""
+    longest = min(tokens, context_len)
+    lens = [longest] * (tokens // longest) + ([tokens % longest] if tokens % longest else [])
+    rows, left = [], sampled
+    for n in reversed(lens):
+        rows.append(min(n, left))
+        left -= rows[-1]
+    return scratch_plan(lens, rows[::-1])

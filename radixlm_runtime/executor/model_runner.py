@@ -19,6 +19,7 @@ from radixlm_runtime.executor.memory import (
     kv_pool_tokens,
     peak_bytes,
     scratch_plan,
+    scratch_prefill,
 )
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
@@ -199,14 +200,17 @@ class ModelRunner:
     @torch.inference_mode()
     def _activation_reserve(self, max_step_tokens: int) -> int:
         """Device memory, beyond the weights and the KV pool, of the largest steps: a prefill of
-        max_step_tokens tokens whose last max_running_requests rows are sampled with top-p (a sort
-        of the whole vocabulary), plus a decode of the largest captured batch (CUDA graphs keep a
-        memory pool of their own). Measured on a scratch pool before the real one is sized; the
-        run also compiles the kernels the first requests would otherwise wait for."""
+        max_step_tokens tokens (requests no longer than the context) whose last max_running_requests
+        rows are sampled with top-p (a sort of the whole vocabulary), plus a decode of the largest
+        captured batch (CUDA graphs keep a memory pool of their own). Measured on a scratch pool
+        before the real one is sized; the run also compiles the kernels the first requests would
+        otherwise wait for."""
         config = self.engine_config
         rows = min(config.max_running_requests, max_step_tokens)
+        prefill = scratch_prefill(max_step_tokens, self.context_len, rows)
         pool = self._new_kv_pool(max(max_step_tokens, rows) + 1)
-        table = ReqToTokenTable(rows, max_step_tokens, self.device)
+        longest = max(len(it.input_ids) for it in prefill.items)
+        table = ReqToTokenTable(max(len(prefill.items), rows), longest, self.device)
         attn = self._make_attention_backend(pool, table)
         vocab = self.config.vocab_size
         params = SamplingParams.from_dict({"temperature": 1.0, "top_p": 0.9}, vocab)
@@ -221,7 +225,7 @@ class ModelRunner:
             logits = self.model(batch, attn)
             return self.sampler(logits, info, return_logprob=True) if sample else logits
 
-        reserved = peak_bytes(lambda: run(scratch_plan([max_step_tokens], [rows]), True), self.device)
+        reserved = peak_bytes(lambda: run(prefill, True), self.device)
         if not config.disable_cuda_graph and attn.graph_capturable:
             n = min(rows, config.cuda_graph_max_bs)
             reserved += peak_bytes(lambda: run(scratch_plan([1] * n, [1] * n), False), self.device)

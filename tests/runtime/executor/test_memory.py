@@ -10,7 +10,13 @@ import torch
 
 import radixlm_runtime as rt
 from radixlm_runtime.executor import model_runner
-from radixlm_runtime.executor.memory import MIN_POOL_TOKENS, kv_pool_tokens, peak_bytes, scratch_plan
+from radixlm_runtime.executor.memory import (
+    MIN_POOL_TOKENS,
+    kv_pool_tokens,
+    peak_bytes,
+    scratch_plan,
+    scratch_prefill,
+)
 from radixlm_runtime.executor.step_io import build_batch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
@@ -43,6 +49,13 @@ def test_scratch_plans_are_new_requests_in_fresh_rows_and_slots() -> None:
     assert slots == list(range(1, 9))
 
 
+def test_the_largest_prefill_is_split_at_the_context_length() -> None:
+    plan = scratch_prefill(70, 32, 40)
+    assert [len(it.input_ids) for it in plan.items] == [32, 32, 6]
+    assert [it.num_logit_rows for it in plan.items] == [2, 32, 6]
+    assert [len(it.input_ids) for it in scratch_prefill(20, 512, 4).items] == [20]
+
+
 def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The two steps measured on CUDA (a full prefill chunk sampled on max_running_requests rows, a
     decode of the largest graph batch) run on the CPU too, the measurement replaced by a record of
@@ -64,9 +77,11 @@ def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pyt
 
     monkeypatch.setattr(model_runner, "peak_bytes", record)
     assert engine.runner._activation_reserve(40) == 2
-    sampled, decode_logits = returned
-    assert sampled.next_token_ids.shape == (6,) and sampled.logprobs.shape == (6,)
-    assert decode_logits.shape == (6, 300)
+    # More tokens than the context (512) holds: the prefill is split into requests.
+    assert engine.runner._activation_reserve(1100) == 2
+    for sampled, decode_logits in (returned[:2], returned[2:]):
+        assert sampled.next_token_ids.shape == (6,) and sampled.logprobs.shape == (6,)
+        assert decode_logits.shape == (6, 300)
 
 
 @needs_cuda
