@@ -5,6 +5,7 @@ every part with positive figures and that radixlm's greedy tokens equal transfor
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -158,13 +159,21 @@ def test_cpu_run_measures_every_part(cpu_result: dict[str, Any]) -> None:
     assert r["errors"] == {}
     assert {"model", "dtype", "date", "transformers", "torch", "cpu"} <= set(r["machine"])
     assert "LlamaForCausalLM" in r["machine"]["model"]
-    # decode: every CPU side at both --tiny batch sizes, positive figures.
+    # decode: every CPU side at both --tiny batch sizes. The per-token figures are differences of two
+    # best walls (full run minus a 1-token run), below timing noise at this size on a busy machine:
+    # only their consistency is checked.
     assert set(r["decode"]) == {"radixlm", "radixlm_torchattn", "hf_eager"}
     for side, runs in r["decode"].items():
         assert [run["batch_size"] for run in runs] == [1, 4], side
         for run in runs:
-            for key in ("ttft_s", "wall_s", "decode_ms_per_token", "tokens_per_s", "decode_tokens_per_s"):
+            for key in ("ttft_s", "wall_s", "tokens_per_s"):
                 assert run[key] > 0, (side, key)
+            per_token = (run["wall_s"] - run["ttft_s"]) / (run["new_tokens"] - 1)
+            assert run["decode_ms_per_token"] == pytest.approx(1e3 * per_token)
+            if per_token > 0:
+                assert run["decode_tokens_per_s"] == pytest.approx(run["batch_size"] / per_token)
+            else:
+                assert math.isnan(run["decode_tokens_per_s"])
             assert run["new_tokens"] == 8 and run["prompt_tokens"] == 16
             assert len(run["first_output_ids"]) == 8
             assert run["warmup_s"] and all(w > 0 for w in run["warmup_s"])
