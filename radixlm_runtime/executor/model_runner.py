@@ -192,7 +192,13 @@ class ModelRunner:
             fraction = DEFAULT_MEM_FRACTION[self.device.type == "cuda"]
         reserved = 0
         if self.device.type == "cuda":
-            reserved = self._activation_reserve(max_step_tokens)
+            try:
+                reserved = self._activation_reserve(max_step_tokens)
+            except torch.OutOfMemoryError as e:
+                raise ValueError(
+                    f"the largest step ({max_step_tokens} tokens) does not fit in GPU memory beside the "
+                    "weights; lower chunked_prefill_size, max_running_requests or cuda_graph_max_bs"
+                ) from e
             logger.info("activations of the largest steps: %.2f GiB (measured)", reserved / 2**30)
         available = available_memory_bytes(self.device)
         return kv_pool_tokens(available, reserved, fraction, per_token, self.device)

@@ -3,6 +3,7 @@ plans run through the normal batch path on any device), and on a GPU the measure
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,23 @@ def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pyt
     for sampled, decode_logits in (returned[:2], returned[2:]):
         assert sampled.next_token_ids.shape == (6,) and sampled.logprobs.shape == (6,)
         assert decode_logits.shape == (6, 300)
+
+
+def test_a_step_too_large_for_the_gpu_is_a_clear_error(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = rt.Engine(str(tiny_llama_dir), device="cpu", max_total_tokens=256, log_level="warning")
+    runner = engine.runner
+
+    def out_of_memory(max_step_tokens: int) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(runner, "_activation_reserve", out_of_memory)
+    unsized = dataclasses.replace(runner.engine_config, max_total_tokens=None)
+    monkeypatch.setattr(runner, "engine_config", unsized)
+    monkeypatch.setattr(runner, "device", CUDA)
+    with pytest.raises(ValueError, match=r"largest step \(4096 tokens\).*lower chunked_prefill_size"):
+        runner._kv_pool_size(4096)
 
 
 @needs_cuda
