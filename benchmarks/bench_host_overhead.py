@@ -3,19 +3,21 @@ forward, and how many times the step reads tensor data back to the host.
 
 B requests (distinct short prompts, greedy, ignore_eos) are prefilled together and then decode
 together; only steps whose single forward holds exactly B tokens (every request decoding one token)
-are kept. Per step: wall time of `engine.scheduler.step`, time inside `engine.runner.model.forward`
-(the torch module), the difference (host overhead: batch building, attention metadata, sampling,
-bookkeeping) and the number of host reads: calls of `Tensor.tolist`, `.item`, `.__bool__`,
+are kept. Per step: wall time of `engine.scheduler.step`, time inside `engine.runner.forward` (the
+model's forward, or the replay of its CUDA graph), the difference (host overhead: batch building,
+sampling, bookkeeping) and the number of host reads: calls of `Tensor.tolist`, `.item`, `.__bool__`,
 `.__int__`, `.__float__`, `.__index__` and `.numpy`, plus `.cpu` / `.to` copies from another device
 to the CPU. On CUDA each of those is a device-to-host synchronization, so the count says how many
 times a step would stall the GPU pipeline; on CPU they are only counted.
 
-Only those two hooks are used (scheduler.step and the model module's forward), wrapped on the
-instances, so the benchmark survives changes to what happens between them.
+Only those two hooks are used (scheduler.step and the executor's forward), wrapped on the instances,
+so the benchmark survives changes to what happens between them. On CUDA the forward is timed to the
+end of its kernels, so steps do not overlap while measured.
 
     python benchmarks/bench_host_overhead.py                      # B = 8, 32, 128; 24 decode steps each
     python benchmarks/bench_host_overhead.py --verbose            # + the top 10 call sites of host reads
     python benchmarks/bench_host_overhead.py --tiny               # B = 2, 4; a few steps
+    python benchmarks/bench_host_overhead.py --device cuda --model $RADIXLM_GPU_MODEL --batch-sizes 8,64,256
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class StepRecord:
 
 
 class StepProbe:
-    """Wraps `engine.scheduler.step` and `engine.runner.model.forward` on the instances and records
+    """Wraps `engine.scheduler.step` and `engine.runner.forward` on the instances and records
     every step while `recording` is set."""
 
     def __init__(self, engine: Any, sites: bool) -> None:
@@ -167,17 +169,17 @@ class StepProbe:
         self._forward_s = 0.0
         self._forward_tokens: list[int] = []
         self._forward_reads = 0
-        scheduler, model = engine.scheduler, engine.runner.model
+        scheduler, runner = engine.scheduler, engine.runner
         self._step: Callable[[], Any] = scheduler.step
-        self._forward: Callable[..., Any] = model.forward
-        self._cuda = next(model.parameters()).device.type == "cuda"
+        self._forward: Callable[..., Any] = runner.forward
+        self._cuda = runner.device.type == "cuda"
         scheduler.step = self.step
-        model.forward = self.forward
+        runner.forward = self.forward
 
     def close(self) -> None:
         """Removes the instance attributes, so the class methods are used again."""
         del self.engine.scheduler.step
-        del self.engine.runner.model.forward
+        del self.engine.runner.forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.recording:
@@ -292,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     add_list_flag(ap, "--batch-sizes", "batch sizes", DEFAULT_BATCH_SIZES, TINY_BATCH_SIZES)
     ap.add_argument("--device", default="cpu", help="Engine device (the figures in the README: cpu).")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="Model directory or .gguf (default: the embedded model). A tiny random model makes the "
+        "forward small so the host path shows; on a GPU, $RADIXLM_GPU_MODEL.",
+    )
     ap.add_argument("--verbose", action="store_true", help=f"Print the top {TOP_SITES} host-read call sites.")
     args, sizes = parse_sizes(ap, argv, SIZES)
     batch_sizes = list_flag(args, "--batch-sizes", int)
@@ -306,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
 
     largest = max(batch_sizes)
     engine = rt.Engine(
+        args.model,
         device=args.device,
         log_level="warning",
         max_running_requests=largest,
@@ -376,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "batch_sizes": batch_sizes,
             "device": args.device,
+            "model": args.model,
             "runtime_path": str(Path(rt.__file__).parent),
             "results": results,
         },

@@ -10,8 +10,9 @@
 #   slow         RADIXLM_TEST_DEVICE=cuda, the slow end-to-end tests on the real default model: needs
 #                $RADIXLM_GPU_REAL (the two-call set-up in ../shared/gpu/README.md), which stands in for
 #                the model wheel the image lacks
-#   bench        bench_gpu.py: decode, GPU busy share and few-shot beside transformers, with a radixlm
-#                side without overlap scheduling for comparison
+#   bench        bench_host_overhead.py on the GPU (host time of a decode step at batch 8, 64, 256),
+#                then bench_gpu.py: decode, GPU busy share and few-shot beside transformers, with a
+#                radixlm side without overlap scheduling for comparison
 #   invariance   bench_invariance.py (bf16 and fp32, default and --deterministic), then the cost of
 #                --deterministic in bench_gpu.py (radixlm sides only)
 #
@@ -51,7 +52,9 @@ case "$stage" in
         ln -sf "$RADIXLM_GPU_REAL" "$shim/SmolLM2-135M-Instruct.Q4_1.gguf"
         pytest_cuda -m slow ;;
     bench)
-        timeout "$limit" python3 benchmarks/bench_gpu.py --out-dir "$out" \
+        timeout 90 python3 benchmarks/bench_host_overhead.py --device cuda --model "$RADIXLM_GPU_MODEL" \
+            --batch-sizes 8,64,256 --out-dir "$out" 2>&1 | tee -a "$log"
+        timeout $((limit - 90)) python3 benchmarks/bench_gpu.py --out-dir "$out" \
             --radixlm-variant nooverlap:disable_overlap_schedule=true 2>&1 | tee -a "$log" ;;
     invariance)
         timeout $((limit / 2)) python3 benchmarks/bench_invariance.py --out-dir "$out" 2>&1 | tee -a "$log"
