@@ -45,11 +45,11 @@ class RerunCapturer:
     it), into the captured output tensor. What it cannot check is the recording itself."""
 
     def __init__(self) -> None:
-        self.captured = 0
+        self.captured: list[int] = []  # batch size of each capture, in order
 
     def capture(self, forward):  # type: ignore[no-untyped-def]
-        self.captured += 1
         output = forward()
+        self.captured.append(output.shape[0])
         return (lambda: output.copy_(forward())), output
 
 
@@ -111,7 +111,7 @@ def test_graph_runner_captures_every_size_with_the_dummy_request(tiny_llama_dir:
     engine = _rerun_engine(tiny_llama_dir, graphs=False)
     capturer = RerunCapturer()
     runner = engine.runner.capture_decode_graphs(capturer)
-    assert runner.sizes == [1, 2, 4, 8, 10] and capturer.captured == len(runner.sizes)
+    assert runner.sizes == [1, 2, 4, 8, 10] and capturer.captured == [10, 8, 4, 2, 1]
     assert runner.dummy_row == engine.runner.req_to_token.max_reqs - 1
     assert runner.inputs.tolist() == [[0] * 10, [0] * 10, [0] * 10, [runner.dummy_row] * 10, [1] * 10]
     assert all(runner.outputs[bs].shape == (bs, 300) for bs in runner.sizes)
