@@ -129,7 +129,9 @@ class StepOutputs:
         """Queues one copy of every result to the host, behind the step's kernels; `read` waits for
         it, so the host is free until then."""
         self._event = None
-        self._host = torch.cat(self._parts) if self._parts else None
+        parts = self._parts
+        # A greedy step without logprobs has one part: no concatenation (a kernel launch on CUDA).
+        self._host = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
         if self._host is not None and self._host.is_cuda:
             host = torch.empty(self._host.shape, dtype=self._host.dtype, pin_memory=True)
             self._host = host.copy_(self._host, non_blocking=True)
