@@ -27,7 +27,7 @@ from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.linear_kernels import QuantKernelError, load_kernels
+from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
 from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
 from radixlm_runtime.layers.rotary import build_rotary
 from radixlm_runtime.models.config import ModelConfig
@@ -160,7 +160,7 @@ class ModelRunner:
             return
         try:
             load_kernels()
-        except QuantKernelError:
+        except LinearKernelError:
             if mode != "auto":
                 raise
             logger.warning("quantization 'auto' serves float weights: the quantized kernels are unavailable")

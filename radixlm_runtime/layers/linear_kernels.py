@@ -28,7 +28,7 @@ PANEL_GEMM_MIN_ROWS = 12
 PANEL = 16
 
 
-class QuantKernelError(RuntimeError):
+class LinearKernelError(RuntimeError):
     """The CPU linear kernels cannot be built or loaded on this machine."""
 
 
@@ -69,7 +69,7 @@ def panels_available() -> bool:
         return False
     try:
         _library()
-    except QuantKernelError:
+    except LinearKernelError:
         return False
     return True
 
@@ -79,7 +79,7 @@ def _library() -> ctypes.CDLL:
     try:
         lib = load_library(_SOURCE)
     except KernelBuildError as e:
-        raise QuantKernelError(f"{e}; or pass --quantization none") from e
+        raise LinearKernelError(f"{e}; or pass --quantization none") from e
     lib.rq_has_avx2_fma.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.rq_linear.argtypes = [
