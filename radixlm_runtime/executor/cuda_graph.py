@@ -169,6 +169,7 @@ class CudaGraphRunner:
         end = min(self._dirty_until, padded)
         if end > bs:
             inputs[:, bs:end].copy_(self.pad[:, bs:end])
-        self._dirty_until = bs if self._dirty_until <= padded else self._dirty_until
+        if self._dirty_until <= padded:  # else rows past the padded batch keep real values
+            self._dirty_until = bs
         self.replays[padded]()
         return self.outputs[padded][:bs]

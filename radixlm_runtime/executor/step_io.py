@@ -28,7 +28,7 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
         start, end = it.prefix_len, it.prefix_len + n
         input_ids += it.input_ids
         out_loc += it.seq_slots[start:end]
-        logit_rows += range(offset + it.logits_from - start, offset + n)  # empty when none
+        logit_rows += range(offset + n - it.num_logit_rows, offset + n)
         if it.write_from < end:
             w_rows += [it.row] * (end - it.write_from)
             w_cols += range(it.write_from, end)
