@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """What one layer's attention differs in, set by the model and honoured by every backend (or
+    refused by it at construction, never ignored)."""
+
+    scale: float
+    # A query at position p sees keys p - sliding_window + 1 .. p (transformers' convention); None:
+    # every earlier key.
+    sliding_window: int | None = None
+    # Scores s become cap * tanh(s / cap) before the softmax (Gemma 2); None: unchanged.
+    logit_softcap: float | None = None
+
+    @staticmethod
+    def uniform(num_layers: int, scale: float) -> tuple[AttentionLayer, ...]:
+        """num_layers plain layers of one scale (a Llama's attention)."""
+        return (AttentionLayer(scale),) * num_layers
 
 
 class AttentionBackend(ABC):
@@ -18,11 +38,32 @@ class AttentionBackend(ABC):
     # its own request prefix; its result is then the same whatever its chunk or batch.
     per_token = False
     supports_per_token = False
+    # Per-layer features a backend's kernels implement; a model that needs one a backend lacks is
+    # refused when the backend is built.
+    supports_sliding_window = False
+    supports_logit_softcap = False
 
-    def __init__(self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float) -> None:
+    def __init__(
+        self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, layers: Sequence[AttentionLayer]
+    ) -> None:
+        if len(layers) != kv_pool.num_layers:
+            raise ValueError(f"{len(layers)} attention layers for a KV pool of {kv_pool.num_layers}")
+        missing = self.unsupported(layers)
+        if missing:
+            raise ValueError(f"the {type(self).__name__} does not serve {missing}")
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_table.req_to_token
-        self.scale = scale
+        self.layers = tuple(layers)
+
+    @classmethod
+    def unsupported(cls, layers: Sequence[AttentionLayer]) -> str | None:
+        """The first per-layer feature of `layers` this backend lacks, named, or None."""
+        for i, layer in enumerate(layers):
+            if layer.sliding_window is not None and not cls.supports_sliding_window:
+                return f"sliding-window attention (layer {i}, window {layer.sliding_window})"
+            if layer.logit_softcap is not None and not cls.supports_logit_softcap:
+                return f"attention logit soft-capping (layer {i}, cap {layer.logit_softcap})"
+        return None
 
     @staticmethod
     def per_token_decodes(batch: ForwardBatch) -> tuple[list[int], list[int]]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, shared_prefix_groups
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import load_library
@@ -174,14 +175,18 @@ class CpuAttentionBackend(AttentionBackend):
     supports_per_token = True
 
     def __init__(
-        self, kv_pool: KVPool, req_to_token_table: ReqToTokenTable, scale: float, mode: int = AVX512
+        self,
+        kv_pool: KVPool,
+        req_to_token_table: ReqToTokenTable,
+        layers: Sequence[AttentionLayer],
+        mode: int = AVX512,
     ) -> None:
         if kv_pool.dtype != torch.float32 or kv_pool.device.type != "cpu":
             raise ValueError(
                 f"the cpu attention backend needs a float32 KV pool on the CPU, got {kv_pool.dtype} on "
                 f"{kv_pool.device}; use attention_backend='torch'"
             )
-        super().__init__(kv_pool, req_to_token_table, scale)
+        super().__init__(kv_pool, req_to_token_table, layers)
         _library()  # built now, so a missing compiler fails at start-up
         self.mode = mode
 
@@ -219,5 +224,14 @@ class CpuAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
-        decode_attention(q, out, k_buf, v_buf, self.req_to_token, batch.attn_metadata, self.scale, self.mode)
+        decode_attention(
+            q,
+            out,
+            k_buf,
+            v_buf,
+            self.req_to_token,
+            batch.attn_metadata,
+            self.layers[layer_id].scale,
+            self.mode,
+        )
         return out

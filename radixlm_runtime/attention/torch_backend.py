@@ -8,6 +8,10 @@ KV starts with the same pool slots (a shared few-shot prefix or system prompt, f
 radix cache) attend to that prefix together: its K/V is gathered once per group instead of once per
 request, and the partial results are merged with their log-sum-exp. On CPU the gather is the
 dominant cost of decode, so this is what keeps decode cheap when many requests share a long prefix.
+
+Layers with a sliding window or a logit soft-cap run a plain per-request path instead
+(`_attend_general`): scores in float32, soft-capped, masked to each token's window. It is the
+reference every faster backend's windowed and soft-capped kernels are tested against.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
@@ -73,6 +77,9 @@ class _DecodeMeta:
 class _TorchMeta:
     extends: list[_ExtendItem]
     decode: list[_DecodeMeta]  # decode tokens; short extends
+    # Per request: (first new token row, new tokens, sequence length, KV slots [seq]); built on
+    # first use by a windowed or soft-capped layer.
+    general: list[tuple[int, int, int, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -87,6 +94,9 @@ class _RowBlock:
 class TorchAttentionBackend(AttentionBackend):
     """Plans each step from the batch's host lists (no reads of device data); per-request Python
     work and variable shapes make it the CPU backend, not one for CUDA graphs."""
+
+    supports_sliding_window = True
+    supports_logit_softcap = True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         extends: list[_ExtendItem] = []
@@ -167,12 +177,15 @@ class TorchAttentionBackend(AttentionBackend):
         meta: _TorchMeta = batch.attn_metadata
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
+        layer = self.layers[layer_id]
+        if layer.sliding_window is not None or layer.logit_softcap is not None:
+            return self._attend_general(q, layer, batch, k_buf, v_buf)
         out = torch.empty_like(q)
         for item in meta.extends:
-            out[item.start : item.start + item.length] = self._extend(q, item, k_buf, v_buf)
+            out[item.start : item.start + item.length] = self._extend(q, item, k_buf, v_buf, layer.scale)
         for d in meta.decode:
             qd = q if d.token_rows is None else q.index_select(0, d.token_rows)
-            od = self._decode(qd, d, k_buf, v_buf)  # [Bd * N, Hq, D]
+            od = self._decode(qd, d, k_buf, v_buf, layer.scale)  # [Bd * N, Hq, D]
             if d.token_rows is None:
                 return od
             if d.valid is not None:
@@ -180,8 +193,49 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, d.out_rows, od)
         return out
 
+    def _attend_general(
+        self,
+        q: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each request's new tokens against the keys of their windows, one request at a time."""
+        meta: _TorchMeta = batch.attn_metadata
+        if meta.general is None:
+            device = q.device
+            meta.general = [
+                (start, n, seq, torch.tensor(slots, device=device))
+                for start, n, seq, slots in zip(
+                    batch.extend_start_loc_cpu, batch.extend_lens_cpu, batch.seq_lens_cpu, batch.seq_slots_cpu
+                )
+            ]
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_buf.shape[1]
+        window = layer.sliding_window
+        for start, n, seq, slots in meta.general:
+            first = seq - n  # position of the first new token
+            lo = 0 if window is None else max(0, first - window + 1)
+            k = k_buf.index_select(0, slots[lo:seq]).float().repeat_interleave(group, dim=1)
+            v = v_buf.index_select(0, slots[lo:seq]).float().repeat_interleave(group, dim=1)
+            qi = q[start : start + n].float()
+            scores = torch.einsum("qhd,khd->hqk", qi, k).mul_(layer.scale)
+            if layer.logit_softcap is not None:
+                scores = torch.tanh(scores.div_(layer.logit_softcap)).mul_(layer.logit_softcap)
+            q_pos = torch.arange(first, seq, device=q.device)[:, None]
+            k_pos = torch.arange(lo, seq, device=q.device)[None, :]
+            hidden = k_pos > q_pos
+            if window is not None:
+                hidden |= k_pos <= q_pos - window
+            scores.masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        return out
+
+    @staticmethod
     def _extend(
-        self, q: torch.Tensor, item: _ExtendItem, k_buf: torch.Tensor, v_buf: torch.Tensor
+        q: torch.Tensor, item: _ExtendItem, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float
     ) -> torch.Tensor:
         # 4-D inputs: torch's CPU flash-attention kernel only takes [B, H, L, D]; 3-D inputs fall
         # back to the unfused math path, which is 4-5x slower.
@@ -190,12 +244,12 @@ class TorchAttentionBackend(AttentionBackend):
         v = v_buf.index_select(0, item.kv_slots).transpose(0, 1)[None]
         causal = item.mask is None
         o = F.scaled_dot_product_attention(
-            qi, k, v, attn_mask=item.mask, is_causal=causal, scale=self.scale, enable_gqa=True
+            qi, k, v, attn_mask=item.mask, is_causal=causal, scale=scale, enable_gqa=True
         )
         return o[0].transpose(0, 1)
 
     def _decode(
-        self, q: torch.Tensor, meta: _DecodeMeta, k_buf: torch.Tensor, v_buf: torch.Tensor
+        self, q: torch.Tensor, meta: _DecodeMeta, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """Each request's query rows are its N tokens x the G q heads of each kv head, so torch's
         CPU flash kernel runs them without expanding K/V to q heads; its log-sum-exp output lets the
@@ -214,9 +268,9 @@ class TorchAttentionBackend(AttentionBackend):
         flat = meta.suffix_slots.view(-1)
         k = k_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
         v = v_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
-        out, lse = _flash(qg, k, v, mask, self.scale)  # [Bd, Hkv, N * G, D], [Bd, Hkv, N * G]
+        out, lse = _flash(qg, k, v, mask, scale)  # [Bd, Hkv, N * G, D], [Bd, Hkv, N * G]
         for g in meta.groups:
-            self._merge_shared_prefix(qg, out, lse, g, k_buf, v_buf)
+            self._merge_shared_prefix(qg, out, lse, g, k_buf, v_buf, scale)
         return (
             out.view(bsz, num_kv_heads, n, group, head_dim)
             .transpose(1, 2)
@@ -231,6 +285,7 @@ class TorchAttentionBackend(AttentionBackend):
         group: _PrefixGroup,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
+        scale: float,
     ) -> None:
         """Attends all the group's queries to their shared prefix at once (its K/V gathered once,
         the members' query rows stacked) and folds the result into the per-request attention."""
@@ -244,7 +299,7 @@ class TorchAttentionBackend(AttentionBackend):
             kp, vp = k_buf[start:end], v_buf[start:end]
         else:
             kp, vp = k_buf.index_select(0, group.slots), v_buf.index_select(0, group.slots)
-        p_out, p_lse = _flash(qm, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, self.scale)
+        p_out, p_lse = _flash(qm, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)
         p_out = p_out.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         p_lse = p_lse.view(num_kv_heads, n, g).transpose(0, 1)
         s_out, s_lse = (out, lse) if m is None else (out.index_select(0, m), lse.index_select(0, m))

@@ -55,7 +55,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.req_to_token,
                 batch.req_pool_indices if meta.token_rows is None else meta.token_rows,
                 batch.seq_lens if meta.token_seq_lens is None else meta.token_seq_lens,
-                self.scale,
+                self.layers[layer_id].scale,
                 num_kv_splits=DECODE_KV_SPLITS,
             )
         else:
@@ -70,6 +70,6 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.extend_lens,
                 batch.extend_start_loc,
                 meta.max_extend_len,
-                self.scale,
+                self.layers[layer_id].scale,
             )
         return out

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from radixlm_runtime.executor.memory import (
@@ -23,7 +24,6 @@ from radixlm_runtime.executor.memory import (
 )
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
-from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
@@ -238,7 +238,8 @@ class ModelRunner:
         return reserved
 
     def _make_attention_backend(self, pool: KVPool, table: ReqToTokenTable) -> AttentionBackend:
-        backend = self._new_attention_backend(pool, table)
+        name = self.engine_config.attention_backend
+        backend = create_attention_backend(name, pool, table, self.model.attention_layers())
         if self.engine_config.deterministic:
             if not backend.supports_per_token:
                 raise ValueError(
@@ -247,31 +248,6 @@ class ModelRunner:
                 )
             backend.per_token = True
         return backend
-
-    def _new_attention_backend(self, pool: KVPool, table: ReqToTokenTable) -> AttentionBackend:
-        name = self.engine_config.attention_backend
-        if name == "auto":
-            if self.device.type == "cuda":
-                name = "triton"
-            else:
-                name = "cpu" if self.dtype == torch.float32 else "torch"
-        scale = self.config.head_dim**-0.5
-        if name == "triton":
-            from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend(pool, table, scale)
-        if name == "cpu":
-            from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
-
-            try:
-                return CpuAttentionBackend(pool, table, scale)
-            except KernelBuildError as e:
-                if self.engine_config.attention_backend == "cpu":
-                    raise
-                logger.warning("C++ CPU attention unavailable, the torch backend runs instead: %s", e)
-        from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(pool, table, scale)
 
     def _make_linears_batch_invariant(self) -> None:
         """--deterministic: batch-invariant matmuls (see EngineConfig); the attention backend is

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from radixlm_runtime.attention.base import AttentionBackend
+from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.layers.activation import SiluAndMul
 from radixlm_runtime.layers.linear import Linear
@@ -131,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
             residual = residual.index_select(0, batch.logits_indices)
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> tuple[AttentionLayer, ...]:
+        """Every layer's attention parameters, for the attention backend."""
+        return AttentionLayer.uniform(self.config.num_layers, self.config.head_dim**-0.5)
 
     def linear_shards(self) -> list[LinearShards]:
         """Every linear layer with the checkpoint weights fused into it, for quantization."""

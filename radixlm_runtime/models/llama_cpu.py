@@ -151,7 +151,7 @@ class LlamaCpuDecoder:
             kv_heads,
             head_dim,
             self.eps,
-            self.attn.scale,
+            self.attn.layers[0].scale,
             hidden.data_ptr(),
             residual.data_ptr(),
             tokens,

@@ -10,6 +10,7 @@ import torch
 from device_helpers import TEST_DEVICE, tolerance
 
 import radixlm_runtime as rt
+from radixlm_runtime.attention.base import AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
@@ -235,7 +236,7 @@ def test_torch_row_blocks_match_dense_reference(extend_lens: list[int], test_dev
     num_q_heads, head_dim = 6, 8
     scale = head_dim**-0.5
     pool, table, seqs, batch = _hand_built_step(extend_lens, head_dim, test_device)
-    backend = TorchAttentionBackend(pool, table, scale)
+    backend = TorchAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, scale))
     backend.init_forward_metadata(batch)
     q = torch.randn(batch.num_tokens, num_q_heads, head_dim)
     got = backend.attend(q.to(test_device), 0, batch)
@@ -262,7 +263,7 @@ def test_triton_backend_forward_matches_dense_reference(
     num_q_heads, head_dim = 6, 16
     scale = head_dim**-0.5
     pool, table, seqs, batch = _hand_built_step(extend_lens, head_dim, test_device)
-    backend = TritonAttentionBackend(pool, table, scale)
+    backend = TritonAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, scale))
     backend.init_forward_metadata(batch)
     assert batch.attn_metadata.all_decode == (max(extend_lens) == 1)
     q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=test_device)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_backends import PROMPTS, _hand_built_step, _reference_attention, _run
 
-from radixlm_runtime.attention import cpu_backend
+from radixlm_runtime.attention import cpu_backend, registry
+from radixlm_runtime.attention.base import AttentionLayer
 from radixlm_runtime.attention.cpu_backend import AVX2, AVX512, SCALAR, CpuAttentionBackend, kernel_path
 from radixlm_runtime.attention.torch_backend import MAX_BATCHED_EXTEND, TorchAttentionBackend
 from radixlm_runtime.config import EngineConfig
@@ -102,7 +103,7 @@ def test_forward_matches_dense_reference(
     pool, table, seqs, batch = _shuffled_step(seq_lens, extend_lens, num_kv_heads, head_dim, seed=head_dim)
     q, k, v = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=1)
     scale = head_dim**-0.5
-    backend = CpuAttentionBackend(pool, table, scale, mode=mode)
+    backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, scale), mode=mode)
     backend.init_forward_metadata(batch)
     assert batch.attn_metadata.requests.shape == (4, len(seq_lens))
     got = backend.forward(q, k, v, 0, batch)
@@ -124,10 +125,10 @@ def test_attend_matches_torch_backend(mode: int, extend_lens: list[int]) -> None
     torch.manual_seed(0)
     pool, table, _, batch = _hand_built_step(extend_lens, 16, torch.device("cpu"))
     q = torch.randn(batch.num_tokens, 6, 16)
-    reference = TorchAttentionBackend(pool, table, 0.25)
+    reference = TorchAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, 0.25))
     reference.init_forward_metadata(batch)
     want = reference.attend(q, 0, batch)
-    backend = CpuAttentionBackend(pool, table, 0.25, mode=mode)
+    backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, 0.25), mode=mode)
     backend.init_forward_metadata(batch)
     torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
@@ -170,7 +171,9 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
     extend_lens = [1] * 26 + [30]
     table, batch = _table_and_batch(seqs, extend_lens)
-    backend = CpuAttentionBackend(pool, table, head_dim**-0.5, mode=mode)
+    backend = CpuAttentionBackend(
+        pool, table, AttentionLayer.uniform(pool.num_layers, head_dim**-0.5), mode=mode
+    )
     backend.init_forward_metadata(batch)
     step = batch.attn_metadata
     assert step.groups is not None and step.members is not None
@@ -194,7 +197,7 @@ def _check_group_step(mode: int, members: int, kv_heads: int, q_heads: int, head
     seqs = [prefix + [next(free) for _ in range(1 + i % 5)] for i in range(members)]
     table, batch = _table_and_batch(seqs, [1] * members)
     scale = head_dim**-0.5
-    backend = CpuAttentionBackend(pool, table, scale, mode=mode)
+    backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, scale), mode=mode)
     backend.init_forward_metadata(batch)
     assert batch.attn_metadata.groups is not None
     assert batch.attn_metadata.groups[1].tolist() == [members]
@@ -232,7 +235,7 @@ def test_vector_widths_give_the_same_bits() -> None:
     q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=8)
     outs = []
     for mode in (AVX2, AVX512):
-        backend = CpuAttentionBackend(pool, table, 0.125, mode=mode)
+        backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, 0.125), mode=mode)
         backend.init_forward_metadata(batch)
         outs.append(backend.attend(q, 0, batch))
     assert torch.equal(outs[0], outs[1])
@@ -270,7 +273,7 @@ def test_cpu_features_pick_the_path() -> None:
 def test_rejects_what_it_cannot_serve() -> None:
     table = ReqToTokenTable(2, 8)
     with pytest.raises(ValueError, match="float32"):
-        CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.bfloat16, "cpu"), table, 1.0)
+        CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.bfloat16, "cpu"), table, AttentionLayer.uniform(1, 1.0))
 
 
 def test_engine_generates_like_the_torch_backend(tiny_llama_dir: Path) -> None:
@@ -298,7 +301,7 @@ def test_runner_picks_cpu_by_default_and_falls_back_without_a_compiler(
 
     warnings: list[str] = []
     monkeypatch.setattr(cpu_backend, "_library", no_compiler)
-    monkeypatch.setattr(model_runner.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    monkeypatch.setattr(registry.logger, "warning", lambda msg, *args: warnings.append(msg % args))
     assert type(runner("auto").attn_backend) is TorchAttentionBackend
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
     with pytest.raises(KernelBuildError):
