@@ -1,6 +1,7 @@
 """Attention through the Triton kernels (the default on CUDA). An all-decode step uses the split-K
 decode kernel; any step with a prefill chunk runs every request, decodes included, through the
-extend kernel, which treats a decode as a one-token extend."""
+extend kernel, which treats a decode as a one-token extend. Both kernels serve each layer's sliding
+window and logit soft-cap, passed per call as compile-time switches plus runtime scalars."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class _TritonMeta:
 class TritonAttentionBackend(AttentionBackend):
     graph_capturable = True
     supports_per_token = True
+    supports_sliding_window = True
+    supports_logit_softcap = True
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         max_ext = batch.max_extend_len
@@ -45,6 +48,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: _TritonMeta = batch.attn_metadata
         k_buf = self.kv_pool.k_buffers[layer_id]
         v_buf = self.kv_pool.v_buffers[layer_id]
+        layer = self.layers[layer_id]
         out = torch.empty_like(q)
         if meta.all_decode:
             decode_attention_fwd(
@@ -55,8 +59,10 @@ class TritonAttentionBackend(AttentionBackend):
                 self.req_to_token,
                 batch.req_pool_indices if meta.token_rows is None else meta.token_rows,
                 batch.seq_lens if meta.token_seq_lens is None else meta.token_seq_lens,
-                self.layers[layer_id].scale,
+                layer.scale,
                 num_kv_splits=DECODE_KV_SPLITS,
+                sliding_window=layer.sliding_window,
+                logit_softcap=layer.logit_softcap,
             )
         else:
             extend_attention_fwd(
@@ -70,6 +76,8 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.extend_lens,
                 batch.extend_start_loc,
                 meta.max_extend_len,
-                self.layers[layer_id].scale,
+                layer.scale,
+                sliding_window=layer.sliding_window,
+                logit_softcap=layer.logit_softcap,
             )
         return out

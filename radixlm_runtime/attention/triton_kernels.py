@@ -3,6 +3,11 @@
 Both kernels gather keys/values through ``req_to_token`` (one KV slot id per token position), so
 requests with a shared radix-cache prefix never have their K/V copied into a contiguous buffer.
 Softmax is computed online in fp32 whatever the storage dtype; results are cast to ``o.dtype``.
+
+Per-layer features are constexpr switches (a plain layer compiles to the same code as without them)
+with their values as runtime scalars: a sliding window W (a query at position p sees keys
+p - W < j <= p; KV blocks wholly before a block's window are never read) and a logit soft-cap
+(scores s become cap * tanh(s / cap) before the softmax).
 """
 
 from __future__ import annotations
@@ -28,6 +33,85 @@ def _block_d(head_dim: int) -> int:
     return max(_MIN_DOT, triton.next_power_of_2(head_dim))
 
 
+def _layer_args(sliding_window: int | None, logit_softcap: float | None) -> dict[str, object]:
+    """A layer's window / soft-cap as kernel arguments: flags that compile the feature in, values
+    that stay runtime scalars (placeholders where the flag is off)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if logit_softcap is not None and logit_softcap <= 0:
+        raise ValueError(f"logit_softcap must be > 0, got {logit_softcap}")
+    return {
+        "window": sliding_window or 0,
+        "softcap": logit_softcap or 1.0,
+        "HAS_WINDOW": sliding_window is not None,
+        "HAS_SOFTCAP": logit_softcap is not None,
+    }
+
+
+@triton.jit
+def _tanh(x):
+    """tanh through the sigmoid (not every Triton version has tl tanh): exp(-2x) overflowing to inf
+    for large negative x gives -1 exactly, never NaN."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend_kv_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    kv_pos,
+    mask_n,
+    visible,
+    Req_to_token,
+    req_row,
+    K_Buffer,
+    V_Buffer,
+    kv_head,
+    stride_kbs,
+    stride_kh,
+    stride_vbs,
+    stride_vh,
+    offs_d,
+    mask_d,
+    sm_scale,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One online-softmax step of both kernels: the query rows ``q`` against the keys at positions
+    ``kv_pos`` (``mask_n``: the ones in range, read; ``visible``: the ones each row sees). Returns
+    the updated (acc, m_i, l_i); rows that have seen no visible key yet keep m_i at _NEG_LARGE."""
+    slots = tl.load(Req_to_token + req_row + kv_pos, mask=mask_n, other=0)
+    k_ptrs = K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None]
+    k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(DOT_DTYPE)
+    # "ieee" only changes fp32 inputs (no TF32 truncation); fp16/bf16 ignore it.
+    qk = tl.dot(q, k, input_precision="ieee")
+    qk = softcap * _tanh(qk * (sm_scale / softcap)) if HAS_SOFTCAP else qk * sm_scale
+    qk = tl.where(visible, qk, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v_ptrs = V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :]
+    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_splits(seq_len, window, HAS_WINDOW: tl.constexpr, NUM_KV_SPLITS: tl.constexpr):
+    """(first key position, split length) of a decode over ``seq_len`` keys: the splits cover only
+    the window, so none is spent on keys it hides. Shared by the split and the merge kernel."""
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - window, 0)
+    return kv_start, tl.cdiv(seq_len - kv_start, NUM_KV_SPLITS)
+
+
 @triton.jit
 def _extend_fwd_kernel(
     Q,
@@ -49,9 +133,13 @@ def _extend_fwd_kernel(
     stride_vbs,
     stride_vh,
     stride_req,
+    window,
+    softcap,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -86,27 +174,40 @@ def _extend_fwd_kernel(
 
         # Keys past the last query of this block are causally invisible to every row: stop there.
         kv_end = tl.minimum(seq_len, prefix_len + tl.minimum(block_start + BLOCK_M, extend_len))
-        for start_n in range(0, kv_end, BLOCK_N):
+        # Keys before the first row's window are hidden from every row: start there.
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(prefix_len + block_start - window + 1, 0)
+        for start_n in range(kv_start, kv_end, BLOCK_N):
             kv_pos = start_n + offs_n
             mask_n = kv_pos < kv_end
-            slots = tl.load(Req_to_token + req_row + kv_pos, mask=mask_n, other=0)
-
-            k_ptrs = K_Buffer + slots[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None]
-            k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(DOT_DTYPE)
-            # "ieee" only changes fp32 inputs (no TF32 truncation); fp16/bf16 ignore it.
-            qk = tl.dot(q, k, input_precision="ieee") * sm_scale
             visible = (kv_pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-
-            v_ptrs = V_Buffer + slots[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :]
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-            m_i = m_new
+            if HAS_WINDOW:
+                visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+            acc, m_i, l_i = _attend_kv_block(
+                acc,
+                m_i,
+                l_i,
+                q,
+                kv_pos,
+                mask_n,
+                visible,
+                Req_to_token,
+                req_row,
+                K_Buffer,
+                V_Buffer,
+                cur_kv_head,
+                stride_kbs,
+                stride_kh,
+                stride_vbs,
+                stride_vh,
+                offs_d,
+                mask_d,
+                sm_scale,
+                softcap,
+                HAS_SOFTCAP,
+                DOT_DTYPE,
+            )
 
         # Padding rows have l_i == 0; guard the divide so they hold finite junk that is never stored.
         acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -126,11 +227,14 @@ def extend_attention_fwd(
     extend_start_loc: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Causal prefill/extend attention over cached prefix + new tokens; writes ``o`` in place.
 
     ``q``/``o`` are ``[T, num_q_heads, D]`` (new tokens of all requests, concatenated); request b's
-    i-th new token sits at position ``seq_lens[b] - extend_lens[b] + i`` and sees positions up to it.
+    i-th new token sits at position ``seq_lens[b] - extend_lens[b] + i`` and sees positions up to it
+    (the last ``sliding_window`` of them when set).
     """
     batch = seq_lens.shape[0]
     num_q_heads, head_dim = q.shape[1], q.shape[2]
@@ -166,6 +270,7 @@ def extend_attention_fwd(
         v_buffer.stride(0),
         v_buffer.stride(1),
         req_to_token.stride(0),
+        **_layer_args(sliding_window, logit_softcap),
         HEAD_DIM=head_dim,
         KV_GROUP=num_q_heads // num_kv_heads,
         DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
@@ -200,9 +305,13 @@ def _decode_split_kernel(
     stride_mid_os,
     stride_mid_lb,
     stride_mid_lh,
+    window,
+    softcap,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -211,15 +320,15 @@ def _decode_split_kernel(
     """One program = one KV split of one request, for all query heads sharing one KV head.
 
     Stores the split's normalised partial output and its log-sum-exp; empty splits store nothing
-    (the merge kernel recomputes which splits are empty from ``seq_lens``).
+    (the merge kernel recomputes which splits are empty from ``seq_lens`` and the window).
     """
     cur_b = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     cur_split = tl.program_id(2)
 
     seq_len = tl.load(Seq_lens + cur_b)
-    split_len = tl.cdiv(seq_len, NUM_KV_SPLITS)
-    split_start = cur_split * split_len
+    kv_start, split_len = _decode_splits(seq_len, window, HAS_WINDOW, NUM_KV_SPLITS)
+    split_start = kv_start + cur_split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
     if split_start < split_end:
         req_row = tl.load(Req_pool_indices + cur_b) * stride_req
@@ -239,22 +348,31 @@ def _decode_split_kernel(
         for start_n in range(split_start, split_end, BLOCK_N):
             kv_pos = start_n + offs_n
             mask_n = kv_pos < split_end
-            slots = tl.load(Req_to_token + req_row + kv_pos, mask=mask_n, other=0)
-
-            k_ptrs = K_Buffer + slots[None, :] * stride_kbs + cur_kv_head * stride_kh + offs_d[:, None]
-            k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(DOT_DTYPE)
-            qk = tl.dot(q, k, input_precision="ieee") * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-
-            v_ptrs = V_Buffer + slots[:, None] * stride_vbs + cur_kv_head * stride_vh + offs_d[None, :]
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-            m_i = m_new
+            # The split lies inside the window: every key in range is visible to every head.
+            acc, m_i, l_i = _attend_kv_block(
+                acc,
+                m_i,
+                l_i,
+                q,
+                kv_pos,
+                mask_n,
+                mask_n[None, :],
+                Req_to_token,
+                req_row,
+                K_Buffer,
+                V_Buffer,
+                cur_kv_head,
+                stride_kbs,
+                stride_kh,
+                stride_vbs,
+                stride_vh,
+                offs_d,
+                mask_d,
+                sm_scale,
+                softcap,
+                HAS_SOFTCAP,
+                DOT_DTYPE,
+            )
 
         # A non-empty split has >= 1 visible key per head, so l_i > 0 on every stored row.
         mid_o_ptrs = (
@@ -282,7 +400,9 @@ def _decode_merge_kernel(
     stride_mid_lh,
     stride_ob,
     stride_oh,
+    window,
     HEAD_DIM: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -292,10 +412,10 @@ def _decode_merge_kernel(
     cur_head = tl.program_id(1)
 
     seq_len = tl.load(Seq_lens + cur_b)
-    split_len = tl.cdiv(seq_len, NUM_KV_SPLITS)
+    kv_start, split_len = _decode_splits(seq_len, window, HAS_WINDOW, NUM_KV_SPLITS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = (offs_s < NUM_KV_SPLITS) & (offs_s * split_len < seq_len)
+    mask_s = (offs_s < NUM_KV_SPLITS) & (kv_start + offs_s * split_len < seq_len)
     mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(
@@ -327,8 +447,11 @@ def decode_attention_fwd(
     seq_lens: torch.Tensor,
     sm_scale: float,
     num_kv_splits: int = 8,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
-    """Single-token decode attention over all ``seq_lens[b]`` cached positions; writes ``o``.
+    """Single-token decode attention over all ``seq_lens[b]`` cached positions (the last
+    ``sliding_window`` of them when set); writes ``o``.
 
     Split-K ("flash decoding"): the KV range of each request is cut into ``num_kv_splits`` chunks
     processed in parallel, so small batches with long contexts still fill the GPU; a second kernel
@@ -349,6 +472,7 @@ def decode_attention_fwd(
     block_n = 64 if block_d <= 128 else 32
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    layer = _layer_args(sliding_window, logit_softcap)
 
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q,
@@ -372,6 +496,7 @@ def decode_attention_fwd(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        **layer,
         HEAD_DIM=head_dim,
         KV_GROUP=kv_group,
         DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
@@ -394,7 +519,9 @@ def decode_attention_fwd(
         mid_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        layer["window"],
         HEAD_DIM=head_dim,
+        HAS_WINDOW=layer["HAS_WINDOW"],
         NUM_KV_SPLITS=num_kv_splits,
         BLOCK_S=triton.next_power_of_2(num_kv_splits),
         BLOCK_D=block_d,
