@@ -23,7 +23,7 @@ import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.forward_batch import ForwardBatch
-from radixlm_runtime.models.llama import LlamaForCausalLM
+from radixlm_runtime.models.registry import CausalLM
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -74,7 +74,7 @@ class CudaGraphCapturer:
 class CudaGraphRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         attn: AttentionBackend,
         max_bs: int,
         dummy_row: int,

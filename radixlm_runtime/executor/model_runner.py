@@ -26,15 +26,10 @@ from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 from radixlm_runtime.layers import fused_triton
-from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
-from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
-from radixlm_runtime.layers.rotary import build_rotary
+from radixlm_runtime.layers.linear import Linear
+from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
-from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
-from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
-from radixlm_runtime.models.loader import gguf_source, load_weights
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
@@ -83,7 +78,7 @@ class ModelRunner:
             )
 
         t0 = time.perf_counter()
-        self.model = self._load_model(model_dir)
+        self.model = build_model(model_dir, self.config, config, self.device, self.dtype, self.context_len)
         logger.info(
             "loaded %s weights in %.2fs (%s, %s)",
             self.config.architecture,
@@ -101,7 +96,8 @@ class ModelRunner:
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
         self.attn_backend = self._make_attention_backend(self.kv_pool, self.req_to_token)
-        self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
+        if self.model.supports_cpu_decoder:
+            self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
         self.graphs = self._capture_cuda_graphs()
         self.info = RunnerInfo(
             vocab_size=self.config.vocab_size,
@@ -119,62 +115,6 @@ class ModelRunner:
             self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**30,
             type(self.attn_backend).__name__,
             "in one C++ call" if self.model.cpu_decoder else "from Python",
-        )
-
-    def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
-        hf_config = None
-        if self.config.rope_scaling and self.config.rope_scaling.get("rope_type", "default") != "default":
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(model_dir)
-        rotary = build_rotary(
-            hf_config, self.config.head_dim, self.config.rope_theta, self.context_len, self.device
-        )
-        # Built on the meta device: every weight is overwritten by the checkpoint, so random init
-        # would only cost start-up time.
-        # The dtype is set while still on meta, so parameters are allocated once, in their final
-        # dtype (not in float32 first and cast after: 3x the bf16 weights at peak on a GPU).
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.config, rotary).to(dtype=self.dtype)
-        model = model.to_empty(device=self.device)
-        model.load_weights(load_weights(model_dir))
-        model.eval()
-        self._quantize(model)
-        logger.info("float linears: %s", prepack_linears(model))
-        return model
-
-    def _quantize(self, model: LlamaForCausalLM) -> None:
-        """Gives linears int8/int4 weights per --quantization: a GGUF's own blocks where it has them,
-        otherwise quantized from the float weights just loaded (which are then dropped)."""
-        requested = self.engine_config.quantization
-        mode = resolve_quantization(requested, self.device, self.dtype)
-        if mode != requested:
-            logger.info("quantization %r serves float weights on %s (%s)", requested, self.device, self.dtype)
-        if mode == "none":
-            return
-        gguf = gguf_source(self.engine_config.model_path)
-        source = GGUFQuantizedWeights(gguf, self.config.num_heads, self.config.num_kv_heads) if gguf else None
-        plans = [(target, plan_linear(target, mode, source)) for target in model.linear_shards()]
-        plans = [(target, weight) for target, weight in plans if weight is not None]
-        if not plans:
-            return
-        try:
-            load_kernels()
-        except LinearKernelError:
-            if mode != "auto":
-                raise
-            logger.warning("quantization 'auto' serves float weights: the quantized kernels are unavailable")
-            return
-        for target, weight in plans:
-            target.linear.set_quantized(weight)
-        bits = sorted({weight.bits for _, weight in plans})
-        logger.info(
-            "quantization %s: %d of %d linears int%s (lm_head %s)",
-            mode,
-            len(plans),
-            len(model.linear_shards()),
-            "/int".join(map(str, bits)),
-            next((f"int{w.bits}" for t, w in plans if t.is_lm_head), "float"),
         )
 
     def _new_kv_pool(self, size: int) -> KVPool:

@@ -1,5 +1,5 @@
-"""SwiGLU on a fused gate/up projection: one Triton kernel on CUDA, one pass of the fused CPU kernel for
-float32 CPU rows, torch ops elsewhere (and as the reference)."""
+"""SwiGLU and GeGLU on a fused gate/up projection. SwiGLU: one Triton kernel on CUDA, one pass of the
+fused CPU kernel for float32 CPU rows, torch ops elsewhere (and as the reference)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,11 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         # Multiplying in place saves a pass over the activations and an allocation.
         return F.silu(gate).mul_(up)
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU (Gemma): gelu(gate) * up with the tanh approximation, in torch ops on every device."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)

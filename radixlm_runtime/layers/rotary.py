@@ -6,6 +6,10 @@ own RoPE initialisers, so they match the reference implementation by constructio
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from radixlm_runtime.layers import fused_cpu, fused_triton
@@ -80,28 +84,43 @@ class RotaryEmbedding:
 
 
 def build_rotary(
-    hf_config: object | None,
+    hf_config: Callable[[], Any] | None,
     head_dim: int,
-    rope_theta: float,
+    theta: float,
+    scaling: dict[str, Any] | None,
     max_positions: int,
     device: torch.device | str = "cpu",
+    layer_type: str | None = None,
 ) -> RotaryEmbedding:
-    """hf_config (a transformers config) is needed only for scaled RoPE variants."""
-    rope_type = _rope_type(hf_config)
-    if rope_type == "default":
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """The table of one rotary base and scaling (None: plain RoPE). Scaled variants take their
+    inverse frequencies from transformers' initialisers, fed the transformers config that `hf_config` loads (and the layer type where that
+    config nests its rope parameters per layer type). LongRoPE: positions before the original context
+    rotate with the short factors, later ones with the long factors (transformers switches every
+    position to the long factors once a sequence passes the original context; per position, cached
+    KV never changes meaning)."""
+    if scaling is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         return RotaryEmbedding(inv_freq, max_positions, device=device)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    rope_type = scaling["rope_type"]
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    return RotaryEmbedding(inv_freq, max_positions, float(scaling), device)
-
-
-def _rope_type(hf_config: object | None) -> str:
-    for attr in ("rope_parameters", "rope_scaling"):
-        params = getattr(hf_config, attr, None)
-        if isinstance(params, dict):
-            return params.get("rope_type") or params.get("type") or "default"
-    return "default"
+    assert hf_config is not None, "scaled RoPE needs the transformers config"
+    config = hf_config()
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = bool(params) and all(isinstance(v, dict) for v in params.values())
+    init = functools.partial(ROPE_INIT_FUNCTIONS[rope_type], config, torch.device("cpu"))
+    kind = layer_type if nested else None
+    if rope_type != "longrope":
+        inv_freq, attention_scaling = init(layer_type=kind)
+        return RotaryEmbedding(inv_freq, max_positions, float(attention_scaling), device)
+    original = int(scaling["original_max_position_embeddings"])
+    short, attention_scaling = init(layer_type=kind)
+    long, _ = init(seq_len=original + 1, layer_type=kind)
+    table = RotaryEmbedding(short, max_positions, float(attention_scaling), device)
+    if max_positions > original:
+        beyond = RotaryEmbedding(long, max_positions, float(attention_scaling), device)
+        table.cos_cache[original:] = beyond.cos_cache[original:]
+        table.sin_cache[original:] = beyond.sin_cache[original:]
+    return table

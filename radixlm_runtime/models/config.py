@@ -1,9 +1,10 @@
 """Model hyper-parameters read straight from a Hugging Face `config.json`.
 
-The runtime runs its own Llama-family model code, so it reads the config as plain JSON rather than through
+The runtime runs its own model code, so it reads the config as plain JSON rather than through
 `transformers.AutoConfig`: that keeps start-up cheap and gives one normalized view of the fields that were
-renamed across transformers versions (`rope_scaling`/`rope_theta` vs. `rope_parameters`, `torch_dtype` vs.
-`dtype`, an int or a list for `eos_token_id`).
+renamed across transformers versions (`rope_scaling`/`rope_theta` vs. `rope_parameters`, per layer type
+or not, `torch_dtype` vs. `dtype`, an int or a list for `eos_token_id`). Fields only one family reads
+stay in `raw`, read by that family's module.
 """
 
 from __future__ import annotations
@@ -13,27 +14,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Architecture name -> the `model_type` that implies it when `architectures` is missing (GGUF exports).
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-
 # Extra keys each RoPE scaling type needs besides `rope_type` itself.
 _ROPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
 }
+# A layer's attention kind, as transformers' `layer_types` names it.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
 
 _DEFAULT_ROPE_THETA = 10000.0
 
 
-@dataclass
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table's parameters: base and scaling (None for plain RoPE), without `rope_theta`."""
+
+    theta: float
+    scaling: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """What the runtime's own Llama-family model code needs, read from config.json."""
+    """What the runtime's own model code needs, read from config.json."""
 
     architecture: str
     vocab_size: int
@@ -50,12 +56,25 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    # q/k/v projections carry biases (always for Qwen2; for Llama `attention_bias` also biases o_proj).
+    # The config's `attention_bias` (a family may bias its projections regardless: Qwen2's q/k/v).
     attention_bias: bool
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    model_type: str | None = None
+    hidden_act: str = "silu"
+    # Per layer "full_attention" / "sliding_attention" as the config lists them; None where it lists
+    # none (the family then decides from its own legacy fields).
+    layer_types: tuple[str, ...] | None = None
+    # The rotary table of each layer type that has its own (Gemma 3's local layers); the others use
+    # rope_theta / rope_scaling.
+    rope_by_layer_type: dict[str, RopeSpec] = field(default_factory=dict)
+    # The whole config.json, for the fields one family alone reads.
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def rope_for(self, layer_type: str) -> RopeSpec:
+        return self.rope_by_layer_type.get(layer_type) or RopeSpec(self.rope_theta, self.rope_scaling)
 
     @classmethod
     def from_dir(cls, model_dir: Path | str) -> ModelConfig:
@@ -74,18 +93,18 @@ class ModelConfig:
         cls, hf_config: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelConfig:
         """Normalizes a config.json dict; raises ValueError for unsupported models or missing fields."""
-        architecture = _architecture(hf_config)
+        from radixlm_runtime.models.registry import resolve_architecture
+
+        architecture = resolve_architecture(hf_config.get("architectures") or [], hf_config.get("model_type"))
         num_heads = _required_int(hf_config, "num_attention_heads")
         hidden_size = _required_int(hf_config, "hidden_size")
         num_kv_heads = hf_config.get("num_key_value_heads") or num_heads
         head_dim = hf_config.get("head_dim") or hidden_size // num_heads
-        rope_theta, rope_scaling = _rope(hf_config)
-        if architecture == "Qwen2ForCausalLM":
-            attention_bias = True
-            sliding_window = hf_config.get("sliding_window") if hf_config.get("use_sliding_window") else None
-        else:
-            attention_bias = bool(hf_config.get("attention_bias", False))
-            sliding_window = hf_config.get("sliding_window")
+        rope_theta, rope_scaling, rope_by_layer_type = _ropes(hf_config)
+        # Qwen2/3 keep a window in their configs that only `use_sliding_window` turns on.
+        sliding_window = (
+            None if hf_config.get("use_sliding_window") is False else hf_config.get("sliding_window")
+        )
         generation_config = generation_config or {}
         bos_token_id = hf_config.get("bos_token_id")
         if bos_token_id is None:
@@ -105,11 +124,16 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            attention_bias=attention_bias,
+            attention_bias=bool(hf_config.get("attention_bias", False)),
             sliding_window=int(sliding_window) if sliding_window is not None else None,
             bos_token_id=int(bos_token_id) if bos_token_id is not None else None,
             eos_token_ids=eos_token_ids,
             torch_dtype=_dtype_name(hf_config.get("torch_dtype") or hf_config.get("dtype")),
+            model_type=hf_config.get("model_type"),
+            hidden_act=str(hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"),
+            layer_types=tuple(hf_config["layer_types"]) if hf_config.get("layer_types") else None,
+            rope_by_layer_type=rope_by_layer_type,
+            raw=hf_config,
         )
 
 
@@ -123,22 +147,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _architecture(hf_config: dict[str, Any]) -> str:
-    """Picks the architecture, inferring it from `model_type` when `architectures` is absent."""
-    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    architectures = hf_config.get("architectures") or []
-    if architectures:
-        for name in architectures:
-            if name in SUPPORTED_ARCHITECTURES:
-                return name
-        raise ValueError(f"unsupported architecture {', '.join(architectures)}; supported: {supported}")
-    model_type = hf_config.get("model_type")
-    for name, implied_type in SUPPORTED_ARCHITECTURES.items():
-        if model_type == implied_type:
-            return name
-    raise ValueError(f"unsupported architecture (model_type {model_type!r}); supported: {supported}")
-
-
 def _required_int(hf_config: dict[str, Any], key: str) -> int:
     value = hf_config.get(key)
     if value is None:
@@ -146,13 +154,31 @@ def _required_int(hf_config: dict[str, Any], key: str) -> int:
     return int(value)
 
 
-def _rope(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _ropes(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None, dict[str, RopeSpec]]:
+    """(rope_theta, rope_scaling) of the full-attention layers, and the tables of layer types that
+    have their own: transformers 5 nests `rope_parameters` per layer type where they differ (Gemma 3);
+    older configs give local layers `rope_local_base_freq`."""
+    params = hf_config.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        specs = {kind: RopeSpec(*_rope(hf_config, dict(p))) for kind, p in params.items()}
+        full = specs.pop(FULL_ATTENTION, None) or RopeSpec(_DEFAULT_ROPE_THETA)
+        return full.theta, full.scaling, specs
+    theta, scaling = _rope(hf_config, dict(params))
+    local = hf_config.get("rope_local_base_freq")
+    return theta, scaling, ({SLIDING_ATTENTION: RopeSpec(float(local))} if local else {})
+
+
+def _rope(hf_config: dict[str, Any], params: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """Returns (rope_theta, rope_scaling) from either transformers 5's `rope_parameters` or the old keys."""
-    params = dict(hf_config.get("rope_parameters") or {})
     legacy_scaling = hf_config.get("rope_scaling") or {}
     if not params:
         params = dict(legacy_scaling)
     theta = params.pop("rope_theta", None) or hf_config.get("rope_theta") or _DEFAULT_ROPE_THETA
+    partial = params.pop("partial_rotary_factor", None) or hf_config.get("partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor {partial} is not supported (rotary over the whole head only)"
+        )
     legacy_type = params.pop("type", None)
     rope_type = params.pop("rope_type", None) or legacy_type or "default"
     if rope_type == "default":
@@ -160,6 +186,8 @@ def _rope(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type not in _ROPE_REQUIRED_KEYS:
         supported = ", ".join(["default", *_ROPE_REQUIRED_KEYS])
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {supported}")
+    if rope_type == "longrope" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = hf_config.get("original_max_position_embeddings")
     missing = [key for key in _ROPE_REQUIRED_KEYS[rope_type] if params.get(key) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} is missing {', '.join(missing)}")

@@ -20,7 +20,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_the_reference_formula(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    rotary = build_rotary(None, head_dim=64, rope_theta=10000.0, max_positions=512)
+    rotary = build_rotary(None, head_dim=64, theta=10000.0, scaling=None, max_positions=512)
     positions = torch.tensor([0, 1, 7, 300, 511])
     q = torch.randn(5, 9, 64, dtype=dtype)
     k = torch.randn(5, 3, 64, dtype=dtype)

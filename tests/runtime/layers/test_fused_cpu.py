@@ -50,7 +50,7 @@ def test_rms_norm_reads_strided_rows() -> None:
 @pytest.mark.parametrize("head_dim", [64, 20])
 def test_rope_rotates_q_and_k_inside_the_fused_projection(mode: int, head_dim: int) -> None:
     torch.manual_seed(head_dim)
-    rotary = build_rotary(None, head_dim=head_dim, rope_theta=10000.0, max_positions=512)
+    rotary = build_rotary(None, head_dim=head_dim, theta=10000.0, scaling=None, max_positions=512)
     positions = torch.tensor([0, 1, 7, 300, 511, 42, 42])
     cos, sin = rotary.cos_sin(positions)
     qkv = torch.randn(len(positions), (9 + 2 * 3) * head_dim)
@@ -81,7 +81,7 @@ def test_layers_dispatch_to_the_fused_path_only_for_float32_cpu_rows() -> None:
     xb = x.bfloat16()
     assert not fused_cpu.supports(xb)
     torch.testing.assert_close(act(xb).float(), act.reference(x), atol=5e-2, rtol=5e-2)
-    rotary = build_rotary(None, head_dim=8, rope_theta=10000.0, max_positions=16)
+    rotary = build_rotary(None, head_dim=8, theta=10000.0, scaling=None, max_positions=16)
     cs = rotary.cos_sin(torch.tensor([3, 4, 5]))
     qkv = torch.randn(3, (2 + 2 * 1) * 8)
     want_q, want_k = RotaryEmbedding.apply(cs, qkv[:, :16].reshape(3, 2, 8), qkv[:, 16:24].reshape(3, 1, 8))

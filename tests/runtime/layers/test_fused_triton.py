@@ -82,7 +82,7 @@ def test_rope_matches_split_qkv_reference(
     device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
     torch.manual_seed(0)
-    rotary = build_rotary(None, head_dim=head_dim, rope_theta=10000.0, max_positions=4096, device=device)
+    rotary = build_rotary(None, head_dim=head_dim, theta=10000.0, scaling=None, max_positions=4096, device=device)
     positions = torch.tensor([0, 1, 7, 300, 4095], device=device)
     cos_sin = rotary.cos_sin(positions)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -186,7 +186,7 @@ def _run_layers(device: str, dtype: torch.dtype) -> None:
     gate_up = _randn(4, 2 * 24, dtype=dtype, device=device)
     _assert_close(SiluAndMul()(gate_up), SiluAndMul.reference(gate_up.clone()))
 
-    rotary = build_rotary(None, head_dim=16, rope_theta=10000.0, max_positions=64, device=device)
+    rotary = build_rotary(None, head_dim=16, theta=10000.0, scaling=None, max_positions=64, device=device)
     cos_sin = rotary.cos_sin(torch.tensor([0, 3, 9, 63], device=device))
     qkv = _randn(4, (6 + 2 * 2) * 16, dtype=dtype, device=device)
     q_ref, k_ref = RotaryEmbedding.apply(

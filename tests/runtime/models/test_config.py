@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from radixlm_runtime.models.config import ModelConfig
+from radixlm_runtime.models.config import ModelConfig, RopeSpec
 
 
 def _llama_config(**overrides: Any) -> dict[str, Any]:
@@ -61,10 +61,9 @@ def test_tiny_llama_dir(tiny_llama_dir: Path) -> None:
     assert config.torch_dtype == "float32"
 
 
-def test_tiny_qwen2_dir_implies_qkv_bias(tiny_qwen2_dir: Path) -> None:
+def test_tiny_qwen2_dir(tiny_qwen2_dir: Path) -> None:
     config = ModelConfig.from_dir(tiny_qwen2_dir)
     assert config.architecture == "Qwen2ForCausalLM"
-    assert config.attention_bias
     assert config.sliding_window is None  # use_sliding_window is false
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
 
@@ -116,8 +115,12 @@ def test_default_rope_type_means_no_scaling() -> None:
 
 
 def test_unknown_or_incomplete_rope_scaling_is_rejected() -> None:
-    with pytest.raises(ValueError, match="longrope"):
-        ModelConfig.from_hf_config(_llama_config(rope_scaling={"rope_type": "longrope", "factor": 2.0}))
+    with pytest.raises(ValueError, match="long_factor"):
+        ModelConfig.from_hf_config(
+            _llama_config(rope_scaling={"rope_type": "longrope", "short_factor": [1.0]})
+        )
+    with pytest.raises(ValueError, match="su"):
+        ModelConfig.from_hf_config(_llama_config(rope_scaling={"rope_type": "su", "factor": 2.0}))
     with pytest.raises(ValueError, match="low_freq_factor"):
         ModelConfig.from_hf_config(_llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
 
@@ -135,7 +138,26 @@ def test_unsupported_architecture_names_it_and_lists_supported() -> None:
 def test_architecture_inferred_from_model_type() -> None:
     config = ModelConfig.from_hf_config(_llama_config(architectures=None, model_type="qwen2"))
     assert config.architecture == "Qwen2ForCausalLM"
-    assert config.attention_bias
+
+
+def test_rope_parameters_per_layer_type_and_legacy_local_base() -> None:
+    """Gemma 3: transformers 5 nests rope parameters per layer type; older configs name the local
+    layers' base `rope_local_base_freq`. Both give each layer type its table."""
+    nested = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    }
+    config = ModelConfig.from_hf_config(_llama_config(rope_parameters=nested))
+    assert config.rope_for("full_attention") == RopeSpec(1e6, {"rope_type": "linear", "factor": 8.0})
+    assert config.rope_for("sliding_attention") == RopeSpec(1e4, None)
+    legacy = ModelConfig.from_hf_config(_llama_config(rope_theta=1e6, rope_local_base_freq=1e4))
+    assert legacy.rope_for("sliding_attention") == RopeSpec(1e4, None)
+    assert legacy.rope_for("full_attention") == RopeSpec(1e6, None)
+
+
+def test_partial_rotary_is_refused() -> None:
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_config(_llama_config(partial_rotary_factor=0.5))
 
 
 def test_mistral_sliding_window_and_explicit_head_dim() -> None:
