@@ -93,11 +93,11 @@ def build_rotary(
     layer_type: str | None = None,
 ) -> RotaryEmbedding:
     """The table of one rotary base and scaling (None: plain RoPE). Scaled variants take their
-    inverse frequencies from transformers' initialisers, fed the transformers config that `hf_config` loads (and the layer type where that
-    config nests its rope parameters per layer type). LongRoPE: positions before the original context
-    rotate with the short factors, later ones with the long factors (transformers switches every
-    position to the long factors once a sequence passes the original context; per position, cached
-    KV never changes meaning)."""
+    inverse frequencies from transformers' initialisers, fed the transformers config that `hf_config`
+    loads (and the layer type where that config nests its rope parameters per layer type).
+    LongRoPE: positions before the original context rotate with the short factors, later ones with
+    the long factors (transformers switches every position to the long factors once a sequence
+    passes the original context; per position, cached KV never changes meaning)."""
     if scaling is None:
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         return RotaryEmbedding(inv_freq, max_positions, device=device)

@@ -82,7 +82,9 @@ def test_rope_matches_split_qkv_reference(
     device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
     torch.manual_seed(0)
-    rotary = build_rotary(None, head_dim=head_dim, theta=10000.0, scaling=None, max_positions=4096, device=device)
+    rotary = build_rotary(
+        None, head_dim=head_dim, theta=10000.0, scaling=None, max_positions=4096, device=device
+    )
     positions = torch.tensor([0, 1, 7, 300, 4095], device=device)
     cos_sin = rotary.cos_sin(positions)
     width = (num_heads + 2 * num_kv_heads) * head_dim
