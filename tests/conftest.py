@@ -79,18 +79,40 @@ def build_tiny_tokenizer():
     )
 
 
-def build_tiny_model_dir(out_dir: Path, model_type: str) -> Path:
-    """Saves a seeded random-init tiny model of model_type ("llama" or "qwen2") plus the tiny tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+# Qwen3's template in short: a think block opens the assistant turn when thinking is off.
+QWEN3_CHAT_TEMPLATE = (
+    TINY_CHAT_TEMPLATE.removesuffix("{% endif %}")
+    + "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+    + "{% endif %}{% endif %}"
+)
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+
+def build_tiny_model_dir(out_dir: Path, model_type: str) -> Path:
+    """Saves a seeded random-init tiny model of model_type ("llama", "qwen2" or "qwen3") plus the tiny
+    tokenizer (for qwen3 with `<think>` / `</think>` as special tokens and a Qwen3-style template)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    config_cls, model_cls, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}),
     }[model_type]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY_MODEL_KWARGS))
+    model = model_cls(config_cls(**TINY_MODEL_KWARGS, **extra))
     model.save_pretrained(out_dir)
-    build_tiny_tokenizer().save_pretrained(out_dir)
+    tokenizer = build_tiny_tokenizer()
+    if model_type == "qwen3":
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    assert len(tokenizer) <= TINY_MODEL_KWARGS["vocab_size"]
+    tokenizer.save_pretrained(out_dir)
     return out_dir
 
 
@@ -123,6 +145,13 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shapes as tiny_llama_dir but a Qwen2ForCausalLM, whose q/k/v projections carry biases."""
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-init Qwen3ForCausalLM (per-head q/k norms) whose tokenizer has `<think>` and
+    `</think>` and a chat template that honours enable_thinking, for the reasoning parser."""
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
 
 
 @pytest.fixture(scope="session")
