@@ -11,6 +11,7 @@ matmuls; checkpoints are loaded by their Hugging Face names and packed into the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -155,6 +156,30 @@ class DecoderLayer(nn.Module):
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+_EXPERT = re.compile(r"layers\.(\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+_ROUTER = re.compile(r"layers\.(\d+)\.(\w+)\.gate\.weight")
+
+
+def load_moe_tensor(
+    layers: nn.ModuleList, name: str, tensor: torch.Tensor, block: str, projections: dict[str, str]
+) -> str | None:
+    """Loads a routed-expert checkpoint tensor (`layers.N.<block>.experts.E.<proj>.weight`, or the
+    router `layers.N.<block>.gate.weight`) into layer N's MoE (`mlp`); projections maps the
+    checkpoint's projection names onto gate/up/down. Returns the parameter filled, or None."""
+    if match := _EXPERT.fullmatch(name):
+        layer, owner, expert, proj = match.groups()
+        if owner == block and proj in projections:
+            shard = projections[proj]
+            layers[int(layer)].mlp.load_expert(int(expert), shard, tensor)
+            return f"layers.{layer}.mlp.{'w2' if shard == 'down' else 'w13'}"
+    if (match := _ROUTER.fullmatch(name)) and match.group(2) == block:
+        mlp = layers[int(match.group(1))].mlp
+        if hasattr(mlp, "load_expert"):
+            mlp.gate.weight.data.copy_(tensor)
+            return f"layers.{match.group(1)}.mlp.gate.weight"
+    return None
 
 
 class DecoderForCausalLM(nn.Module):

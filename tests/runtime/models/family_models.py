@@ -62,6 +62,28 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "pad_token_id": 0,
         },
     ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "sliding_window": None},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "olmoe": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "norm_topk_prob": False},
+    ),
 }
 SLIDING_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3", "phi3")
 
