@@ -54,8 +54,12 @@ class Linear(nn.Linear):
 
     @property
     def kernel_weight(self) -> QuantizedWeight | FloatPanels | None:
-        """The weight the CPU linear kernels read, if they serve this layer."""
-        return self.quantized if self.quantized is not None else self.panels
+        """The weight the CPU linear kernels read, if they alone serve this layer: not for a weight with
+        an input order, whose activations are gathered first (so the one-call C++ decoder, which calls
+        the kernels directly, leaves such a model's layers to Python)."""
+        if self.quantized is not None:
+            return self.quantized if self.quantized.input_order is None else None
+        return self.panels
 
     @property
     def batch_invariant(self) -> bool:
@@ -98,6 +102,9 @@ class Linear(nn.Linear):
         weight = self.kernel_weight
         if weight is not None:
             return cpu_linear(x, weight, self.bias)
+        if self.quantized is not None:
+            # The weight's input columns are in another order (act-order GPTQ): gather x into it.
+            return cpu_linear(x.index_select(-1, self.quantized.input_order), self.quantized, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -18,8 +18,10 @@
 // layout, so Q4_0/Q4_1/Q8_0 blocks are copied, not re-encoded):
 //   int4: 16 bytes; byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
 //   int8: 32 signed bytes.
-// scales and mins are [N, K / group] fp32 (group a multiple of 32); w = scale * q + min, and
-// mins may be null (symmetric int8).
+// scales and mins are [N, K / group] fp32 (group 16 or a multiple of 32); w = scale * q + min, and
+// mins may be null (symmetric int8). Group 16 (GGUF Q6_K's sub-blocks) scales each half of a chunk
+// on its own: the row-dot kernels then take a second scale per chunk (the HALF template argument),
+// so the other groups run the same instructions as without it.
 //
 // Small M (decode) reads each quantized weight once and dots it with every row of x, summing each
 // 32-chunk before scaling it; larger M dequantises 16 output rows at a time into a k-major fp32 panel
@@ -66,18 +68,21 @@ void dequant_row_scalar(const Weights& w, int64_t row, float* out) {
   const float* s = w.scales + row * w.groups();
   const float* m = w.mins ? w.mins + row * w.groups() : nullptr;
   for (int64_t c = 0; c < w.k / kChunk; ++c) {
-    const int64_t g = c * kChunk / w.group;
-    const float scale = s[g];
-    const float min = m ? m[g] : 0.0f;
+    // The groups of the chunk's two halves (one group unless the group is 16).
+    const int64_t g0 = c * kChunk / w.group, g1 = (c * kChunk + kChunk / 2) / w.group;
+    const float scale[2] = {s[g0], s[g1]};
+    const float min[2] = {m ? m[g0] : 0.0f, m ? m[g1] : 0.0f};
     const uint8_t* p = q + c * w.chunk_bytes();
     float* o = out + c * kChunk;
     if (w.bits == 4) {
       for (int j = 0; j < 16; ++j) {
-        o[j] = scale * static_cast<float>(p[j] & 15) + min;
-        o[j + 16] = scale * static_cast<float>(p[j] >> 4) + min;
+        o[j] = scale[0] * static_cast<float>(p[j] & 15) + min[0];
+        o[j + 16] = scale[1] * static_cast<float>(p[j] >> 4) + min[1];
       }
     } else {
-      for (int j = 0; j < 32; ++j) o[j] = scale * static_cast<float>(static_cast<int8_t>(p[j])) + min;
+      for (int j = 0; j < 32; ++j) {
+        o[j] = scale[j / 16] * static_cast<float>(static_cast<int8_t>(p[j])) + min[j / 16];
+      }
     }
   }
 }
@@ -147,13 +152,34 @@ SIMD_AVX2 inline __m256 chunk_dot(const __m256 wv[4], const float* x) {
   return _mm256_add_ps(a, b);
 }
 
+// acc + the chunk's dot product with x, scaled by lo (HALF: lo for columns 0-15, hi for 16-31).
+template <bool HALF>
+SIMD_AVX2 inline __m256 scaled_chunk_dot(const __m256 wv[4], const float* x, __m256 lo, __m256 hi, __m256 acc) {
+  if constexpr (HALF) {
+    acc = _mm256_fmadd_ps(lo, _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(wv[0], _mm256_loadu_ps(x))),
+                          acc);
+    return _mm256_fmadd_ps(
+        hi, _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(wv[2], _mm256_loadu_ps(x + 16))), acc);
+  } else {
+    return _mm256_fmadd_ps(lo, chunk_dot(wv, x), acc);
+  }
+}
+
+// The row-dot kernels walk a row's scales `step` groups at a time, each step covering `chunks` chunks.
+template <bool HALF>
+struct GroupWalk {
+  static constexpr int64_t step = HALF ? 2 : 1;
+  static int64_t chunks(const Weights& w) { return HALF ? 1 : w.group / kChunk; }
+};
+
 // Rows [n0, n1) of y for ROWS (1..4) rows of x: each chunk's dot product with the integer
 // weights is scaled once, and the mins add min * sum(x over the group) from precomputed sums.
 // Accumulators are named variables: GCC spills arrays of vectors to the stack every iteration.
-template <int ROWS>
+template <int ROWS, bool HALF>
 SIMD_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
                          float* y) {
-  const int64_t chunks_per_group = w.group / kChunk;
+  using Walk = GroupWalk<HALF>;
+  const int64_t chunks_per_step = Walk::chunks(w);
   const int64_t groups = w.groups();
   const int64_t k = w.k;
   for (int64_t n = n0; n < n1; ++n) {
@@ -161,15 +187,16 @@ SIMD_AVX2 void gemv_avx2(const Weights& w, const float* x, const float* xsum, in
     const float* s = w.scales + n * groups;
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
     int64_t col = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256 scale = _mm256_set1_ps(s[g]);
-      for (int64_t c = 0; c < chunks_per_group; ++c, col += kChunk, q += w.chunk_bytes()) {
+    for (int64_t g = 0; g < groups; g += Walk::step) {
+      const __m256 lo = _mm256_set1_ps(s[g]);
+      const __m256 hi = HALF ? _mm256_set1_ps(s[g + 1]) : lo;
+      for (int64_t c = 0; c < chunks_per_step; ++c, col += kChunk, q += w.chunk_bytes()) {
         __m256 wv[4];
         load_chunk(q, w.bits, wv);
-        t0 = _mm256_fmadd_ps(scale, chunk_dot(wv, x + col), t0);
-        if constexpr (ROWS > 1) t1 = _mm256_fmadd_ps(scale, chunk_dot(wv, x + k + col), t1);
-        if constexpr (ROWS > 2) t2 = _mm256_fmadd_ps(scale, chunk_dot(wv, x + 2 * k + col), t2);
-        if constexpr (ROWS > 3) t3 = _mm256_fmadd_ps(scale, chunk_dot(wv, x + 3 * k + col), t3);
+        t0 = scaled_chunk_dot<HALF>(wv, x + col, lo, hi, t0);
+        if constexpr (ROWS > 1) t1 = scaled_chunk_dot<HALF>(wv, x + k + col, lo, hi, t1);
+        if constexpr (ROWS > 2) t2 = scaled_chunk_dot<HALF>(wv, x + 2 * k + col, lo, hi, t2);
+        if constexpr (ROWS > 3) t3 = scaled_chunk_dot<HALF>(wv, x + 3 * k + col, lo, hi, t3);
       }
     }
     const __m256 totals[4] = {t0, t1, t2, t3};
@@ -204,10 +231,23 @@ SIMD_AVX512 inline __m512 chunk_dot16(__m512 lo, __m512 hi, const float* x) {
   return _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(x)));
 }
 
-template <int ROWS>
+// acc + the chunk's dot product with x, scaled by s_lo (HALF: s_lo for columns 0-15, s_hi for 16-31).
+template <bool HALF>
+SIMD_AVX512 inline __m512 scaled_chunk_dot16(__m512 lo, __m512 hi, const float* x, __m512 s_lo, __m512 s_hi,
+                                             __m512 acc) {
+  if constexpr (HALF) {
+    acc = _mm512_fmadd_ps(s_lo, _mm512_mul_ps(lo, _mm512_loadu_ps(x)), acc);
+    return _mm512_fmadd_ps(s_hi, _mm512_mul_ps(hi, _mm512_loadu_ps(x + 16)), acc);
+  } else {
+    return _mm512_fmadd_ps(s_lo, chunk_dot16(lo, hi, x), acc);
+  }
+}
+
+template <int ROWS, bool HALF>
 SIMD_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum, int64_t n0, int64_t n1,
                              float* y) {
-  const int64_t chunks_per_group = w.group / kChunk;
+  using Walk = GroupWalk<HALF>;
+  const int64_t chunks_per_step = Walk::chunks(w);
   const int64_t groups = w.groups();
   const int64_t k = w.k;
   for (int64_t n = n0; n < n1; ++n) {
@@ -216,16 +256,18 @@ SIMD_AVX512 void gemv_avx512(const Weights& w, const float* x, const float* xsum
     const __m512 z = _mm512_setzero_ps();
     __m512 a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
     int64_t col = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 scale = _mm512_set1_ps(s[g]);
-      for (int64_t c = 0; c < chunks_per_group; ++c, col += kChunk, q += w.chunk_bytes()) {
+    for (int64_t g = 0; g < groups; g += Walk::step) {
+      const __m512 s_lo = _mm512_set1_ps(s[g]);
+      const __m512 s_hi = HALF ? _mm512_set1_ps(s[g + 1]) : s_lo;
+      for (int64_t c = 0; c < chunks_per_step; ++c, col += kChunk, q += w.chunk_bytes()) {
         __m512 lo, hi;
         load_chunk16(q, w.bits, lo, hi);
         const bool odd = col & kChunk;
-#define RQ_ACC512(i)                                                              \
-  if constexpr (ROWS > i) {                                                       \
-    const __m512 d = chunk_dot16(lo, hi, x + i * k + col);                         \
-    if (odd) b##i = _mm512_fmadd_ps(scale, d, b##i); else a##i = _mm512_fmadd_ps(scale, d, a##i); \
+#define RQ_ACC512(i)                                                                     \
+  if constexpr (ROWS > i) {                                                              \
+    const float* xi = x + i * k + col;                                                   \
+    if (odd) b##i = scaled_chunk_dot16<HALF>(lo, hi, xi, s_lo, s_hi, b##i);              \
+    else a##i = scaled_chunk_dot16<HALF>(lo, hi, xi, s_lo, s_hi, a##i);                  \
   }
         RQ_ACC512(0) RQ_ACC512(1) RQ_ACC512(2) RQ_ACC512(3)
 #undef RQ_ACC512
@@ -264,12 +306,12 @@ SIMD_AVX2 inline void transpose8(__m256 r[8]) {
 // 8 rows x 8 columns at a time through a register transpose.
 SIMD_AVX2 void pack_panel_avx2(const Weights& w, int64_t n0, int64_t valid, float* panel) {
   const int64_t chunks = w.k / kChunk;
-  const int64_t chunks_per_group = w.group / kChunk;
   const int64_t groups = w.groups();
   for (int64_t half = 0; half < kPanel; half += 8) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t g = c / chunks_per_group;
       for (int i = 0; i < 4; ++i) {
+        // Run i holds columns 8i..8i+7 of the chunk, all in one group.
+        const int64_t g = (c * kChunk + 8 * i) / w.group;
         __m256 r[8];
         for (int64_t j = 0; j < 8; ++j) {
           const int64_t row = half + j;
@@ -360,6 +402,27 @@ SIMD_AVX2 void gemm_avx2(const Weights& w, const float* x, int64_t m, float* y, 
   }
 }
 
+// One block of output rows for `rows` (1..4) rows of x; wide: the AVX-512 kernel.
+template <bool HALF>
+SIMD_AVX2 void gemv_rows(const Weights& w, const float* x, const float* xs, int64_t n0, int64_t n1, float* y,
+                         int64_t rows, bool wide) {
+  if (wide) {
+    switch (rows) {
+      case 1: gemv_avx512<1, HALF>(w, x, xs, n0, n1, y); break;
+      case 2: gemv_avx512<2, HALF>(w, x, xs, n0, n1, y); break;
+      case 3: gemv_avx512<3, HALF>(w, x, xs, n0, n1, y); break;
+      default: gemv_avx512<4, HALF>(w, x, xs, n0, n1, y); break;
+    }
+    return;
+  }
+  switch (rows) {
+    case 1: gemv_avx2<1, HALF>(w, x, xs, n0, n1, y); break;
+    case 2: gemv_avx2<2, HALF>(w, x, xs, n0, n1, y); break;
+    case 3: gemv_avx2<3, HALF>(w, x, xs, n0, n1, y); break;
+    default: gemv_avx2<4, HALF>(w, x, xs, n0, n1, y); break;
+  }
+}
+
 // wide: the AVX-512 kernel (the caller checked the CPU has it).
 SIMD_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float* y, int threads, bool wide) {
   const int64_t groups = w.groups();
@@ -373,6 +436,7 @@ SIMD_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float*
   }
   // Blocks of 8 rows keep each thread's share of y on whole cache lines.
   const int64_t blocks = (w.n + 7) / 8;
+  const bool half = w.group == kChunk / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t n0 = b * 8;
@@ -382,21 +446,8 @@ SIMD_AVX2 void gemv_dispatch(const Weights& w, const float* x, int64_t m, float*
       const float* xs = xsum.empty() ? nullptr : xsum.data() + r * groups;
       float* yr = y + r * w.n;
       const int64_t rows = std::min(kGemvRows, m - r);
-      if (wide) {
-        switch (rows) {
-          case 1: gemv_avx512<1>(w, xr, xs, n0, n1, yr); break;
-          case 2: gemv_avx512<2>(w, xr, xs, n0, n1, yr); break;
-          case 3: gemv_avx512<3>(w, xr, xs, n0, n1, yr); break;
-          default: gemv_avx512<4>(w, xr, xs, n0, n1, yr); break;
-        }
-        continue;
-      }
-      switch (rows) {
-        case 1: gemv_avx2<1>(w, xr, xs, n0, n1, yr); break;
-        case 2: gemv_avx2<2>(w, xr, xs, n0, n1, yr); break;
-        case 3: gemv_avx2<3>(w, xr, xs, n0, n1, yr); break;
-        default: gemv_avx2<4>(w, xr, xs, n0, n1, yr); break;
-      }
+      if (half) gemv_rows<true>(w, xr, xs, n0, n1, yr, rows, wide);
+      else gemv_rows<false>(w, xr, xs, n0, n1, yr, rows, wide);
     }
   }
 }

@@ -3,9 +3,14 @@ plan of `--quantization` (which linears get int8 or int4, from a checkpoint's ow
 
 Format (what the CPU kernels in linear_cpu.cpp read): per output row, chunks of 32 input columns in
 GGUF's block layout (int4: 16 bytes, byte j holding column j in its low nibble and column j + 16 in its
-high nibble; int8: 32 signed bytes), with fp32 `scales` and `mins` per group of `group_size` columns;
-the weight is `scale * q + min`. GGUF Q4_0/Q4_1/Q8_0 blocks are this format with group 32, so they are
-copied rather than re-encoded (models/gguf_weights.py).
+high nibble; int8: 32 signed bytes), with fp32 `scales` and `mins` per group of `group_size` columns
+(16 or a multiple of 32); the weight is `scale * q + min`. GGUF Q4_0/Q4_1/Q8_0 blocks are this format
+with group 32, so they are copied rather than re-encoded; the other GGUF types and AWQ/GPTQ int4 map onto
+it exactly (models/gguf_weights.py, models/quantized_checkpoint.py).
+
+A weight may hold its input columns in another order (`input_order`): GPTQ's act-order groups columns
+that are scattered over K, and the kernels need each group contiguous, so the activations are gathered
+into the weight's order first (layers/linear.py).
 """
 
 from __future__ import annotations
@@ -16,8 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
 QUANTIZATION_MODES = ("none", "auto", "int8", "int4")
 CHUNK = 32
+# The one group size below a chunk: GGUF Q6_K's 16-column sub-blocks (the kernels scale half-chunks).
+HALF_CHUNK = 16
 # int4 of float checkpoints uses GGUF Q4_1's group size: the accuracy of the embedded model's own blocks.
 INT4_GROUP_SIZE = 32
 
@@ -32,6 +43,8 @@ class QuantizedWeight:
     scales: torch.Tensor  # float32 [N, K // group_size]
     mins: torch.Tensor | None  # float32 [N, K // group_size]; None for symmetric int8
     group_size: int
+    # int64 [K]: stored column j multiplies input column input_order[j]; None for the identity.
+    input_order: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         expected = {4: torch.uint8, 8: torch.int8}
@@ -43,10 +56,16 @@ class QuantizedWeight:
         self.qweight = self.qweight.contiguous()
         self.scales = self.scales.contiguous()
         self.mins = None if self.mins is None else self.mins.contiguous()
-        if self.group_size % CHUNK or self.in_features % self.group_size:
+        aligned = self.group_size == HALF_CHUNK or self.group_size % CHUNK == 0
+        if not aligned or self.in_features % self.group_size or self.in_features % CHUNK:
             raise ValueError(
-                f"group_size must be a multiple of {CHUNK} dividing in_features {self.in_features}, "
-                f"got {self.group_size}"
+                f"group_size must be {HALF_CHUNK} or a multiple of {CHUNK} dividing in_features "
+                f"{self.in_features} (itself a multiple of {CHUNK}), got {self.group_size}"
+            )
+        if self.input_order is not None and tuple(self.input_order.shape) != (self.in_features,):
+            raise ValueError(
+                f"input_order must hold {self.in_features} column indices, "
+                f"got shape {tuple(self.input_order.shape)}"
             )
         groups = (self.out_features, self.in_features // self.group_size)
         for name in ("scales", "mins"):
@@ -77,35 +96,51 @@ class QuantizedWeight:
         return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
 
     def codes(self) -> torch.Tensor:
-        """The integer codes as int16 [N, K] in column order (int4: 0..15, int8: -128..127)."""
+        """The integer codes as int16 [N, K] in stored column order (int4: 0..15, int8: -128..127)."""
         if self.bits == 8:
             return self.qweight.to(torch.int16)
         chunks = self.qweight.view(self.out_features, -1, CHUNK // 2).to(torch.int16)
         return torch.cat([chunks & 15, chunks >> 4], dim=-1).view(self.out_features, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight the kernels multiply by (the reference for tests and accuracy checks)."""
+        """The float32 weight the layer multiplies by, in input column order (the reference for tests and
+        accuracy checks)."""
         shape = (self.out_features, self.in_features // self.group_size, self.group_size)
         weight = self.codes().float().view(shape) * self.scales.unsqueeze(-1)
         if self.mins is not None:
             weight = weight + self.mins.unsqueeze(-1)
-        return weight.view(self.out_features, self.in_features)
+        weight = weight.view(self.out_features, self.in_features)
+        if self.input_order is None:
+            return weight
+        unpermuted = torch.empty_like(weight)
+        unpermuted[:, self.input_order] = weight
+        return unpermuted
+
+    def same_input_order(self, other: QuantizedWeight) -> bool:
+        """Whether both read their inputs in one order (what weights sharing an input must do to fuse)."""
+        if self.input_order is None or other.input_order is None:
+            return self.input_order is other.input_order
+        return torch.equal(self.input_order, other.input_order)
 
     @staticmethod
     def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-        """Stacks weights along out_features (fused q/k/v and gate/up projections)."""
+        """Stacks weights along out_features (fused q/k/v and gate/up projections). Parts without mins
+        get zero mins where another part has them (e.g. GGUF Q8_0 beside Q5_1): the same weights."""
         first = parts[0]
-        if any(
-            (p.bits, p.group_size, p.mins is None) != (first.bits, first.group_size, first.mins is None)
-            for p in parts
-        ):
+        if any((p.bits, p.group_size) != (first.bits, first.group_size) for p in parts):
             raise ValueError("cannot fuse quantized weights of different formats")
+        if not all(first.same_input_order(p) for p in parts):
+            raise ValueError("cannot fuse quantized weights with different input_order")
+        with_mins = any(p.mins is not None for p in parts)
         return QuantizedWeight(
             bits=first.bits,
             qweight=torch.cat([p.qweight for p in parts]),
             scales=torch.cat([p.scales for p in parts]),
-            mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+            mins=torch.cat([torch.zeros_like(p.scales) if p.mins is None else p.mins for p in parts])
+            if with_mins
+            else None,
             group_size=first.group_size,
+            input_order=first.input_order,
         )
 
 
@@ -186,32 +221,62 @@ def plan_linear(target: LinearShards, mode: str, source: QuantizedSource | None)
 
     - auto: a checkpoint's own blocks, when every shard has them in one format; otherwise float.
     - int8 / int4: a checkpoint's own blocks of that width are kept; other shards are quantized from the
-      loaded float weight. The lm_head gets int8 under int4 (its accuracy loss at 4 bits is the largest
-      of any layer; see benchmarks/README.md), and a checkpoint's int8 lm_head stays int8.
+      loaded float weight (in the kept blocks' group size and input order). The lm_head gets int8 under
+      int4 (its accuracy loss at 4 bits is the largest of any layer; see benchmarks/README.md), and a
+      checkpoint's int8 lm_head stays int8.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {list(QUANTIZATION_MODES)}, got {mode!r}")
     if mode == "none":
         return None
-    own = [source(name) if source is not None else None for name, _ in target.shards]
+    own = _own_weights(target, source)
     if mode == "auto":
         if any(w is None for w in own) or len({(w.bits, w.group_size) for w in own}) != 1:
             return None
         return QuantizedWeight.concat_rows(own)
     bits = 8 if mode == "int8" or target.is_lm_head else 4
     kept = [w if w is not None and w.bits == bits else None for w in own]
-    # Float shards fused with a checkpoint's blocks are quantized to the same group size.
+    # Float shards fused with a checkpoint's blocks are quantized to the same group size and order.
     group = next((w.group_size for w in kept if w is not None), None)
+    order = next((w.input_order for w in kept if w is not None), None)
     weight = target.linear.weight
     parts, offset = [], 0
     for (_, rows), mine in zip(target.shards, kept, strict=True):
         if mine is None:
             rows_weight = weight[offset : offset + rows]
+            if order is not None:
+                rows_weight = rows_weight[:, order]
             mine = (
                 quantize_int8(rows_weight, group)
                 if bits == 8
                 else quantize_int4(rows_weight, group or INT4_GROUP_SIZE)
             )
+            mine.input_order = order
         parts.append(mine)
         offset += rows
     return QuantizedWeight.concat_rows(parts)
+
+
+def _own_weights(target: LinearShards, source: QuantizedSource | None) -> list[QuantizedWeight | None]:
+    """The checkpoint's own weight of each shard (None: float). Shards whose input orders differ (act-order
+    GPTQ shards with different g_idx) cannot share the one gather of the fused layer's input: they are
+    all left to the float path, whose weights the checkpoint loader dequantized."""
+    if source is None:
+        return [None] * len(target.shards)
+    own = [source(name) for name, _ in target.shards]
+    cols = target.linear.in_features
+    for (name, rows), weight in zip(target.shards, own, strict=True):
+        if weight is not None and (weight.out_features, weight.in_features) != (rows, cols):
+            raise ValueError(
+                f"checkpoint weight {name} is {weight.out_features}x{weight.in_features}, "
+                f"its shard of {target.name} {rows}x{cols}"
+            )
+    present = [w for w in own if w is not None]
+    if any(not present[0].same_input_order(w) for w in present[1:]):
+        logger.info(
+            "%s: its shards read the input in different orders (act-order g_idx), so it is served from "
+            "the float weights",
+            target.name,
+        )
+        return [None] * len(own)
+    return own

