@@ -12,6 +12,8 @@ from typing import Any
 
 # Grammar engines of constrained decoding (radixlm_runtime/constrained/), the first the default.
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
+# --reasoning-parser names (radixlm_runtime/server/reasoning.py), as vLLM and SGLang call them.
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -252,6 +254,18 @@ class ServerConfig:
         "Most tool calls in one chat completion choice when parallel_tool_calls is allowed: after each "
         "call the model chooses to end its turn or open another, and a model that keeps calling stops here.",
     )
+    reasoning_parser: str | None = flag(
+        None,
+        "Split a reasoning model's <think>...</think> block out of its chat completions: the message's "
+        "(or stream delta's) `reasoning_content` holds the text inside it, `content` the answer after it. "
+        "'qwen3': the output is the answer until the model opens <think> (Qwen3 with enable_thinking=false "
+        "writes no block, so all of it is content). 'deepseek-r1': the chat template already opened the "
+        "block, so the output is reasoning until </think>, whether or not the model repeats <think>. "
+        "The tags must reach the text: ordinary tokens (as Qwen3's and DeepSeek-R1's are), or special "
+        "ones with skip_special_tokens false in the request. "
+        "Default: off (the tags stay in `content`).",
+        REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -265,3 +279,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser (--reasoning-parser) must be one of {list(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )

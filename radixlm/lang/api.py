@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from radixlm.lang import ir
 from radixlm.lang.choices import ChoicesMethod, token_length_normalized
 from radixlm.lang.function import Function, resolve_backend
+from radixlm_runtime.server.reasoning import check_parser_name
 
 
 def function(func: Callable[..., Any] | None = None, *, num_api_spec_tokens: int | None = None) -> Any:
@@ -114,6 +116,30 @@ def select(
     if temperature < 0:
         raise ValueError(f"select({name!r}): temperature must be >= 0, got {temperature}")
     return ir.Select(name, choices, temperature, choices_method or token_length_normalized)
+
+
+def separate_reasoning(expr: Any, model_type: str) -> ir.ExprList:
+    """Splits a reasoning model's think block out of every gen in expr (SGLang's primitive): after
+    it, s[name] holds the answer and s[name + "_reasoning_content"] the reasoning. The reasoning stays
+    out of the program's text, so later calls see the answer only, as chat templates of reasoning
+    models replay past turns. model_type is a --reasoning-parser name ('qwen3', 'deepseek-r1')."""
+    try:
+        check_parser_name(model_type)
+    except ValueError as e:
+        raise ValueError(f"separate_reasoning: model_type: {e}") from None
+    exprs = ir.flatten(ir.to_expr(expr))
+    for e in exprs:
+        if isinstance(e, ir.Select):
+            raise ValueError(
+                f"separate_reasoning: select({e.name!r}) picks a fixed text; only gen output has reasoning"
+            )
+        if isinstance(e, ir.Gen) and e.name is None:
+            raise ValueError("separate_reasoning: the gen needs a name to hold its answer and reasoning")
+    if not any(isinstance(e, ir.Gen) for e in exprs):
+        raise ValueError(f"separate_reasoning: expects a gen (or expressions with gens), got {expr!r}")
+    return ir.ExprList(
+        [dataclasses.replace(e, reasoning=model_type) if isinstance(e, ir.Gen) else e for e in exprs]
+    )
 
 
 def image(path: str) -> ir.Expr:

@@ -16,6 +16,7 @@ from radixlm.lang import ir
 from radixlm.lang.backend_api import BaseBackend, Prompt
 from radixlm.lang.speculative import ChatTurn, HeldText, eligible, speculative_params
 from radixlm.lang.state_base import StateGroup, StateMethods
+from radixlm_runtime.server.reasoning import ReasoningParser, Split
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -83,8 +84,9 @@ class StreamExecutor:
         self.held = HeldText()
         self.held_meta: dict[str, Any] = {}
         self.chat_turn: ChatTurn | None = None
-        # (variable name or None, text) pieces, in order, for text_iter.
-        self.chunks: list[tuple[str | None, str]] = []
+        # (variable name or None, text, whether it is in the program's text) pieces, in order, for
+        # text_iter; a separated reasoning is streamed under its variable but is not program text.
+        self.chunks: list[tuple[str | None, str, bool]] = []
         self._pending = 0
         self._cond = threading.Condition()
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -157,10 +159,11 @@ class StreamExecutor:
                     self._pending -= 1
                     self._cond.notify_all()
 
-    def _append(self, text: str, var: str | None = None) -> None:
+    def _append(self, text: str, var: str | None = None, in_text: bool = True) -> None:
         with self._cond:
-            self.text_ += text
-            self.chunks.append((var, text))
+            if in_text:
+                self.text_ += text
+            self.chunks.append((var, text, in_text))
             self._cond.notify_all()
 
     def _execute(self, expr: ir.Expr) -> None:
@@ -183,30 +186,52 @@ class StreamExecutor:
 
     def _execute_gen(self, expr: ir.Gen) -> None:
         if self.chat_turn is not None:
+            if expr.reasoning is not None:
+                raise ValueError(
+                    "separate_reasoning inside an assistant turn under num_api_spec_tokens: the turn is "
+                    "generated in one call and matched term by term, which a think block would derail"
+                )
             self.chat_turn.terms.append(expr)
             return
         params = expr.params.merged_over(self.run.defaults)
+        parser = None if expr.reasoning is None else ReasoningParser(expr.reasoning)
+        text = reasoning = ""
+        meta: dict[str, Any] = {}
+        for piece, piece_meta in self._gen_pieces(params):
+            meta = piece_meta
+            split = Split("", piece) if parser is None else parser.feed(piece)
+            text += self._append_split(expr, split)
+            reasoning += split.reasoning
+        if parser is not None:
+            split = parser.feed("", final=True)
+            text += self._append_split(expr, split)
+            self._record(expr.reasoning_name, reasoning + split.reasoning, meta)
+        self._record(expr.name, text, meta)
+
+    def _gen_pieces(self, params: ir.GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
+        """A gen's output with its meta info: taken from text generated ahead (API speculative
+        execution), streamed in pieces, or whole."""
         ahead = self.run.num_api_spec_tokens
         if ahead is not None and not self.run.stream and eligible(params):
             if not self.held.text:
                 self.held.text, self.held_meta = self.run.backend.generate(
                     self.prompt(), speculative_params(params, ahead)
                 )
-            text = self.held.take(params)
-            self._append(text, expr.name)
-            self._record(expr.name, text, self.held_meta)
+            yield self.held.take(params), self.held_meta
             return
         self.held = HeldText()
         if self.run.stream:
-            text, meta = "", {}
-            for piece, piece_meta in self.run.backend.generate_stream(self.prompt(), params):
-                text += piece
-                meta = piece_meta
-                self._append(piece, expr.name)
+            yield from self.run.backend.generate_stream(self.prompt(), params)
         else:
-            text, meta = self.run.backend.generate(self.prompt(), params)
-            self._append(text, expr.name)
-        self._record(expr.name, text, meta)
+            yield self.run.backend.generate(self.prompt(), params)
+
+    def _append_split(self, expr: ir.Gen, split: Split) -> str:
+        """Appends a piece of a gen's answer to the program's text; its reasoning is only streamed,
+        under the reasoning variable. Returns the answer part."""
+        if split.reasoning:
+            self._append(split.reasoning, expr.reasoning_name, in_text=False)
+        self._append(split.content, expr.name)
+        return split.content
 
     def _execute_select(self, expr: ir.Select) -> None:
         decision = self.run.backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
@@ -396,8 +421,8 @@ class ProgramState(StateMethods):
                     or executor.error is not None
                     or (var_name is not None and var_name in executor.variables)
                 ) and sent == len(executor.chunks)
-            for var, text in new:
-                if text and (var_name is None or var == var_name):
+            for var, text, in_text in new:
+                if text and (var == var_name if var_name is not None else in_text):
                     yield text
             if done:
                 executor.raise_error()

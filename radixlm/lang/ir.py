@@ -139,6 +139,14 @@ class ConstantText(Expr):
 class Gen(Expr):
     name: str | None
     params: GenParams
+    # The reasoning parser (separate_reasoning's model_type) that splits its output: the answer goes
+    # to `name`, the think block to `reasoning_name`.
+    reasoning: str | None = None
+
+    @property
+    def reasoning_name(self) -> str:
+        """The variable separate_reasoning puts the reasoning in (SGLang's name for it)."""
+        return f"{self.name}_reasoning_content"
 
 
 @dataclass(eq=False)

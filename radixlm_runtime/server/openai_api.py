@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import json
 import time
@@ -28,6 +29,7 @@ from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server import tool_calls as tc
 from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.reasoning import ReasoningParser, split_reasoning
 from radixlm_runtime.server.tokenizer_manager import (
     GenerateInput,
     RequestState,
@@ -133,6 +135,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     function_call: FunctionCall | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An answer of --reasoning-parser sent back: handed to the template, which may replay or drop it.
+    reasoning_content: str | None = None
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -162,6 +166,8 @@ class ChatRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM's and SGLang's extension: variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Refused unless they ask for nothing (_check_unsupported_chat_fields).
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -269,7 +275,7 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             tc.check_compatible(
                 plan, bool(body.logprobs), formatted, body.regex is not None, body.ebnf is not None
             )
-        ids = render_chat_prompt(tm, body.messages, plan)
+        ids = render_chat_prompt(tm, body.messages, plan, template_kwargs=body.chat_template_kwargs)
         want_lp = bool(body.logprobs)
         if body.top_logprobs is not None:
             if not want_lp:
@@ -300,17 +306,17 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             return JSONResponse(base | {"choices": choices, "usage": _tool_usage(outs)})
         jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
         fmt_lp = lambda st, start: _chat_logprobs(tm, st, start)
+        reasoning = tm.args.server.reasoning_parser
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunk_base = base | {"object": "chat.completion.chunk"}
-            return await hu.sse_stream(
-                request, _stream(tm, jobs, chunk_base, include_usage, _chat_chunk(fmt_lp, want_lp))
-            )
+            make_chunk = _chat_chunk(fmt_lp, want_lp, reasoning)
+            return await hu.sse_stream(request, _stream(tm, jobs, chunk_base, include_usage, make_chunk))
         states = await _run_all(request, tm, jobs)
         choices = [
             {
                 "index": job.choice,
-                "message": {"role": "assistant", "content": st.text},
+                "message": {"role": "assistant"} | _message_text(st.text, reasoning),
                 "logprobs": fmt_lp(st, 0) if want_lp else None,
                 "finish_reason": _finish_reason(st),
             }
@@ -428,13 +434,30 @@ def render_chat_prompt(
     messages: list[ChatMessage],
     plan: tc.ToolPlan | None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the messages (and tools) through the chat template, in the model's
-    own tool format where its template takes tools, else in the Hermes format (tool_calls.py)."""
+    own tool format where its template takes tools, else in the Hermes format (tool_calls.py).
+    template_kwargs (the request's chat_template_kwargs) are variables the template reads."""
     template = getattr(tm.tokenizer, "chat_template", None)
     native = _takes_tools(template if isinstance(template, str) else None)
     msgs, tools = tc.template_input(chat_template_messages(messages), plan, native)
-    return tm.render_chat(msgs, add_generation_prompt, tools)
+    if template_kwargs:
+        _check_template_kwargs(tm, template_kwargs)
+    return tm.render_chat(msgs, add_generation_prompt, tools, template_kwargs)
+
+
+def _check_template_kwargs(tm: TokenizerManager, kwargs: dict[str, Any]) -> None:
+    """Refuses names that apply_chat_template takes as its own arguments (tokenize, tools, ...): they
+    would change how the prompt is rendered instead of reaching the template."""
+    params = inspect.signature(tm.tokenizer.apply_chat_template).parameters.values()
+    own = {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    clash = sorted(set(kwargs) & own)
+    if clash:
+        raise RequestError(
+            f"chat_template_kwargs: {clash} are arguments of the renderer, not template variables",
+            param="chat_template_kwargs",
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -473,6 +496,8 @@ def _chat_message(i: int, m: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.name is not None and m.role in ("tool", "function"):
         out["name"] = m.name
+    if m.reasoning_content is not None:
+        out["reasoning_content"] = m.reasoning_content
     return out
 
 
@@ -551,9 +576,23 @@ def _completion_chunk(fmt_lp: Callable[[_Job, RequestState, int], dict[str, Any]
     return make
 
 
-def _chat_chunk(fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: bool) -> ChunkFn:
+def _chat_chunk(
+    fmt_lp: Callable[[RequestState, int], dict[str, Any]], want_lp: bool, reasoning: str | None
+) -> ChunkFn:
+    """Chat chunks; under a reasoning parser each delta carries the new text's reasoning_content and
+    content, whichever it has (a tag cut by the chunk's end waits for the next chunk)."""
+    parsers: dict[int, ReasoningParser] = {}
+
     def make(job: _Job, st: RequestState, text_from: int, tokens_from: int) -> dict[str, Any]:
-        delta: dict[str, Any] = {"content": st.text[text_from:]}
+        text = st.text[text_from:]
+        delta: dict[str, Any] = {"content": text}
+        if reasoning is not None:
+            if job.choice not in parsers:
+                parsers[job.choice] = ReasoningParser(reasoning)
+            split = parsers[job.choice].feed(text, final=st.finished)
+            delta = {
+                k: v for k, v in (("reasoning_content", split.reasoning), ("content", split.content)) if v
+            }
         if tokens_from == 0 and text_from == 0:
             delta = {"role": "assistant"} | delta
         return {
@@ -638,6 +677,15 @@ def _tool_usage(outs: list[tc.ChoiceOutput]) -> dict[str, Any]:
 
 
 # -- response pieces --------------------------------------------------------------------------
+def _message_text(text: str, reasoning: str | None) -> dict[str, str | None]:
+    """A message's content; under a reasoning parser also its reasoning_content, each null when
+    empty (an output cut off inside the think block has reasoning and no content)."""
+    if reasoning is None:
+        return {"content": text}
+    split = split_reasoning(reasoning, text)
+    return {"reasoning_content": split.reasoning or None, "content": split.content or None}
+
+
 def _finish_reason(st: RequestState) -> str | None:
     """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice
     fails the response (an error body, or an error event in a stream) instead of reporting one."""

@@ -25,6 +25,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     # Default: True for a prompt, False for messages (the chat template writes the special tokens).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages: as /v1/chat/completions takes it
     return_token_strs: bool = False
 
 
@@ -83,11 +84,14 @@ def _tokenize(tm: TokenizerManager, body: TokenizeRequest) -> tuple[list[list[in
     """Token ids of each prompt (or of the rendered conversation), and whether there was one."""
     if (body.prompt is None) == (body.messages is None):
         raise RequestError("give exactly one of prompt and messages", param="prompt")
-    if body.tools is not None and body.messages is None:
-        raise RequestError("tools are only rendered with messages", param="tools")
+    for name in ("tools", "chat_template_kwargs"):
+        if getattr(body, name) is not None and body.messages is None:
+            raise RequestError(f"{name}: only used to render messages", param=name)
     if body.messages is not None:
         plan = parse_tool_request(body.tools, None, None, None, None)
-        ids = render_chat_prompt(tm, body.messages, plan, body.add_generation_prompt)
+        ids = render_chat_prompt(
+            tm, body.messages, plan, body.add_generation_prompt, body.chat_template_kwargs
+        )
         if body.add_special_tokens:
             ids = tm.tokenizer.build_inputs_with_special_tokens(ids)
         return [ids], True

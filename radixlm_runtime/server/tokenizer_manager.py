@@ -261,13 +261,19 @@ class TokenizerManager:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """The chat template's prompt; `tools` (OpenAI's tool objects) go to a template that takes them."""
+        """The chat template's prompt; `tools` (OpenAI's tool objects) go to a template that takes them,
+        `template_kwargs` are further variables for it (e.g. enable_thinking)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # the template itself rejects the conversation (e.g. role order)
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
