@@ -53,6 +53,7 @@ BENCHMARKS = [
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),
     Bench("single_stream", "bench_single_stream.py", "Single-stream decode: quantized weights vs llama.cpp"),
     Bench("linear_cpu", "bench_linear_cpu.py", "Float32 CPU linears: panel kernels vs oneDNN"),
+    Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]
 # Benchmarks being written that do not take those flags yet: reported, not run. Move one into
