@@ -13,10 +13,10 @@ import torch
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers.linear import prepack_linears
 from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
-from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
+from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
-from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
-from radixlm_runtime.models.loader import gguf_source, load_weights
+from radixlm_runtime.models.loader import load_weights
+from radixlm_runtime.models.quantized_checkpoint import checkpoint_weights, quantized_source
 from radixlm_runtime.models.registry import CausalLM, model_class
 from radixlm_runtime.utils.logging import get_logger
 
@@ -39,10 +39,12 @@ def build_model(
     with torch.device("meta"):
         model = cls(config).to(dtype=dtype)
     model = model.to_empty(device=device)
-    model.load_weights(load_weights(model_dir))
+    # AWQ/GPTQ/FP8 linears load as their dequantized floats; the quantizer takes AWQ/GPTQ's own
+    # int4 weights from quantized_source.
+    model.load_weights(checkpoint_weights(model_dir, load_weights(model_dir)))
     model.eval()
     model.init_rotary(context_len, device, functools.partial(_hf_config, model_dir))
-    _quantize(model, engine_config, config, device, dtype)
+    _quantize(model, model_dir, engine_config, config, device, dtype)
     logger.info("float linears: %s", prepack_linears(model))
     return model
 
@@ -53,14 +55,9 @@ def _hf_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def quantized_source(engine_config: EngineConfig, config: ModelConfig) -> QuantizedSource | None:
-    """The checkpoint's own quantized linears: a GGUF's blocks, or None."""
-    gguf = gguf_source(engine_config.model_path)
-    return GGUFQuantizedWeights(gguf, config.num_heads, config.num_kv_heads) if gguf else None
-
-
 def _quantize(
     model: CausalLM,
+    model_dir: Path,
     engine_config: EngineConfig,
     config: ModelConfig,
     device: torch.device,
@@ -74,7 +71,7 @@ def _quantize(
         logger.info("quantization %r serves float weights on %s (%s)", requested, device, dtype)
     if mode == "none":
         return
-    source = quantized_source(engine_config, config)
+    source = quantized_source(engine_config.model_path, model_dir, config.num_heads, config.num_kv_heads)
     targets = model.linear_shards()
     plans = [(target, plan_linear(target, mode, source)) for target in targets]
     plans = [(target, weight) for target, weight in plans if weight is not None]
