@@ -1,5 +1,5 @@
 // Attention for CPUs, float32, reading K/V straight from the KV pool (decode, extends and prefill
-// chunks alike); and the KV store.
+// chunks alike), with a layer's sliding window and logit soft-cap where it has them; and the KV store.
 //
 // Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
 //   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers; slot 0 is a zeroed dummy.
@@ -33,6 +33,12 @@
 // row-major tiles. The portable scalar path (key by key, every row updated per key, libm expf) serves
 // other CPUs and head dims that are not a multiple of 8. `mode` caps the path, so tests reach each one
 // on one machine.
+//
+// Per-layer features (transformers' semantics). A sliding window of W keys: token j at position p sees
+// keys p - W + 1 .. p, so an item's keys start at its first token's window (whole blocks before it are
+// never read) and only a chunk's later tokens, whose windows start further on, mask keys from below. A
+// logit soft-cap C: each score s (scale included) becomes C tanh(s / C) before the running max. Both are
+// template parameters of the SIMD items, so a plain layer runs the code it ran without them.
 
 #include <immintrin.h>
 #include <math.h>
@@ -49,12 +55,17 @@ namespace {
 
 using simd::exp_avx2;
 using simd::hsum;
+using simd::tanh_avx2;
 
 // Keys per online-softmax step: enough that the per-block rescale is noise, few enough that a block's
 // scores stay in L1. A multiple of 8 (the exp and max loops read whole vectors of a row).
 constexpr int64_t kBlock = 64;
 // New tokens per item: 16 tokens x G = 3 heads is 48 query rows, 12 KB of scores and accumulators.
 constexpr int64_t kQueryChunk = 16;
+// Under a window an item's keys start where its first token's window does, so each later token's window
+// starts within kQueryChunk keys of there: every row sees a key of the first block, and no row's running
+// max is still -inf (which would make the next rescale exp(-inf - -inf)) after it.
+static_assert(kQueryChunk < kBlock, "every row of an item sees a key of its first block");
 // Members per group item: 16 decode tokens (x G = 3 heads: 48 query rows, three full AVX-512 panels)
 // where a group still gives every thread two items that way, else 8. Scratch is sized for kQueryChunk.
 constexpr int64_t kGroupChunk = 8, kWideGroupChunk = 16;
@@ -85,6 +96,8 @@ struct Problem {
   const int64_t* q_starts;
   const int64_t* num_new;
   float scale;
+  int64_t window;  // sliding window in keys; 0: none
+  float softcap;   // logit soft-cap; 0: none
   // Shared-prefix groups of decoding requests: [3, G] member offsets, member counts, prefix lengths;
   // their members' request indices; per request, the prefix length its group item covers (0: none).
   const int64_t* groups;
@@ -145,19 +158,28 @@ struct Span {
   int64_t from, len;  // the keys it walks: from .. len - 1
   const int64_t* slots;
   bool group;
+  // The layer's window where it hides some of the keys from `from` on from a later token of the item
+  // (token j sees keys first + j - window + 1 ..); 0 where every token sees them all.
+  int64_t window;
 };
 
 Span span_of(const Problem& p, const Item& it) {
   if (it.r >= 0) {
     const int64_t len = p.seq_lens[it.r];
+    const int64_t tokens = it.j1 - it.j0;
     const int64_t first = len - p.num_new[it.r] + it.j0;
-    return {it.j1 - it.j0, first, p.prefix_of[it.r], first + it.j1 - it.j0,
-            p.table + p.rows[it.r] * p.table_stride, false};
+    int64_t from = p.prefix_of[it.r], window = 0;
+    if (p.window > 0) {
+      from = std::max(from, first - p.window + 1);
+      if (first + tokens - p.window > from) window = p.window;  // the last token's window starts later
+    }
+    return {tokens, first, from, first + tokens, p.table + p.rows[it.r] * p.table_stride, false, window};
   }
+  // Groups are only formed where every member sees the whole shared prefix (see ca_decode).
   const int64_t g = -1 - it.r;
   const int64_t prefix = p.groups[2 * p.num_groups + g];
   const int64_t lead = p.members[p.groups[g]];
-  return {it.j1 - it.j0, prefix - 1, 0, prefix, p.table + p.rows[lead] * p.table_stride, true};
+  return {it.j1 - it.j0, prefix - 1, 0, prefix, p.table + p.rows[lead] * p.table_stride, true, 0};
 }
 
 // The request and the q/out row of token t of the item.
@@ -170,7 +192,7 @@ inline int64_t token_row(const Problem& p, const Item& it, int64_t t) {
 }
 
 // Kv head h's query rows of the item, row i = token i / G, q head (h * G + i % G), pre-multiplied by the
-// scale; and their online-softmax state: empty, or the group item's where the keys start after a prefix.
+// scale; and their online-softmax state: empty, or its group item's where that covered a prefix.
 void load_queries(const Problem& p, const Item& it, const Span& sp, int64_t h, float* dst, float* acc, float* m,
                   float* l) {
   const int64_t d = p.head_dim, g = p.group, hq = p.kv_heads * g;
@@ -179,7 +201,7 @@ void load_queries(const Problem& p, const Item& it, const Span& sp, int64_t h, f
     float* row = dst + t * g * d;
     for (int64_t i = 0; i < g * d; ++i) row[i] = src[i] * p.scale;
     const int64_t base = t * g;
-    if (!sp.group && sp.from > 0) {
+    if (!sp.group && p.prefix_of[it.r] > 0) {
       const int64_t st = it.r * hq + h * g;
       std::copy(p.state_m + st, p.state_m + st + g, m + base);
       std::copy(p.state_l + st, p.state_l + st + g, l + base);
@@ -215,21 +237,24 @@ void store_outputs(const Problem& p, const Item& it, const Span& sp, int64_t h, 
 
 // ---------------------------------------------------------------- portable scalar path
 
-void head_scalar(const Problem& p, const Item& it, int64_t h, Scratch& w) {
+void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group;
-  const Span sp = span_of(p, it);
   const int64_t rows = sp.tokens * g, row_floats = p.kv_heads * d;
+  const float cap = p.softcap;
   float *q = w.q.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   load_queries(p, it, sp, h, q, acc, m, l);
   for (int64_t t = sp.from; t < sp.len; ++t) {
     const float* k = p.k_buf + sp.slots[t] * row_floats + h * d;
     const float* v = p.v_buf + sp.slots[t] * row_floats + h * d;
-    // Key t is visible to the tokens at or after it: rows from (t - first) * G on.
-    for (int64_t i = std::max<int64_t>(0, t - sp.first) * g; i < rows; ++i) {
+    // Key t is visible to the tokens at or after it, rows from (t - first) * G on; under a window, to
+    // those less than `window` positions after it, rows before (t - first + window) * G.
+    const int64_t end = sp.window > 0 ? std::min(rows, (t - sp.first + sp.window) * g) : rows;
+    for (int64_t i = std::max<int64_t>(0, t - sp.first) * g; i < end; ++i) {
       const float* qi = q + i * d;
       float* ai = acc + i * d;
       float s = 0.0f;
       for (int64_t e = 0; e < d; ++e) s += qi[e] * k[e];
+      if (cap > 0.0f) s = cap * tanhf(s / cap);
       float weight = 1.0f;
       if (s > m[i]) {
         const float corr = expf(m[i] - s);
@@ -246,8 +271,8 @@ void head_scalar(const Problem& p, const Item& it, int64_t h, Scratch& w) {
   store_outputs(p, it, sp, h, acc, m, l);
 }
 
-void item_scalar(const Problem& p, const Item& it, Scratch& w) {
-  for (int64_t h = it.h0; h < it.h1; ++h) head_scalar(p, it, h, w);
+void item_scalar(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
+  for (int64_t h = it.h0; h < it.h1; ++h) head_scalar(p, it, sp, h, w);
 }
 
 // The next block's K and V rows (heads h0 .. h0 + heads - 1), requested into L2 a few cache lines at a
@@ -400,10 +425,18 @@ SIMD_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, flo
 }
 
 // Online-softmax step of one query row over a block: s[0 .. visible) are its scores (visible >= 1),
-// turned into weights exp(s - new max) in place; s[visible .. padded) become 0 so the P.V tile can
-// run over every row's whole block. Rescales the row's sum and accumulator to the new max.
-SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, float& l, float* acc,
+// soft-capped in place first where kCap (cap: the soft-cap), then turned into weights exp(s - new max);
+// s[visible .. padded) become 0 so the P.V tile can run over every row's whole block. Rescales the row's
+// sum and accumulator to the new max.
+template <bool kCap>
+SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float cap, float& m, float& l, float* acc,
                            int64_t d) {
+  if constexpr (kCap) {
+    const __m256 c = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap);
+    for (int64_t t = 0; t < visible; t += 8) {
+      _mm256_storeu_ps(s + t, _mm256_mul_ps(c, tanh_avx2(_mm256_mul_ps(_mm256_loadu_ps(s + t), inv))));
+    }
+  }
   __m256 mx = _mm256_set1_ps(kNegInf);
   int64_t t = 0;
   for (; t + 8 <= visible; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
@@ -431,10 +464,11 @@ SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float& m, 
 
 // An item's heads walk its keys together, a block at a time: a block's K/V rows (all kv heads of a
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
-// Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays.
-SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
+// Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays. No window
+// masks keys here: the row-major items are decode tokens, each alone, its keys starting at its window.
+template <bool kCap>
+SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
-  const Span sp = span_of(p, it);
   const int64_t first = sp.first, len = sp.len;
   const int64_t rows = sp.tokens * g;
   float *q = w.q.data(), *s = w.s.data(), *acc_all = w.acc.data(), *m_all = w.m.data(), *l_all = w.l.data();
@@ -470,7 +504,7 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, Scratch& w) {
       for (i = 0; i < rows; ++i) {
         const int64_t visible = std::min(keys, first + i / g + 1 - b0);
         if (visible > 0) {
-          softmax_row(s + i * kBlock, visible, padded, m[i], l[i], acc + i * d, d);
+          softmax_row<kCap>(s + i * kBlock, visible, padded, p.softcap, m[i], l[i], acc + i * d, d);
         } else {  // the block is past this token: it contributes nothing
           std::fill(s + i * kBlock, s + i * kBlock + padded, 0.0f);
         }
@@ -514,9 +548,16 @@ struct Avx512 {
   SIMD_AVX512 static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
   SIMD_AVX512 static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
   SIMD_AVX512 static Reg exp(Reg x) { return simd::exp_avx512(x); }
+  SIMD_AVX512 static Reg tanh(Reg x) { return simd::tanh_avx512(x); }
   // The lanes whose position is at or past key t.
   SIMD_AVX512 static Mask visible(const int32_t* pos, int64_t t) {
     return _mm512_cmpge_epi32_mask(_mm512_loadu_si512(pos), _mm512_set1_epi32(static_cast<int>(t)));
+  }
+  // The lanes whose position is t .. last (a window's: the ones that see key t).
+  SIMD_AVX512 static Mask between(const int32_t* pos, int64_t t, int32_t last) {
+    const __m512i at = _mm512_loadu_si512(pos);
+    return _mm512_mask_cmple_epi32_mask(_mm512_cmpge_epi32_mask(at, _mm512_set1_epi32(static_cast<int>(t))), at,
+                                        _mm512_set1_epi32(last));
   }
   SIMD_AVX512 static Reg max_where(Reg a, Mask m, Reg b) { return _mm512_mask_max_ps(a, m, a, b); }
   SIMD_AVX512 static Reg zero_unless(Mask m, Reg v) { return _mm512_maskz_mov_ps(m, v); }
@@ -536,9 +577,15 @@ struct Avx2 {
   SIMD_AVX2 static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
   SIMD_AVX2 static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
   SIMD_AVX2 static Reg exp(Reg x) { return exp_avx2(x); }
+  SIMD_AVX2 static Reg tanh(Reg x) { return tanh_avx2(x); }
   SIMD_AVX2 static Mask visible(const int32_t* pos, int64_t t) {
     const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(at, _mm256_set1_epi32(static_cast<int>(t - 1))));
+  }
+  SIMD_AVX2 static Mask between(const int32_t* pos, int64_t t, int32_t last) {
+    const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pos));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32(last), _mm256_sub_epi32(at, _mm256_set1_epi32(1)));
+    return _mm256_and_ps(visible(pos, t), _mm256_castsi256_ps(below));
   }
   SIMD_AVX2 static Reg max_where(Reg a, Mask m, Reg b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
   SIMD_AVX2 static Reg zero_unless(Mask m, Reg v) { return _mm256_and_ps(m, v); }
@@ -563,6 +610,40 @@ using V = Avx2;
 int select_path(int mode, bool avx2, bool avx512, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;
   return mode >= 2 && avx512 ? 2 : 1;
+}
+
+// f(window, cap) with each flag a compile-time bool (std::true_type / std::false_type): the branch is
+// taken once per item, and an item without either runs code that has neither.
+template <typename F>
+void with_features(bool window, bool cap, F&& f) {
+  if (window) {
+    if (cap) f(std::true_type{}, std::true_type{});
+    else f(std::true_type{}, std::false_type{});
+  } else {
+    if (cap) f(std::false_type{}, std::true_type{});
+    else f(std::false_type{}, std::false_type{});
+  }
+}
+
+// The groups (laid out [3, G] as ca_decode takes them) every member of which sees the whole shared prefix
+// through its window: a member decoding at position seq_len - 1 sees keys from seq_len - window on, the
+// prefix only if seq_len <= window. The others are not formed for this layer, their members run alone:
+// a group item walks its keys once for every member, so it cannot start at each one's window.
+int64_t groups_in_window(const int64_t* groups, int64_t num_groups, const int64_t* members, const int64_t* seq_lens,
+                         int64_t window, std::vector<int64_t>& kept) {
+  auto seen_whole = [&](int64_t g) {
+    const int64_t* begin = members + groups[g];
+    return std::all_of(begin, begin + groups[num_groups + g], [&](int64_t r) { return seq_lens[r] <= window; });
+  };
+  int64_t n = 0;
+  for (int64_t g = 0; g < num_groups; ++g) n += seen_whole(g);
+  kept.resize(3 * n);
+  for (int64_t g = 0, i = 0; g < num_groups; ++g) {
+    if (!seen_whole(g)) continue;
+    for (int64_t f = 0; f < 3; ++f) kept[f * n + i] = groups[f * num_groups + g];
+    ++i;
+  }
+  return n;
 }
 
 }  // namespace
@@ -595,18 +676,23 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 // lengths, first q rows and new-token counts (each >= 1). `groups` ([3, num_groups]: offsets into
 // `members`, member counts, shared prefix lengths) lists decoding requests (one new token each) whose KV
 // starts with the same prefix slots: that prefix is attended once for all members (0 groups: none).
+// window: the layer's sliding window in keys, softcap its logit soft-cap (0: none, either).
 // mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on AVX2), where select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
                const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
-               const int64_t* groups, int64_t num_groups, const int64_t* members, float scale, int mode,
-               int threads) {
+               const int64_t* groups, int64_t num_groups, const int64_t* members, float scale, int64_t window,
+               float softcap, int mode, int threads) {
   static const bool avx2 = simd::cpu_has_avx2_fma();
   static const bool avx512 = simd::cpu_has_avx512();
   const int path = select_path(mode, avx2, avx512, head_dim);
   const int64_t group = num_q_heads / num_kv_heads;
-  static thread_local std::vector<int64_t> prefix_of;
+  static thread_local std::vector<int64_t> prefix_of, kept_groups;
   static thread_local std::vector<float> state_m, state_l, state_acc;
+  if (window > 0 && num_groups > 0) {
+    num_groups = groups_in_window(groups, num_groups, members, requests + num_reqs, window, kept_groups);
+    groups = kept_groups.data();
+  }
   prefix_of.assign(num_reqs, 0);
   for (int64_t g = 0; g < num_groups; ++g) {
     for (int64_t i = 0; i < groups[num_groups + g]; ++i) prefix_of[members[groups[g] + i]] = groups[2 * num_groups + g];
@@ -618,7 +704,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   }
   const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
                   table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,
-                  requests + 3 * num_reqs, scale, groups, num_groups, members, prefix_of.data(),
+                  requests + 3 * num_reqs, scale, window, softcap, groups, num_groups, members, prefix_of.data(),
                   state_m.data(), state_l.data(), state_acc.data()};
   // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
   // per head (one request decoding: its heads are the parallelism). A request's chunks run from its last.
@@ -640,8 +726,8 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   const int64_t group_items = static_cast<int64_t>(items.size());
   int64_t work = 0;
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t n = p.num_new[r];
-    work += (p.seq_lens[r] - prefix_of[r]) * n;
+    const int64_t n = p.num_new[r], keys = p.seq_lens[r] - prefix_of[r];
+    work += (window > 0 ? std::min(keys, window) : keys) * n;
     for (int64_t j1 = n; j1 > 0; j1 -= kQueryChunk) {
       for (int64_t h = 0; h < num_kv_heads; h += head_step) {
         items.push_back({r, h, h + head_step, std::max<int64_t>(0, j1 - kQueryChunk), j1});
@@ -661,18 +747,23 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     // token's result does not depend on how its request was cut) and group items take the
     // rows-as-lanes path, on AVX-512 vectors where the item fills three panels of 16 rows (on fewer
     // rows part-empty panels made them slower than AVX2's; either width gives the same bits);
-    // decode tokens the row-major tiles.
+    // decode tokens the row-major tiles. A window masks keys only for a chunk's tokens after its first
+    // (Span::window), so those tiles, which serve single tokens, have no window code.
     auto run = [&](const Item& it) {
+      const Span sp = span_of(p, it);
       const bool lanes = it.r < 0 || (p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0);
-      if (path == 2 && lanes && (it.j1 - it.j0) * group >= lanes16::kTilePanels * Avx512::kLanes) {
-        lanes16::item_lanes(p, it, w);
-      } else if (path >= 1 && lanes) {
-        lanes8::item_lanes(p, it, w);
-      } else if (path >= 1) {
-        item_avx2(p, it, w);
-      } else {
-        item_scalar(p, it, w);
-      }
+      with_features(sp.window > 0, p.softcap > 0.0f, [&](auto window_t, auto cap_t) {
+        constexpr bool kWindow = decltype(window_t)::value, kCap = decltype(cap_t)::value;
+        if (path == 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
+          lanes16::item_lanes<kWindow, kCap>(p, it, sp, w);
+        } else if (path >= 1 && lanes) {
+          lanes8::item_lanes<kWindow, kCap>(p, it, sp, w);
+        } else if (path >= 1) {
+          item_avx2<kCap>(p, it, sp, w);
+        } else {
+          item_scalar(p, it, sp, w);
+        }
+      });
     };
     // Group items first: their states are where the members' own items start (the loop's barrier).
 #pragma omp for schedule(dynamic, 1)

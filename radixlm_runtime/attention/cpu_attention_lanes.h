@@ -94,19 +94,39 @@ void for_panel_tiles(int64_t panels, F&& f) {
   }
 }
 
+// The lanes that see key t: their position (pos) is at or past it and, under a window of `window` keys
+// (kWindow), less than `window` past it.
+template <bool kWindow>
+LANES_TARGET inline typename V::Mask sees(const int32_t* pos, int64_t t, int64_t window) {
+  if constexpr (kWindow) {
+    return V::between(pos, t, static_cast<int32_t>(std::min<int64_t>(t + window - 1, INT32_MAX)));
+  } else {
+    return V::visible(pos, t);
+  }
+}
+
 // Online-softmax step of one panel over a block of keys b0 .. b0 + keys - 1 (st's column of scores,
-// rows `lanes` apart, padded to `padded` rows): scores become the weights exp(s - new max), 0 where a
-// key is past the lane's position (pos) and in the padding; m and l move to the new max, and corr
-// (exp(old max - new max)) is what the accumulators are rescaled by.
+// rows `lanes` apart, padded to `padded` rows): scores, soft-capped first where kCap (cap: the cap),
+// become the weights exp(s - new max), 0 where a lane does not see the key (see `sees`) and in the
+// padding; m and l move to the new max, and corr (exp(old max - new max)) is what the accumulators are
+// rescaled by.
+template <bool kWindow, bool kCap>
 LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t keys, int64_t padded,
-                                const int32_t* pos, float* m, float* l, float* corr) {
+                                const int32_t* pos, int64_t window, float cap, float* m, float* l, float* corr) {
   const typename V::Reg m_old = V::load(m);
   typename V::Reg mx = m_old;
-  for (int64_t t = 0; t < keys; ++t) mx = V::max_where(mx, V::visible(pos, b0 + t), V::load(st + t * lanes));
+  for (int64_t t = 0; t < keys; ++t) {
+    typename V::Reg x = V::load(st + t * lanes);
+    if constexpr (kCap) {
+      x = V::mul(V::set1(cap), V::tanh(V::mul(x, V::set1(1.0f / cap))));
+      V::store(st + t * lanes, x);
+    }
+    mx = V::max_where(mx, sees<kWindow>(pos, b0 + t, window), x);
+  }
   typename V::Reg sum = V::zero();
   for (int64_t t = 0; t < keys; ++t) {
     const typename V::Reg x = V::sub(V::load(st + t * lanes), mx);
-    const typename V::Reg w = V::zero_unless(V::visible(pos, b0 + t), V::exp(x));
+    const typename V::Reg w = V::zero_unless(sees<kWindow>(pos, b0 + t, window), V::exp(x));
     V::store(st + t * lanes, w);
     sum = V::add(sum, w);
   }
@@ -117,13 +137,14 @@ LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t ke
   V::store(corr, c);
 }
 
-// A request chunk (from 0, two or more tokens) or a group item on the rows-as-lanes path; a group's
-// member tokens all see the whole shared prefix (their positions are past it). Scratch: qt and acc
-// hold [D][lanes] per head, s [kBlock][lanes], m / l `lanes` per head, corr and pos `lanes`.
-LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
+// A request chunk (from 0 or its first token's window, two or more tokens) or a group item on the
+// rows-as-lanes path; a group's member tokens all see the whole shared prefix (their positions are past
+// it, and groups are formed only where their windows hold it). Scratch: qt and acc hold [D][lanes] per
+// head, s [kBlock][lanes], m / l `lanes` per head, corr and pos `lanes`.
+template <bool kWindow, bool kCap>
+LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   constexpr int64_t kl = V::kLanes;
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
-  const Span sp = span_of(p, it);
   const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
   const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
@@ -137,7 +158,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
   // Padding lanes take the last token's position and zero queries: finite, and never stored.
   for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
   Prefetcher pf;
-  pf.start(p, sp.slots, std::min(kBlock, len), it.h0, heads);
+  pf.start(p, sp.slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
   pf.finish();
   std::fill(qt, qt + heads * d * lanes, 0.0f);
   for (int64_t h = it.h0; h < it.h1; ++h) {
@@ -152,7 +173,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
   std::fill(acct, acct + heads * d * lanes, 0.0f);
   std::fill(m, m + heads * lanes, kNegInf);
   std::fill(l, l + heads * lanes, 0.0f);
-  for (int64_t b0 = 0; b0 < len; b0 += kBlock) {
+  for (int64_t b0 = sp.from; b0 < len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, len - b0);
     const int64_t padded = (keys + V::kTile - 1) / V::kTile * V::kTile;
     block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
@@ -168,7 +189,8 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, Scratch& w) {
       });
       for (int64_t c = 0; c < panels; ++c) {
         const int64_t o = hi * lanes + c * kl;
-        lanes_softmax(st + c * kl, lanes, b0, keys, padded, pos + c * kl, m + o, l + o, corr + c * kl);
+        lanes_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, pos + c * kl, sp.window, p.softcap,
+                                     m + o, l + o, corr + c * kl);
       }
       for_panel_tiles(panels, [&](auto np, int64_t c0) {
         lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);

@@ -5,7 +5,8 @@ index_select gathers of every request's K/V, then torch's flash kernel, which wi
 takes a mask and computes the causally hidden blocks too. Here the store is a row copy and the whole
 step's attention (decode tokens, extends, prefill chunks) is one C++ call that reads K/V in place
 through the request-to-token table: 1.3-2x faster than SDPA over gathered K/V on prefill shapes, ~4x
-on decode (idle 2-core Zen 4).
+on decode (idle 2-core Zen 4). Sliding windows and logit soft-caps run in the same kernels (a window's
+tokens read only its keys), where the torch backend falls back to a per-request float32 path.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def _library() -> ctypes.CDLL:
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int]
     lib.ca_store_kv.restype = None
     # q, its stride, out, its stride, k_buf, v_buf, Hq, Hkv, D, table, its stride, requests, B, groups,
-    # their count, members, scale, mode, threads
+    # their count, members, scale, window, softcap, mode, threads
     lib.ca_decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64]
-    lib.ca_decode.argtypes += [ptr, i64, ptr, f32, c_int, c_int]
+    lib.ca_decode.argtypes += [ptr, i64, ptr, f32, i64, f32, c_int, c_int]
     lib.ca_decode.restype = None
     return lib
 
@@ -144,9 +145,12 @@ def decode_attention(
     step: StepRequests,
     scale: float,
     mode: int = AVX512,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Writes the rows of out [T, Hq, D] that `step`'s requests own: each new token's causal attention
-    over its request's KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row."""
+    over its request's KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row; with a
+    sliding window of `window` keys and scores soft-capped at `softcap` where they are not 0."""
     q = _rows(q)
     if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
         raise ValueError("out rows must be contiguous")
@@ -164,6 +168,8 @@ def decode_attention(
         req_to_token.stride(0),
         *step.args(),
         scale,
+        window,
+        softcap,
         mode,
         torch.get_num_threads(),
     )
@@ -173,6 +179,8 @@ class CpuAttentionBackend(AttentionBackend):
     """Float32 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has (tests)."""
 
     supports_per_token = True
+    supports_sliding_window = True
+    supports_logit_softcap = True
 
     def __init__(
         self,
@@ -193,7 +201,8 @@ class CpuAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """The kernel's work: every request of the step, decode or prefill chunk, and the groups of
         decoding requests that share a prefix (not under --deterministic: a token's result must not
-        depend on who shares its prefix)."""
+        depend on who shares its prefix). Per layer the kernel leaves out a group whose prefix a
+        member's sliding window does not wholly hold."""
         if self.per_token:
             rows, lens = self.per_token_decodes(batch)
             n = len(rows)
@@ -224,6 +233,7 @@ class CpuAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
         k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
+        layer = self.layers[layer_id]
         decode_attention(
             q,
             out,
@@ -231,7 +241,9 @@ class CpuAttentionBackend(AttentionBackend):
             v_buf,
             self.req_to_token,
             batch.attn_metadata,
-            self.layers[layer_id].scale,
+            layer.scale,
             self.mode,
+            layer.sliding_window or 0,
+            layer.logit_softcap or 0.0,
         )
         return out

@@ -1,5 +1,5 @@
 // SIMD helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
-// attention/cpu_attention.cpp): CPU feature checks, AVX2 and AVX-512 exp. kernels/native.py compiles
+// attention/cpu_attention.cpp): CPU feature checks, AVX2 and AVX-512 exp and tanh. kernels/native.py compiles
 // each kernel with this folder on the include path and hashes this header into every library's cache
 // key, so editing it rebuilds them all.
 
@@ -74,6 +74,22 @@ SIMD_AVX512 inline __m512 exp_avx512(__m512 x) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1) for float32 lanes, within 2e-7 of tanh absolutely (not relatively:
+// near 0 the subtraction cancels, which attention's soft-cap, a shift-invariant softmax's input, does not
+// mind). exp clamps its input, so large |x| give exactly +-1 instead of inf / inf. Both widths run the
+// same operations, so they give the same bits.
+SIMD_AVX2 inline __m256 tanh_avx2(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp_avx2(_mm256_add_ps(x, x));
+  return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+}
+
+SIMD_AVX512 inline __m512 tanh_avx512(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp_avx512(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 
 }  // namespace simd

@@ -9,10 +9,11 @@
 // a step crosses from Python once and its results are bit-identical to the Python path's: the same
 // kernels on the same buffers in the same order.
 //
-// Each layer's weights arrive as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
-//   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf,
-//   then four linears (qkv, o, gate_up, down) of 7 values each: q (or float32 panels), scales, mins
-//   (0: none), n, group, bits, k.
+// Each layer arrives as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
+//   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf, 5 the attention's sliding window
+//   (0: none), then four linears (qkv, o, gate_up, down) of 7 values each: q (or float32 panels), scales,
+//   mins (0: none), n, group, bits, k;
+// and kAttentionFloats float32 values: 0 the attention's scale, 1 its logit soft-cap (0: none).
 
 #include "../attention/cpu_attention.cpp"
 #include "../layers/fused_cpu.cpp"
@@ -21,7 +22,9 @@
 namespace {
 
 constexpr int64_t kLinearFields = 7;
-constexpr int64_t kFields = 5 + 4 * kLinearFields;
+constexpr int64_t kLinearsAt = 6;
+constexpr int64_t kFields = kLinearsAt + 4 * kLinearFields;
+constexpr int64_t kAttentionFloats = 2;
 
 // A linear's fields (kernel_args of its QuantizedWeight or FloatPanels, then in_features) as
 // linear_cpu.cpp's Weights.
@@ -62,13 +65,13 @@ extern "C" {
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
 // stream out (the model's final norm adds the two). cos, sin [T, D / 2]. loc [T]: the new tokens' KV
 // slots. table, requests, groups, members: as ca_decode takes them. Modes: the linears' kernel (rq_linear),
-// the fused ops' and the attention's (0 scalar, 1 SIMD).
-void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, int64_t inter, int64_t q_heads,
-                int64_t kv_heads, int64_t head_dim, float eps, float scale, float* hidden, float* residual,
-                int64_t tokens, const float* cos, const float* sin, const int64_t* loc, const int64_t* table,
-                int64_t table_stride, const int64_t* requests, int64_t num_reqs, const int64_t* groups,
-                int64_t num_groups, const int64_t* members, int linear_mode, int fused_mode,
-                int attention_mode, int threads) {
+// the fused ops' and the attention's (0 scalar, 1 SIMD). layers and attention: per layer, see the top.
+void lc_forward(const int64_t* layers, const float* attention, int64_t num_layers, int64_t hidden_size,
+                int64_t inter, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, float* hidden,
+                float* residual, int64_t tokens, const float* cos, const float* sin, const int64_t* loc,
+                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
+                const int64_t* groups, int64_t num_groups, const int64_t* members, int linear_mode,
+                int fused_mode, int attention_mode, int threads) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
   static thread_local Buffers b;
@@ -77,8 +80,10 @@ void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, 
   memset(residual, 0, tokens * hidden_size * sizeof(float));  // layer 0's residual add: 0 + embeddings
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * kFields;
-    const Weights qkv_w = linear_at(f + 5), o_w = linear_at(f + 5 + kLinearFields);
-    const Weights gate_up_w = linear_at(f + 5 + 2 * kLinearFields), down_w = linear_at(f + 5 + 3 * kLinearFields);
+    const float* a = attention + l * kAttentionFloats;
+    const Weights qkv_w = linear_at(f + kLinearsAt), o_w = linear_at(f + kLinearsAt + kLinearFields);
+    const Weights gate_up_w = linear_at(f + kLinearsAt + 2 * kLinearFields);
+    const Weights down_w = linear_at(f + kLinearsAt + 3 * kLinearFields);
     rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[0]), x, tokens, hidden_size, eps, fused_mode,
                 threads);
     run_linear(qkv_w, x, tokens, qkv, linear_mode, threads);
@@ -93,7 +98,7 @@ void lc_forward(const int64_t* layers, int64_t num_layers, int64_t hidden_size, 
     ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_width, k_buf,
                 v_buf, threads);
     ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, q_heads, kv_heads, head_dim, table, table_stride,
-              requests, num_reqs, groups, num_groups, members, scale, attention_mode, threads);
+              requests, num_reqs, groups, num_groups, members, a[0], f[5], a[1], attention_mode, threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
     rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[1]), x, tokens, hidden_size, eps, fused_mode,
                 threads);

@@ -25,10 +25,12 @@ from radixlm_runtime.layers import fused_cpu
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import kernel_mode
 from radixlm_runtime.layers.rotary import CosSin
+from radixlm_runtime.models.config import FULL_ATTENTION
 from radixlm_runtime.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from radixlm_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from radixlm_runtime.models.base import DecoderLayer
+    from radixlm_runtime.models.llama import LlamaForCausalLM
 
 logger = get_logger(__name__)
 
@@ -39,13 +41,13 @@ _SOURCE = Path(__file__).with_name("llama_cpu.cpp")
 def _library() -> ctypes.CDLL:
     lib = load_library(_SOURCE)
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    # layers, num_layers, hidden, inter, q_heads, kv_heads, head_dim, eps, scale, hidden, residual,
+    # layers, attention, num_layers, hidden, inter, q_heads, kv_heads, head_dim, eps, hidden, residual,
     # tokens, cos, sin, loc, table, table_stride, requests, num_reqs, groups, num_groups, members,
     # three modes, threads
     lib.lc_forward.argtypes = [
         ptr,
+        ptr,
         *[i64] * 6,
-        f32,
         f32,
         ptr,
         ptr,
@@ -63,7 +65,7 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def _linears(layer: LlamaDecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
+def _linears(layer: DecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
     """The layer's linears in the order llama_cpu.cpp reads them."""
     a, mlp = layer.self_attn, layer.mlp
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
@@ -78,12 +80,13 @@ def _linear_fields(linear: Linear) -> list[int]:
 
 class LlamaCpuDecoder:
     """Built by `build` where the model and attention backend qualify; holds the layers' weight
-    pointers (the tensors are never replaced after loading, and the model keeps them alive)."""
+    pointers (the tensors are never replaced after loading, and the model keeps them alive) and
+    attention parameters (each layer its own: a sliding window on some layers only, Qwen2's)."""
 
     def __init__(self, model: LlamaForCausalLM, attn: CpuAttentionBackend) -> None:
         config = model.config
         rows = []
-        for i, layer in enumerate(model.layers):
+        for i, (layer, params) in enumerate(zip(model.layers, attn.layers)):
             bias = layer.self_attn.qkv_proj.bias
             rows.append(
                 [
@@ -92,10 +95,14 @@ class LlamaCpuDecoder:
                     0 if bias is None else bias.data_ptr(),
                     attn.kv_pool.k_buffers[i].data_ptr(),
                     attn.kv_pool.v_buffers[i].data_ptr(),
+                    params.sliding_window or 0,
                 ]
                 + [f for lin in _linears(layer) for f in _linear_fields(lin)]
             )
         self.fields = torch.tensor(rows, dtype=torch.int64)
+        self.attention = torch.tensor(
+            [[params.scale, params.logit_softcap or 0.0] for params in attn.layers], dtype=torch.float32
+        )
         self.shape = (
             config.num_layers,
             config.hidden_size,
@@ -112,6 +119,14 @@ class LlamaCpuDecoder:
     def build(cls, model: LlamaForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
         """The decoder for this model, or None where it cannot serve (and the Python path runs)."""
         if not isinstance(attn, CpuAttentionBackend) or attn.per_token:
+            return None
+        # Every layer rotates with the one table the model hands over, its full-attention layers': a
+        # model without those (Mistral: all windowed) or whose other layers rotate differently keeps the
+        # Python loop.
+        full = model.config.rope_for(FULL_ATTENTION)
+        if FULL_ATTENTION not in model.layer_types or any(
+            model.config.rope_for(kind) != full for kind in model.layer_types
+        ):
             return None
         for layer in model.layers:
             linears = _linears(layer)
@@ -144,6 +159,7 @@ class LlamaCpuDecoder:
         table = self.attn.req_to_token
         _library().lc_forward(
             self.fields.data_ptr(),
+            self.attention.data_ptr(),
             layers,
             hidden_size,
             inter,
@@ -151,7 +167,6 @@ class LlamaCpuDecoder:
             kv_heads,
             head_dim,
             self.eps,
-            self.attn.layers[0].scale,
             hidden.data_ptr(),
             residual.data_ptr(),
             tokens,

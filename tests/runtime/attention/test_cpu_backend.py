@@ -2,7 +2,10 @@
 and the torch backend, on each path this CPU has (AVX-512 rows-as-lanes for prefill chunks, AVX2) and
 the forced portable one: decode tokens, short extends and prefill chunks (with and without a cached
 prefix, longer than the kernel's 16-token query chunks and 64-key blocks) of requests whose KV sits in
-shuffled pool slots, read through the fused projection's strided q/k/v views."""
+shuffled pool slots, read through the fused projection's strided q/k/v views. Sliding windows and logit
+soft-caps against the torch backend's per-request float32 path, the reference for them: sequences
+around and past 3x the window, shared-prefix groups whose prefix a member's window holds or not, and
+--deterministic's per-token decodes."""
 
 from __future__ import annotations
 
@@ -306,3 +309,147 @@ def test_runner_picks_cpu_by_default_and_falls_back_without_a_compiler(
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
     with pytest.raises(KernelBuildError):
         runner("cpu")
+
+
+# ---------------------------------------------------------------- sliding windows, logit soft-caps
+
+WINDOW = 40
+# Decodes at and around the window (39, 40 keys; 121, past 3x it), short extends (3 after 38, 2 after
+# 43), prefill chunks over a cached prefix (16 after 104, 20 after 40, 40 after 110, 150 after 150: ten
+# 16-token query chunks, each starting at its first token's window) and whole prompts (1, 90).
+WINDOW_SEQ_LENS = [1, 39, 40, 41, 120, 121, 300, 90, 60, 150, 45]
+WINDOW_EXTEND_LENS = [1, 1, 1, 3, 16, 1, 150, 90, 20, 40, 2]
+
+# A window that hides part of a 64-key block, one of a block, a token alone, one longer than some
+# sequences; soft-caps that saturate tanh (scores of a few units against a cap of 2) or barely bend it.
+WINDOW_LAYERS = {
+    "window": (WINDOW, None),
+    "window-softcap": (WINDOW, 2.0),
+    "softcap": (None, 2.0),
+    "block-window-softcap": (64, 30.0),
+    "window-1": (1, None),
+    "window-100": (100, None),
+}
+WINDOW_SHAPES = [(9, 3, 64), (8, 2, 24)]
+
+
+def _torch_reference(
+    pool: KVPool, table: ReqToTokenTable, layer: AttentionLayer, q: torch.Tensor, batch: ForwardBatch
+) -> torch.Tensor:
+    reference = TorchAttentionBackend(pool, table, [layer])
+    reference.init_forward_metadata(batch)
+    return reference.attend(q, 0, batch)
+
+
+def _cpu_attend(
+    pool: KVPool,
+    table: ReqToTokenTable,
+    layer: AttentionLayer,
+    q: torch.Tensor,
+    batch: ForwardBatch,
+    mode: int,
+    per_token: bool = False,
+) -> torch.Tensor:
+    backend = CpuAttentionBackend(pool, table, [layer], mode=mode)
+    backend.per_token = per_token
+    backend.init_forward_metadata(batch)
+    return backend.attend(q, 0, batch)
+
+
+def test_the_backend_serves_windows_and_softcaps() -> None:
+    layers = [AttentionLayer(0.1, 4096, None), AttentionLayer(0.1, None, 50.0)]
+    assert CpuAttentionBackend.unsupported(layers) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", WINDOW_SHAPES, ids=["gqa3-d64", "gqa4-d24"])
+@pytest.mark.parametrize("features", WINDOW_LAYERS.values(), ids=WINDOW_LAYERS.keys())
+def test_windowed_softcapped_step_matches_the_torch_backend(
+    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int, features: tuple[int | None, float | None]
+) -> None:
+    """Every kind of request in one kernel call, each token attending to its window's keys only, its
+    scores soft-capped, through the fused projection's strided q view."""
+    pool, table, _, batch = _shuffled_step(
+        WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim
+    )
+    q, _, _ = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=2)
+    layer = AttentionLayer(4 * head_dim**-0.5, *features)
+    want = _torch_reference(pool, table, layer, q, batch)
+    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_windowed_softcapped_per_token_decodes_match_the_torch_backend(mode: int) -> None:
+    """--deterministic: every new token, prefill chunks' included, attends as a decode of its own
+    request prefix, its keys starting at its window."""
+    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=4)
+    q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=5)
+    layer = AttentionLayer(0.5, WINDOW, 2.0)
+    want = _torch_reference(pool, table, layer, q, batch)
+    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode, per_token=True), want, **TOL)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "features",
+    [(None, 2.0), (160, None), (100, 2.0), (50, None)],
+    ids=["softcap", "both-groups-in-window", "one-group-in-window", "no-group-in-window"],
+)
+def test_windowed_shared_prefix_groups_match_the_torch_backend(
+    mode: int, features: tuple[int | None, float | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """20 decoding requests on a 150-slot prefix (sequences of 151-157), 5 on a 40-slot one (41-77), one
+    decoding alone, one prefilling over the first prefix. A group is attended together only where every
+    member's window holds the whole prefix; the kernel runs the other groups' members alone, and the
+    groups it keeps are found at their place in its list. Two threads: group items of 16 members, three
+    whole AVX-512 panels."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    gen = torch.Generator().manual_seed(3)
+    num_kv_heads, head_dim = 3, 64
+    size = 2000
+    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    free = iter((torch.randperm(size, generator=gen) + 1).tolist())
+    first, second = [next(free) for _ in range(150)], [next(free) for _ in range(40)]
+    seqs = [first + [next(free) for _ in range(1 + i % 7)] for i in range(20)]
+    seqs += [second + [next(free) for _ in range(1 + 9 * i)] for i in range(5)]
+    seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
+    extend_lens = [1] * 26 + [30]
+    table, batch = _table_and_batch(seqs, extend_lens)
+    q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
+    layer = AttentionLayer(0.5, *features)
+    want = _torch_reference(pool, table, layer, q, batch)
+    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
+    assert batch.attn_metadata.groups is not None  # formed for the step; the kernel decides per layer
+
+
+def test_each_layer_runs_with_its_own_window_and_softcap() -> None:
+    """One backend over a plain, a windowed and a soft-capped layer holding the same KV: each layer's
+    call honours its own parameters."""
+    one, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 2, 16, seed=9)
+    pool = KVPool(one.k_buffers[0].shape[0] - 1, 3, 2, 16, torch.float32, "cpu")
+    for i in range(3):
+        pool.k_buffers[i].copy_(one.k_buffers[0])
+        pool.v_buffers[i].copy_(one.v_buffers[0])
+    layers = [AttentionLayer(0.7), AttentionLayer(0.7, WINDOW), AttentionLayer(0.7, None, 2.0)]
+    q, _, _ = _qkv_views(batch.num_tokens, 4, 2, 16, seed=3)
+    backend = CpuAttentionBackend(pool, table, layers)
+    backend.init_forward_metadata(batch)
+    outs = [backend.attend(q, i, batch) for i in range(3)]
+    for layer, out in zip(layers, outs):
+        torch.testing.assert_close(out, _torch_reference(one, table, layer, q, batch), **TOL)
+    assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
+
+
+def test_windowed_softcapped_vector_widths_give_the_same_bits() -> None:
+    """Windowed, soft-capped prefill chunks on AVX2 and AVX-512 lanes run the same operations per lane
+    (tanh included): the same bits on either width."""
+    lib = cpu_backend._library()
+    if not (lib.ca_has_avx2_fma() and lib.ca_has_avx512()):
+        pytest.skip("needs a CPU with AVX-512 to run both widths")
+    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=7)
+    q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=8)
+    layer = AttentionLayer(0.5, WINDOW, 2.0)
+    outs = [_cpu_attend(pool, table, layer, q, batch, mode) for mode in (AVX2, AVX512)]
+    assert torch.equal(outs[0], outs[1])
