@@ -269,7 +269,7 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ropes = {kind: rotary.cos_sin(batch.positions) for kind, rotary in self.rotaries.items()}
         if self.cpu_decoder is not None:
-            hidden, residual = self.cpu_decoder.forward(hidden, ropes[FULL_ATTENTION], batch)
+            hidden, residual = self.cpu_decoder.forward(hidden, ropes[self.layer_types[0]], batch)
         else:
             residual = None
             for layer, kind in zip(self.layers, self.layer_types):

@@ -25,7 +25,6 @@ from radixlm_runtime.layers import fused_cpu
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import kernel_mode
 from radixlm_runtime.layers.rotary import CosSin
-from radixlm_runtime.models.config import FULL_ATTENTION
 from radixlm_runtime.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -120,13 +119,10 @@ class LlamaCpuDecoder:
         """The decoder for this model, or None where it cannot serve (and the Python path runs)."""
         if not isinstance(attn, CpuAttentionBackend) or attn.per_token:
             return None
-        # Every layer rotates with the one table the model hands over, its full-attention layers': a
-        # model without those (Mistral: all windowed) or whose other layers rotate differently keeps the
-        # Python loop.
-        full = model.config.rope_for(FULL_ATTENTION)
-        if FULL_ATTENTION not in model.layer_types or any(
-            model.config.rope_for(kind) != full for kind in model.layer_types
-        ):
+        # Every layer rotates with the one table the model hands over, its first layer's: a model whose
+        # layer types rotate differently keeps the Python loop.
+        first = model.config.rope_for(model.layer_types[0])
+        if any(model.config.rope_for(kind) != first for kind in model.layer_types):
             return None
         for layer in model.layers:
             linears = _linears(layer)
