@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import TINY_MODEL_KWARGS, build_tiny_tokenizer
+from tiny_models import TINY_MODEL_KWARGS, build_tiny_tokenizer
 
 WINDOW = 16
 _GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24, "hidden_activation": "gelu_pytorch_tanh"}

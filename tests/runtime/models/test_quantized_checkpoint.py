@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY_MODEL_KWARGS, build_tiny_tokenizer
 from safetensors.torch import save_file
+from tiny_models import TINY_MODEL_KWARGS, build_tiny_tokenizer
 
 import radixlm_runtime as rt
 from radixlm_runtime.layers.linear import Linear
