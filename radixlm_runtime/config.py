@@ -44,9 +44,10 @@ class EngineConfig:
     quantization: str = flag(
         "auto",
         "Weight-only quantization of the linear layers, activations and accumulation staying float32 "
-        "(CPU). 'auto' keeps what the checkpoint has: a GGUF's Q4_0/Q4_1/Q8_0 tensors are served from "
-        "their own blocks as int4/int8 (the embedded model: Q4_1 layers as int4, its Q8_0 lm_head as "
-        "int8), a float checkpoint stays float. 'int8' (per output channel) and 'int4' (groups of 32 "
+        "(CPU). 'auto' keeps what the checkpoint has: a GGUF's quantized tensors are served from their "
+        "own blocks (Q4_0/Q4_1/Q4_K as int4, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8; the embedded model: Q4_1 "
+        "layers as int4, its Q8_0 lm_head as int8), an AWQ/GPTQ checkpoint's int4 weights as int4, a float "
+        "checkpoint stays float. 'int8' (per output channel) and 'int4' (groups of 32 "
         "columns, scale and min) quantize every linear a checkpoint does not already hold at that width; "
         "the lm_head stays int8 under int4. 'none' serves float weights (a GGUF dequantized). Embeddings "
         "stay float. On CUDA only 'none' and 'auto' (float weights there) are implemented.",
@@ -56,7 +57,8 @@ class EngineConfig:
         "auto",
         "Attention kernels: 'cpu' (default on CPU for float32: decode in C++ reading K/V in place from the "
         "KV pool, prefill chunks as in 'torch'), 'torch' (plain torch, the reference; default on CPU for "
-        "other dtypes) or 'triton' (default on CUDA).",
+        "other dtypes) or 'triton' (default on CUDA). 'auto' skips a backend whose kernels lack a feature "
+        "the model's layers use (sliding window, logit soft-cap); a named one that lacks it is an error.",
         ("auto", "cpu", "torch", "triton"),
     )
     max_total_tokens: int | None = flag(

@@ -4,6 +4,7 @@ named backend that cannot serve the model is a ValueError naming what it lacks, 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 import torch
@@ -15,24 +16,19 @@ from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# name -> (module, class), imported on demand: the Triton and C++ backends pull in their compilers.
+_BACKENDS = {
+    "triton": ("radixlm_runtime.attention.triton_backend", "TritonAttentionBackend"),
+    "cpu": ("radixlm_runtime.attention.cpu_backend", "CpuAttentionBackend"),
+    "torch": ("radixlm_runtime.attention.torch_backend", "TorchAttentionBackend"),
+}
 
 
 def _backend_class(name: str) -> type[AttentionBackend]:
-    """Imported on demand: the Triton and C++ backends pull in their compilers."""
-    if name == "triton":
-        from radixlm_runtime.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend
-    if name == "cpu":
-        from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
-
-        return CpuAttentionBackend
-    if name == "torch":
-        from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend
-    raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {name!r}")
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be 'auto' or one of {sorted(_BACKENDS)}, got {name!r}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:

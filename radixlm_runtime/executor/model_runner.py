@@ -96,8 +96,7 @@ class ModelRunner:
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
         self.attn_backend = self._make_attention_backend(self.kv_pool, self.req_to_token)
-        if self.model.supports_cpu_decoder:
-            self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
+        self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
         self.graphs = self._capture_cuda_graphs()
         self.info = RunnerInfo(
             vocab_size=self.config.vocab_size,

@@ -25,7 +25,7 @@ from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
 from radixlm_runtime.layers.quantization import LinearShards
 from radixlm_runtime.layers.rotary import CosSin, RotaryEmbedding, build_rotary
-from radixlm_runtime.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from radixlm_runtime.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeSpec
 
 if TYPE_CHECKING:
     from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
@@ -200,8 +200,10 @@ class DecoderForCausalLM(nn.Module):
         # Multiplies the embeddings (Gemma: sqrt(hidden_size) in the model's dtype); None: unscaled.
         self.embed_scale: float | None = None
         self.final_logit_softcap: float | None = None
-        # One table per distinct layer type's rotary, set by init_rotary once on the device.
-        self.rotaries: dict[str, RotaryEmbedding] = {}
+        # One table per distinct rotary spec (Gemma 3: local and global), and each layer's table's
+        # index; set by init_rotary once on the device.
+        self.rotaries: list[RotaryEmbedding] = []
+        self.layer_rotary: list[int] = []
         # Runs the decoder layers in one C++ call where the executor found it can (CPU kernel linears).
         self.cpu_decoder: LlamaCpuDecoder | None = None
 
@@ -254,11 +256,17 @@ class DecoderForCausalLM(nn.Module):
         """Builds each layer type's rotary table on the device (after the weights: tables are not
         parameters, so building on the meta device must not touch them). hf_config loads the
         transformers config, needed by scaled RoPE variants only."""
-        for kind in dict.fromkeys(self.layer_types):
+        specs: list[RopeSpec] = []
+        for kind in self.layer_types:
             spec = self.config.rope_for(kind)
-            self.rotaries[kind] = build_rotary(
-                hf_config, self.config.head_dim, spec.theta, spec.scaling, context_len, device, kind
-            )
+            if spec not in specs:  # layer types that share a spec (Qwen2's windowed layers) share a table
+                specs.append(spec)
+                self.rotaries.append(
+                    build_rotary(
+                        hf_config, self.config.head_dim, spec.theta, spec.scaling, context_len, device, kind
+                    )
+                )
+            self.layer_rotary.append(specs.index(spec))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -267,13 +275,13 @@ class DecoderForCausalLM(nn.Module):
         hidden = self.embed_tokens(batch.input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        ropes = {kind: rotary.cos_sin(batch.positions) for kind, rotary in self.rotaries.items()}
+        ropes = [rotary.cos_sin(batch.positions) for rotary in self.rotaries]
         if self.cpu_decoder is not None:
-            hidden, residual = self.cpu_decoder.forward(hidden, ropes[self.layer_types[0]], batch)
+            hidden, residual = self.cpu_decoder.forward(hidden, ropes[0], batch)
         else:
             residual = None
-            for layer, kind in zip(self.layers, self.layer_types):
-                hidden, residual = layer(ropes[kind], hidden, residual, batch, attn)
+            for layer, table in zip(self.layers, self.layer_rotary):
+                hidden, residual = layer(ropes[table], hidden, residual, batch, attn)
         if batch.logits_indices.numel() != batch.num_tokens:
             hidden = hidden.index_select(0, batch.logits_indices)
             residual = residual.index_select(0, batch.logits_indices)

@@ -117,12 +117,11 @@ class LlamaCpuDecoder:
     @classmethod
     def build(cls, model: LlamaForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
         """The decoder for this model, or None where it cannot serve (and the Python path runs)."""
-        if not isinstance(attn, CpuAttentionBackend) or attn.per_token:
+        # Plain Llama layers only (a family with q/k norms, sandwich norms or GeGLU has ops the C++ loop
+        # lacks), all rotating with one table.
+        if not model.supports_cpu_decoder or len(model.rotaries) != 1:
             return None
-        # Every layer rotates with the one table the model hands over, its first layer's: a model whose
-        # layer types rotate differently keeps the Python loop.
-        first = model.config.rope_for(model.layer_types[0])
-        if any(model.config.rope_for(kind) != first for kind in model.layer_types):
+        if not isinstance(attn, CpuAttentionBackend) or attn.per_token:
             return None
         for layer in model.layers:
             linears = _linears(layer)

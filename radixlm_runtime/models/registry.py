@@ -45,7 +45,6 @@ class CausalLM(Protocol):
 _MODELS: dict[str, type] = {}
 # model_type -> architecture, for configs that name no architecture.
 _MODEL_TYPES: dict[str, str] = {}
-_NOT_FAMILIES = {"config", "loader", "registry", "base", "gguf_weights", "llama_cpu", "quantized_checkpoint"}
 
 T = TypeVar("T", bound=type)
 
@@ -66,10 +65,11 @@ def register(*architectures: str, model_types: Sequence[str] = ()) -> Callable[[
 
 
 def _import_families() -> None:
+    """Imports every module of the package (the others register nothing), so a new family module is
+    found without being listed anywhere."""
     package = importlib.import_module("radixlm_runtime.models")
     for module in pkgutil.iter_modules(package.__path__):
-        if module.name not in _NOT_FAMILIES:
-            importlib.import_module(f"radixlm_runtime.models.{module.name}")
+        importlib.import_module(f"radixlm_runtime.models.{module.name}")
 
 
 def supported_architectures() -> list[str]:
