@@ -155,12 +155,10 @@ def _table_and_batch(seqs: list[list[int]], extend_lens: list[int]) -> tuple[Req
     return table, batch
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
-    """20 decoding requests share a 150-slot prefix (more members than one group item holds, a prefix of
-    three key blocks), 5 more share another (their own suffixes of different lengths), one decodes alone
-    and one prefills over the first prefix: the groups' prefix parts computed once, merged into each
-    member's own attention, equal attention computed per request."""
+def _shared_prefix_step() -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.Generator]:
+    """20 decoding requests share a 150-slot prefix, 5 more a 40-slot one (their own suffixes of
+    different lengths), one decodes alone and one prefills 30 tokens over the first prefix; one layer of
+    random KV (3 kv heads of 64), and the generator that made it, for the queries."""
     gen = torch.Generator().manual_seed(3)
     num_kv_heads, head_dim = 3, 64
     size = 2000
@@ -174,6 +172,17 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
     extend_lens = [1] * 26 + [30]
     table, batch = _table_and_batch(seqs, extend_lens)
+    return pool, table, batch, gen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
+    """20 decoding requests share a 150-slot prefix (more members than one group item holds, a prefix of
+    three key blocks), 5 more share another (their own suffixes of different lengths), one decodes alone
+    and one prefills over the first prefix: the groups' prefix parts computed once, merged into each
+    member's own attention, equal attention computed per request."""
+    pool, table, batch, gen = _shared_prefix_step()
+    head_dim = pool.head_dim
     backend = CpuAttentionBackend(
         pool, table, AttentionLayer.uniform(pool.num_layers, head_dim**-0.5), mode=mode
     )
@@ -183,6 +192,7 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     assert sorted(zip(step.groups[1].tolist(), step.groups[2].tolist())) == [(5, 40), (20, 150)]
     q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
     got = backend.attend(q, 0, batch)
+    seqs, extend_lens = batch.seq_slots_cpu, batch.extend_lens_cpu
     want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, head_dim**-0.5)
     torch.testing.assert_close(got, want, **TOL)
 
@@ -404,19 +414,8 @@ def test_windowed_shared_prefix_groups_match_the_torch_backend(
     groups it keeps are found at their place in its list. Two threads: group items of 16 members, three
     whole AVX-512 panels."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    gen = torch.Generator().manual_seed(3)
-    num_kv_heads, head_dim = 3, 64
-    size = 2000
-    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    free = iter((torch.randperm(size, generator=gen) + 1).tolist())
-    first, second = [next(free) for _ in range(150)], [next(free) for _ in range(40)]
-    seqs = [first + [next(free) for _ in range(1 + i % 7)] for i in range(20)]
-    seqs += [second + [next(free) for _ in range(1 + 9 * i)] for i in range(5)]
-    seqs += [[next(free) for _ in range(60)], first + [next(free) for _ in range(30)]]
-    extend_lens = [1] * 26 + [30]
-    table, batch = _table_and_batch(seqs, extend_lens)
+    pool, table, batch, gen = _shared_prefix_step()
+    head_dim = pool.head_dim
     q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
     layer = AttentionLayer(0.5, *features)
     want = _torch_reference(pool, table, layer, q, batch)
