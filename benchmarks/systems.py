@@ -28,14 +28,19 @@ class RadixlmSystem:
     """The offline Engine: prompts are submitted together and the scheduler batches them. A choice is
     scored as its own request (prompt + continuation, max_new_tokens=0, the continuation's prompt
     logprobs), the way the language's `select` does, so the radix cache serves the shared prompt. The
-    no-cache variant sends exactly the same requests. `quantization` is the engine's flag: "none"
-    (fp32) where the peers compute in fp32 too."""
+    no-cache variant sends exactly the same requests. `quantization` and `model_path` are the engine's
+    flags: "none" (fp32) where the peers compute in fp32 too."""
 
-    def __init__(self, disable_radix_cache: bool, quantization: str = "none") -> None:
+    def __init__(
+        self, disable_radix_cache: bool, quantization: str = "none", model_path: str | None = None
+    ) -> None:
         import radixlm_runtime as rt
 
         self.engine = rt.Engine(
-            disable_radix_cache=disable_radix_cache, quantization=quantization, log_level="warning"
+            model_path=model_path,
+            disable_radix_cache=disable_radix_cache,
+            quantization=quantization,
+            log_level="warning",
         )
         self.engine.generate(WARMUP_PROMPT, {"temperature": 0, "max_new_tokens": 4})
         self.engine.flush_cache()

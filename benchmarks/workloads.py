@@ -56,7 +56,8 @@ def mmlu_task(tokenizer: Any, num_subjects: int, per_subject: int, num_shots: in
     subjects = mmlu_subjects()[:num_subjects]
     if not subjects:
         raise FileNotFoundError("no MMLU subjects found (see radixlm.eval.data.default_data_dir)")
-    choices = [tokenizer.encode(c) for c in MMLU_CHOICES]
+    # Continuations of the prompt: no BOS of their own (Gemma's tokenizer adds one to every encode).
+    choices = [tokenizer.encode(c, add_special_tokens=False) for c in MMLU_CHOICES]
     if any(len(c) != 1 for c in choices):
         raise ValueError(f"expected single-token answer letters, got {choices}")
     prompts: list[list[int]] = []

@@ -34,6 +34,14 @@ class EngineConfig:
     model_path: str | None = flag(
         None, "Hugging Face model directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct."
     )
+    sampling_defaults: str = flag(
+        "model",
+        "Where a request's unset sampling fields come from. 'model': the temperature, top_p, top_k, min_p "
+        "and repetition_penalty the model's generation_config.json recommends (as SGLang and vLLM do), the "
+        "built-in defaults for the fields it leaves out; 'openai': always the built-in (OpenAI's) "
+        "defaults. A request's own values always win.",
+        ("model", "openai"),
+    )
     device: str = flag("auto", "Device to run on: 'cpu', 'cuda' or 'auto' (cuda when available).")
     dtype: str = flag(
         "auto",

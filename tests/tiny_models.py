@@ -101,3 +101,17 @@ def build_tiny_model_dir(out_dir: Path, model_type: str) -> Path:
     assert len(tokenizer) <= TINY_MODEL_KWARGS["vocab_size"]
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def with_generation_config(model_dir: Path, out_dir: Path, values: dict) -> Path:
+    """A copy of model_dir (its files linked) whose generation_config.json also recommends `values`."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in model_dir.iterdir():
+        if path.name != "generation_config.json":
+            (out_dir / path.name).symlink_to(path.resolve())
+    source = model_dir / "generation_config.json"
+    config = json.loads(source.read_text()) if source.is_file() else {}
+    (out_dir / "generation_config.json").write_text(json.dumps(config | values))
+    return out_dir

@@ -18,6 +18,7 @@ from radixlm_runtime.io.limits import RequestLimits
 from radixlm_runtime.io.messages import GenerateReq, sample_request
 from radixlm_runtime.io.outputs import OutputState, native_output
 from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, load_tokenizer
+from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.scheduler.session import check_session_id
@@ -40,6 +41,9 @@ class Engine:
         t0 = time.perf_counter()
         self.model_dir = resolve_model_path(self.server_args.engine.model_path)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.sampling_defaults = generation_sampling_defaults(
+            self.model_dir, self.server_args.engine.sampling_defaults
+        )
         self.scheduler = build_scheduler(self.model_dir, self.server_args, self.tokenizer)
         self.runner = self.scheduler.runner
         info = self.scheduler.runner_info
@@ -176,7 +180,7 @@ class Engine:
 
         messages: list[GenerateReq] = []
         for ids, raw, base_rid, lp, prio in zip(id_lists, params_list, rids, logprobs, priorities):
-            sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size)
+            sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size, self.sampling_defaults)
             constraint = sp.constraint
             if constraint is not None:
                 try:

@@ -137,6 +137,28 @@ class ModelConfig:
         )
 
 
+# The sampling fields a generation_config.json may recommend, under the names SamplingParams uses.
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling_defaults(model_dir: Path | str, mode: str = "model") -> dict[str, Any]:
+    """The defaults of every request's unset sampling fields under `--sampling-defaults mode`: for
+    "model", the values the model's generation_config.json recommends (Qwen3: temperature 0.6, top_p
+    0.95, top_k 20); empty for "openai", or where the model has no such file or sets none of them."""
+    path = Path(model_dir) / "generation_config.json"
+    if mode == "openai" or not path.is_file():
+        return {}
+    from radixlm_runtime.sampling.params import SamplingParams
+
+    config = _read_json(path)
+    defaults = {key: config[key] for key in SAMPLING_DEFAULT_FIELDS if config.get(key) is not None}
+    try:
+        SamplingParams.from_dict(defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e} (or start with --sampling-defaults openai)") from None
+    return defaults
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

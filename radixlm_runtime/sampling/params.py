@@ -58,15 +58,22 @@ class SamplingParams:
 
     @classmethod
     def from_dict(
-        cls, params: dict[str, Any] | SamplingParams | None, vocab_size: int | None = None
+        cls,
+        params: dict[str, Any] | SamplingParams | None,
+        vocab_size: int | None = None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Builds params from a user dict, naming the offending field on any error."""
-        if params is None:
-            return cls()
+        """Builds params from a user dict, naming the offending field on any error. `defaults` (the
+        model's recommended values) fill the fields the dict leaves unset or null; a SamplingParams
+        object is taken whole."""
         if isinstance(params, SamplingParams):
             return dataclasses.replace(params)
+        if params is None:
+            params = {}
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        if defaults:
+            params = {**params, **{k: v for k, v in defaults.items() if params.get(k) is None}}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:

@@ -30,6 +30,7 @@ from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
 from radixlm_runtime.io.outputs import OutputState
 from radixlm_runtime.io.stop_holdback import StopHoldback
 from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids
+from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.errors import RequestError
@@ -118,6 +119,7 @@ class TokenizerManager:
         self.args = server_args
         self.model_dir = model_dir
         self.tokenizer = tokenizer
+        self.sampling_defaults = generation_sampling_defaults(model_dir, server_args.engine.sampling_defaults)
         self.metrics = ServerMetrics()
         self.states: dict[str, RequestState] = {}
         self.ready: msg.Ready | None = None
@@ -284,7 +286,7 @@ class TokenizerManager:
         assert self.ready is not None
         raw = _drop_empty_stop_regex(raw)
         try:
-            sp = SamplingParams.from_dict(raw, self.ready.vocab_size)
+            sp = SamplingParams.from_dict(raw, self.ready.vocab_size, self.sampling_defaults)
             sp.check_min_new_tokens(self.ready.vocab_size, eos_token_ids(self.tokenizer, []))
         except ValueError as e:
             raise RequestError.from_value_error(e) from None

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from radixlm_runtime.models.config import ModelConfig, RopeSpec
+from radixlm_runtime.models.config import ModelConfig, RopeSpec, generation_sampling_defaults
 
 
 def _llama_config(**overrides: Any) -> dict[str, Any]:
@@ -202,3 +202,24 @@ def test_from_dir_merges_generation_config_eos(tmp_path: Path) -> None:
 def test_from_dir_without_config_json(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_generation_sampling_defaults(tmp_path: Path) -> None:
+    assert generation_sampling_defaults(tmp_path) == {}  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+                "min_p": None,
+                "eos_token_id": 1,
+            }
+        )
+    )
+    assert generation_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert generation_sampling_defaults(tmp_path, "openai") == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    with pytest.raises(ValueError, match=r"generation_config.json: .*top_p"):
+        generation_sampling_defaults(tmp_path)

@@ -105,6 +105,17 @@ def test_defaults_and_none() -> None:
     assert sp == SamplingParams()
 
 
+def test_model_defaults_fill_only_unset_fields() -> None:
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    sp = SamplingParams.from_dict({"temperature": 0.2, "top_p": None}, defaults=model)
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.2, 0.95, 20)
+    assert SamplingParams.from_dict(None, defaults=model).top_k == 20
+    # The caller's dict is left as it was.
+    raw = {"max_new_tokens": 3}
+    SamplingParams.from_dict(raw, defaults=model)
+    assert raw == {"max_new_tokens": 3}
+
+
 def test_coercions() -> None:
     sp = SamplingParams.from_dict(
         {"temperature": 1, "stop": "\n", "stop_token_ids": 7, "json_schema": {"type": "object"}, "seed": -3}
