@@ -230,10 +230,12 @@ def prompt_ids(model: BenchModel) -> dict[str, list[int]]:
     from radixlm_runtime.io.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model.hf_dir())
+    if tokenizer.chat_template is None:  # a base model (Gemma 3 270M): the text as it is
+        return {name: tokenizer.encode(text) for name, text in PROMPTS.items()}
     chat = lambda text: tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
-    return {name: tokenizer.encode(chat(text)) for name, text in PROMPTS.items()}
+    return {name: tokenizer.encode(chat(text), add_special_tokens=False) for name, text in PROMPTS.items()}
 
 
 def measure(
