@@ -13,10 +13,10 @@ import torch
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers.linear import prepack_linears
 from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
-from radixlm_runtime.layers.quantization import plan_linear, resolve_quantization
+from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.loader import load_weights
-from radixlm_runtime.models.quantized_checkpoint import checkpoint_weights, quantized_source
+from radixlm_runtime.models.quantized_checkpoint import checkpoint_weights, open_checkpoint, quantized_source
 from radixlm_runtime.models.registry import CausalLM, model_class
 from radixlm_runtime.utils.logging import get_logger
 
@@ -32,6 +32,7 @@ def build_model(
     context_len: int,
 ) -> CausalLM:
     cls = model_class(config.architecture)
+    mode = _quantization_mode(engine_config.quantization, device, dtype)
     # Built on the meta device: every weight is overwritten by the checkpoint, so random init
     # would only cost start-up time. The dtype is set while still on meta, so parameters are
     # allocated once, in their final dtype (not in float32 first and cast after: 3x the bf16
@@ -40,11 +41,14 @@ def build_model(
         model = cls(config).to(dtype=dtype)
     model = model.to_empty(device=device)
     # AWQ/GPTQ/FP8 linears load as their dequantized floats; the quantizer takes AWQ/GPTQ's own
-    # int4 weights from quantized_source.
-    model.load_weights(checkpoint_weights(model_dir, load_weights(model_dir)))
+    # int4 weights from the same checkpoint, which keeps them from the float path's unpacking.
+    checkpoint = open_checkpoint(model_dir, keep_int4=mode != "none")
+    model.load_weights(checkpoint_weights(checkpoint, load_weights(model_dir)))
     model.eval()
     model.init_rotary(context_len, device, functools.partial(_hf_config, model_dir))
-    _quantize(model, model_dir, engine_config, config, device, dtype)
+    if mode != "none":
+        source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
+        _quantize(model, mode, source)
     logger.info("float linears: %s", prepack_linears(model))
     return model
 
@@ -55,23 +59,18 @@ def _hf_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def _quantize(
-    model: CausalLM,
-    model_dir: Path,
-    engine_config: EngineConfig,
-    config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> None:
-    """Gives linears int8/int4 weights per --quantization: the checkpoint's own blocks where it has
-    them, otherwise quantized from the float weights just loaded (which are then dropped)."""
-    requested = engine_config.quantization
+def _quantization_mode(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The --quantization mode served on device (resolved before loading, so the checkpoint knows
+    whether its int4 weights will be served quantized)."""
     mode = resolve_quantization(requested, device, dtype)
     if mode != requested:
         logger.info("quantization %r serves float weights on %s (%s)", requested, device, dtype)
-    if mode == "none":
-        return
-    source = quantized_source(engine_config.model_path, model_dir, config.num_heads, config.num_kv_heads)
+    return mode
+
+
+def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> None:
+    """Gives linears int8/int4 weights per --quantization: the checkpoint's own blocks where it has
+    them, otherwise quantized from the float weights just loaded (which are then dropped)."""
     targets = model.linear_shards()
     plans = [(target, plan_linear(target, mode, source)) for target in targets]
     plans = [(target, weight) for target, weight in plans if weight is not None]

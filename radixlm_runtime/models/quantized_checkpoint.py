@@ -4,7 +4,8 @@ dequantized at load.
 config.json's `quantization_config` names the format. The model loads float weights as it does for any
 checkpoint: `checkpoint_weights` yields each quantized linear's `<prefix>.weight` dequantized (float32,
 exact). `quantized_source` hands plan_linear the int4 weights themselves, so --quantization auto serves
-them quantized: bit for bit the weights of the float path.
+them quantized: bit for bit the weights of the float path. Both read one `open_checkpoint`, which holds
+what the float path unpacked for the quantizer, so each linear is unpacked once.
 
 - AWQ (GEMM version): qweight int32 [K, N / 8] with 8 output columns per int32 in AWQ's nibble order,
   qzeros int32 [K / G, N / 8] packed alike, scales fp16 [K / G, N]; w = scale * (q - zero).
@@ -208,15 +209,27 @@ class QuantizedCheckpoint:
     """A pre-quantized checkpoint's weights: callable as a QuantizedSource (a Hugging Face weight name ->
     its exact int4 QuantizedWeight, or None), and every quantized weight dequantized for the float path."""
 
-    def __init__(self, model_dir: Path, fmt: CheckpointFormat) -> None:
+    def __init__(self, model_dir: Path, fmt: CheckpointFormat, keep_int4: bool = False) -> None:
+        """keep_int4: the int4 weights will be served quantized, so each one the float path unpacks is
+        held until the quantizer asks for it (one unpack per linear instead of two)."""
         self.format = fmt
         self.tensors = _Tensors(model_dir)
+        self._keep_int4 = keep_int4
+        self._kept: dict[str, QuantizedWeight] = {}
 
     def __call__(self, hf_name: str) -> QuantizedWeight | None:
         prefix = hf_name.removesuffix(".weight")
         if not self.format.int4 or prefix == hf_name or f"{prefix}.qweight" not in self.tensors:
             return None
-        return self.int4(prefix)
+        kept = self._kept.pop(prefix, None)
+        return kept if kept is not None else self.int4(prefix)
+
+    def dequantized_int4(self, prefix: str) -> torch.Tensor:
+        """The float32 weight of the AWQ/GPTQ linear at prefix, its int4 weight kept if asked."""
+        weight = self.int4(prefix)
+        if self._keep_int4:
+            self._kept[prefix] = weight
+        return weight.dequantize()
 
     def int4(self, prefix: str) -> QuantizedWeight:
         """The AWQ/GPTQ linear at prefix (its qweight, qzeros, scales and, for act-order, g_idx)."""
@@ -258,16 +271,22 @@ class QuantizedCheckpoint:
         return weight.float() * scale
 
 
+def open_checkpoint(model_dir: Path, keep_int4: bool = False) -> QuantizedCheckpoint | None:
+    """The pre-quantized checkpoint in model_dir (see QuantizedCheckpoint for keep_int4), or None for float
+    weights; a ValueError names an unsupported format."""
+    fmt = checkpoint_format(model_dir)
+    return None if fmt is None else QuantizedCheckpoint(model_dir, fmt, keep_int4)
+
+
 def checkpoint_weights(
-    model_dir: Path, weights: Iterable[tuple[str, torch.Tensor]]
+    checkpoint: QuantizedCheckpoint | None, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs as a float model loads them: float tensors pass through; a
     quantized linear yields its `<prefix>.weight` dequantized (float32) in place of its quantized parts."""
-    fmt = checkpoint_format(model_dir)
-    if fmt is None:
+    if checkpoint is None:
         yield from weights
         return
-    checkpoint = QuantizedCheckpoint(model_dir, fmt)
+    fmt = checkpoint.format
     if fmt.int4:
         logger.info("%s int4 checkpoint: float weights dequantized for the float path", fmt.method)
     else:
@@ -281,7 +300,7 @@ def checkpoint_weights(
             if f"{prefix}.qweight" not in checkpoint.tensors:
                 yield name, tensor
             elif part == "qweight":
-                yield f"{prefix}.weight", checkpoint.int4(prefix).dequantize()
+                yield f"{prefix}.weight", checkpoint.dequantized_int4(prefix)
             elif part not in _INT4_SIDE_PARTS:  # e.g. the linear's bias
                 yield name, tensor
         elif part == "weight" and tensor.dtype in _FP8_DTYPES:
@@ -291,12 +310,11 @@ def checkpoint_weights(
 
 
 def quantized_source(
-    model_path: str | None, model_dir: Path, num_heads: int, num_kv_heads: int
+    model_path: str | None, checkpoint: QuantizedCheckpoint | None, num_heads: int, num_kv_heads: int
 ) -> QuantizedSource | None:
     """The checkpoint's own quantized linears for plan_linear: a GGUF's blocks (model_path a .gguf or a
-    short name of one), an AWQ/GPTQ directory's int4 weights, else None (float or FP8 weights)."""
+    short name of one), an AWQ/GPTQ checkpoint's int4 weights, else None (float or FP8 weights)."""
     gguf = gguf_source(model_path)
     if gguf is not None:
         return GGUFQuantizedWeights(gguf, num_heads, num_kv_heads)
-    fmt = checkpoint_format(model_dir)
-    return QuantizedCheckpoint(model_dir, fmt) if fmt is not None and fmt.int4 else None
+    return checkpoint if checkpoint is not None and checkpoint.format.int4 else None

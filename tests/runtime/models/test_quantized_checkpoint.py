@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +20,18 @@ from safetensors.torch import save_file
 from tiny_models import TINY_MODEL_KWARGS, build_tiny_tokenizer
 
 import radixlm_runtime as rt
+from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import PANEL_GEMM_MIN_ROWS
+from radixlm_runtime.models.builder import build_model
+from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.gguf_weights import GGUFQuantizedWeights
 from radixlm_runtime.models.loader import default_model_path, load_weights
 from radixlm_runtime.models.quantized_checkpoint import (
     QuantizedCheckpoint,
     checkpoint_format,
     checkpoint_weights,
+    open_checkpoint,
     quantized_source,
 )
 
@@ -194,7 +199,7 @@ def test_checkpoint_weights_yield_the_dequantized_float_model(
     one_linear: tuple[str, Path, torch.Tensor],
 ) -> None:
     _, model_dir, reference = one_linear
-    loaded = dict(checkpoint_weights(model_dir, load_weights(model_dir)))
+    loaded = dict(checkpoint_weights(open_checkpoint(model_dir), load_weights(model_dir)))
     assert set(loaded) == {f"{PREFIX}.weight", f"{PREFIX}.bias", "model.norm.weight"}
     assert torch.equal(loaded[f"{PREFIX}.weight"], reference)
 
@@ -202,17 +207,17 @@ def test_checkpoint_weights_yield_the_dequantized_float_model(
 def test_float_checkpoints_pass_through_and_have_no_source(tiny_llama_dir: Path) -> None:
     assert checkpoint_format(tiny_llama_dir) is None
     reference = dict(load_weights(tiny_llama_dir))
-    loaded = dict(checkpoint_weights(tiny_llama_dir, load_weights(tiny_llama_dir)))
+    loaded = dict(checkpoint_weights(open_checkpoint(tiny_llama_dir), load_weights(tiny_llama_dir)))
     assert loaded.keys() == reference.keys()
-    assert quantized_source(str(tiny_llama_dir), tiny_llama_dir, 4, 2) is None
+    assert quantized_source(str(tiny_llama_dir), open_checkpoint(tiny_llama_dir), 4, 2) is None
 
 
 def test_quantized_source_by_checkpoint_kind(one_linear: tuple[str, Path, torch.Tensor]) -> None:
     _, model_dir, _ = one_linear
-    source = quantized_source(str(model_dir), model_dir, 4, 2)
+    source = quantized_source(str(model_dir), open_checkpoint(model_dir), 4, 2)
     assert isinstance(source, QuantizedCheckpoint)
     assert source("model.norm.weight") is None and source(f"{PREFIX}.bias") is None
-    gguf = quantized_source(default_model_path(), model_dir, 9, 3)
+    gguf = quantized_source(default_model_path(), open_checkpoint(model_dir), 9, 3)
     assert isinstance(gguf, GGUFQuantizedWeights)
 
 
@@ -252,10 +257,10 @@ def test_fp8_weights_are_dequantized_at_load(tmp_path: Path, scheme: str) -> Non
     tensors |= {f"{PREFIX}.weight": weight, "model.norm.weight": torch.ones(cols)}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     write_config(tmp_path, config)
-    loaded = dict(checkpoint_weights(tmp_path, load_weights(tmp_path)))
+    loaded = dict(checkpoint_weights(open_checkpoint(tmp_path), load_weights(tmp_path)))
     assert set(loaded) == {f"{PREFIX}.weight", "model.norm.weight"}
     assert torch.equal(loaded[f"{PREFIX}.weight"], weight.float() * expanded)
-    assert quantized_source(str(tmp_path), tmp_path, 4, 2) is None
+    assert quantized_source(str(tmp_path), open_checkpoint(tmp_path), 4, 2) is None
 
 
 # ---------------------------------------------------------------- unsupported formats
@@ -367,3 +372,26 @@ def test_quantized_checkpoint_serves_the_tokens_of_its_float_twin(
     finally:
         engine.shutdown()
     assert tokens == expected
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_each_int4_linear_is_unpacked_once(
+    tiny_float_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantization: str
+) -> None:
+    """The float path and the quantizer read one checkpoint: served on the int4 kernels or as floats,
+    each AWQ linear's int4 tensors are unpacked once."""
+    quantized, _ = write_quantized_model(tiny_float_model, "awq", tmp_path)
+    unpacked: Counter[str] = Counter()
+    unpack = QuantizedCheckpoint.int4
+
+    def spy(self: QuantizedCheckpoint, prefix: str) -> object:
+        unpacked[prefix] += 1
+        return unpack(self, prefix)
+
+    monkeypatch.setattr(QuantizedCheckpoint, "int4", spy)
+    config = ModelConfig.from_dir(quantized)
+    engine_config = EngineConfig(model_path=str(quantized), quantization=quantization)
+    model = build_model(quantized, config, engine_config, torch.device("cpu"), torch.float32, 64)
+    assert len(unpacked) == len(LINEARS) * config.num_layers and set(unpacked.values()) == {1}
+    served = [target.linear.quantized for target in model.linear_shards() if not target.is_lm_head]
+    assert all((weight is not None) == (quantization == "auto") for weight in served)
