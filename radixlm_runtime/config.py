@@ -276,6 +276,17 @@ class ServerConfig:
         "Default: off (the tags stay in `content`).",
         REASONING_PARSERS,
     )
+    disable_dashboard: bool = flag(
+        False,
+        "Turn off the live dashboard (/dashboard and its /dashboard/api/* feeds): the radix tree, "
+        "requests, program sessions, metrics over time and a playground. With --api-key the page "
+        "asks for the key and every feed requires it.",
+    )
+    dashboard_redact: bool = flag(
+        False,
+        "Hide prompt and output text from the dashboard: the cache and requests views show token "
+        "counts, hits and timings but no text, and the tree's text search is refused.",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

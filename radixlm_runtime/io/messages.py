@@ -7,7 +7,7 @@ only ever send data, not code. Requests and replies are tagged unions so one soc
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -89,8 +89,32 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class DashboardReq(msgspec.Struct, tag="dashboard"):
+    """A bounded snapshot for the dashboard (server/dashboard_snapshot.py), answered in a
+    CallResult's info: view "tree" (the radix tree, breadth first), "node" (one node's path and the
+    requests whose prompts contain it), "requests" (live and recent requests) or "request" (one,
+    with its whole prompt). text_tokens bounds the token ids sent per node or prompt (0: none,
+    for --dashboard-redact)."""
+
+    call_id: int
+    view: Literal["tree", "node", "requests", "request"]
+    max_nodes: int = 2000
+    max_depth: int = 64
+    text_tokens: int = 32
+    max_recent: int = 100
+    node_id: int = -1
+    rid: str = ""
+
+
 ToScheduler = (
-    GenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | CloseSessionReq | HealthProbe | Shutdown
+    GenerateReq
+    | AbortReq
+    | FlushCacheReq
+    | ServerInfoReq
+    | CloseSessionReq
+    | HealthProbe
+    | DashboardReq
+    | Shutdown
 )
 
 
@@ -137,7 +161,8 @@ class BatchOut(msgspec.Struct, tag="batch"):
 
 
 class CallResult(msgspec.Struct, tag="call_result"):
-    """Reply to a FlushCacheReq, ServerInfoReq, CloseSessionReq or HealthProbe with the same call_id."""
+    """Reply to a FlushCacheReq, ServerInfoReq, CloseSessionReq, HealthProbe or DashboardReq with the
+    same call_id."""
 
     call_id: int
     ok: bool

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
 from radixlm_runtime.step import TopLogprobs
@@ -42,6 +43,8 @@ class TreeNode:
         "id",
         "logprobs",
         "top",
+        "hits",
+        "accessed_at",
     )
 
     _ids = itertools.count()
@@ -65,6 +68,10 @@ class TreeNode:
         # unknown); None when no request that computed these tokens asked for logprobs.
         self.logprobs: list[float] | None = None
         self.top: list[TopLogprobs | None] | None = None
+        # For the dashboard: requests admitted with a cached prefix through this node, and the wall
+        # clock (time.monotonic) of its last access; LRU order keeps using the logical clock.
+        self.hits = 0
+        self.accessed_at = time.monotonic()
 
     def __lt__(self, other: TreeNode) -> bool:
         # Heap order for eviction: least recently used first, creation order breaks ties.
@@ -102,6 +109,7 @@ class RadixCache:
         """
         node = self.root_node
         now = self._tick()
+        wall = time.monotonic()
         node.last_access_time = now
         pos = 0
         while pos < len(key):
@@ -112,6 +120,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
+            child.accessed_at = wall
             node = child
             pos += n
         return pos, node
@@ -143,6 +152,7 @@ class RadixCache:
             raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
         node = self.root_node
         now = self._tick()
+        wall = time.monotonic()
         node.last_access_time = now
         pos = 0
         while pos < len(key):
@@ -157,6 +167,7 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
+            child.accessed_at = wall
             _learn_logprobs(child, logprobs, top, pos)
             node = child
             pos += n
@@ -186,6 +197,8 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
         upper = TreeNode(child.key[:n], child.value[:n], parent, child.last_access_time, child.lock_ref)
+        # Every hit on child passed through these tokens.
+        upper.hits, upper.accessed_at = child.hits, child.accessed_at
         if child.logprobs is not None:
             upper.logprobs, child.logprobs = child.logprobs[:n], child.logprobs[n:]
         if child.top is not None:
@@ -196,6 +209,14 @@ class RadixCache:
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
         return upper
+
+    def record_hit(self, node: TreeNode) -> None:
+        """Counts one request admitted with the cached prefix ending in node on every node of that
+        path (the dashboard's per-node hit count)."""
+        while node is not self.root_node:
+            node.hits += 1
+            assert node.parent is not None, "record_hit on a node detached from the tree"
+            node = node.parent
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pins node and all its ancestors so eviction cannot take the prefix from a running request."""

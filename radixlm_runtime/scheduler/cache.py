@@ -52,6 +52,8 @@ class CacheManager:
         req.table_synced = 0
         if req.cached_tokens < 0:
             req.cached_tokens = min(req.kv_len, req.prompt_len)
+            if has_prefix:
+                self.tree.record_hit(req.last_node)
         if self.tree is not None and req.last_node is not None:
             self.tree.inc_lock_ref(req.last_node)
         return True

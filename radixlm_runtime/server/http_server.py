@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixlm_runtime.io import outputs
 from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.scheduler.session import check_session_id
+from radixlm_runtime.server import dashboard
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -35,6 +36,8 @@ logger = get_logger(__name__)
 
 # Endpoints that answer without an API key: load balancers probe them.
 PUBLIC_PATHS = frozenset({"/health"})
+# The dashboard's page and files load without the key; its feeds need it (server/dashboard.py).
+PUBLIC_PATHS |= dashboard.PUBLIC_PATHS
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -184,6 +187,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     app.include_router(build_openai_router(tm, model_name))
     app.include_router(build_tokenize_router(tm, model_name))
+    dashboard.mount_dashboard(app, tm, model_name)
     return app
 
 

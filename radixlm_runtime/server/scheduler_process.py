@@ -19,6 +19,7 @@ from radixlm_runtime.entrypoints.runtime import build_scheduler
 from radixlm_runtime.io import messages as msg
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.tokenizer import load_tokenizer
+from radixlm_runtime.server import dashboard_snapshot
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger, setup_logging
 
@@ -41,6 +42,8 @@ class SchedulerProcess:
         self.push.connect(out_addr)
         self.parent_pid = os.getppid()
         self.running = True
+        # What the dashboard's snapshots read; None with --disable-dashboard.
+        self.request_log = None if server_args.server.disable_dashboard else dashboard_snapshot.RequestLog()
 
     def send(self, message: msg.FromScheduler) -> None:
         self.push.send(msg.encode(message))
@@ -87,27 +90,42 @@ class SchedulerProcess:
             self.send(msg.CallResult(m.call_id, self.scheduler.close_session(m.session_id)))
         elif isinstance(m, msg.HealthProbe):
             self.send(msg.CallResult(m.call_id, True))
+        elif isinstance(m, msg.DashboardReq):
+            self._dashboard(m)
         elif isinstance(m, msg.Shutdown):
             self.running = False
 
     def _add(self, m: msg.GenerateReq) -> None:
         try:
-            self.scheduler.submit(m)
+            req = self.scheduler.submit(m)
         except Exception as e:  # a bad request fails alone; the loop goes on
             logger.exception("rejecting request %s", m.rid)
             failed = FinishReason.abort(f"invalid request: {e}")
             self.send(msg.BatchOut([msg.ReqOutput(m.rid, [], failed, len(m.input_ids), 0, 0)], 0, 0))
+            return
+        if self.request_log is not None:
+            self.request_log.submitted(req)
+
+    def _dashboard(self, m: msg.DashboardReq) -> None:
+        if self.request_log is None:
+            self.send(msg.CallResult(m.call_id, False, {"error": "the dashboard is disabled"}))
+            return
+        snapshot = dashboard_snapshot.answer(self.scheduler, self.request_log, m)
+        self.send(msg.CallResult(m.call_id, True, snapshot))
 
     # -- step and outputs ---------------------------------------------------------------------
     def _step(self) -> None:
         outputs = self.scheduler.step()
         self.send(msg.BatchOut(outputs, *self.scheduler.queue_sizes()))
+        if self.request_log is not None:
+            self.request_log.ended(outputs)
 
     def server_info(self) -> dict[str, Any]:
         return {
             "scheduler_pid": os.getpid(),
             "model_path": str(self.model_dir),
             "num_tracked": self.scheduler.num_live(),
+            "num_compiling": len(self.scheduler.constraints),
             **self.scheduler.info(),
         }
 
