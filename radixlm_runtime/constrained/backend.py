@@ -34,7 +34,8 @@ class Guide(Protocol):
         ...
 
     def advance(self, token_id: int) -> None:
-        """Consumes one output token; ValueError when the constraint does not allow it."""
+        """Consumes one output token; ValueError when the constraint does not allow it (or the
+        engine fails on it)."""
         ...
 
     def advance_tokens(self, token_ids: list[int]) -> bool:
@@ -57,6 +58,12 @@ class Guide(Protocol):
     def jump_forward(self) -> str | None:
         """Text every valid continuation starts with, which the runtime may append without decode
         steps; None when the next character is not determined."""
+        ...
+
+    def error(self) -> str | None:
+        """Why the grammar engine gave up on this request (a resource limit such as llguidance's
+        ParserTooComplex, or no token of the vocabulary continuing the output); None while it
+        works. Once set, the guide is unusable: its mask no longer follows the constraint."""
         ...
 
 

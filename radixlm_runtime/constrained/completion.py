@@ -69,7 +69,8 @@ def shortest_completion(
 ) -> list[int] | None:
     """Token ids that take the guide to a complete match: the walk's text in the tokenizer's own
     tokens where the guide accepts them, else the walk's single-byte tokens. [] when the output is
-    already complete; None when the walk found none within `limit` steps. The guide is left unchanged."""
+    already complete; None when the walk found none within `limit` steps. The guide is left unchanged,
+    unless the grammar engine failed on the way (`guide.error()` says why; the guide is then unusable)."""
     walked = _walk(guide, tokens, encode, vocab_size, limit)
     if walked is None or not walked[0]:
         return None if walked is None else []
@@ -114,7 +115,7 @@ def _walk(
             text.append(spelled[pick])
         return taken, text.decode("utf-8", errors="replace")
     finally:
-        if taken:
+        if taken and guide.error() is None:
             guide.rollback(len(taken))
 
 

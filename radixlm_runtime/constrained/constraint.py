@@ -115,6 +115,7 @@ def parse_schema(text: str) -> dict[str, Any] | bool:
     except jsonschema.SchemaError as e:
         raise ValueError(f"json_schema: not a valid JSON Schema: {e.message}") from None
     _check_keywords(schema)
+    _check_finite(schema)
     return schema
 
 
@@ -144,6 +145,85 @@ def _check_keywords(schema: Any) -> None:
                 raise ValueError(
                     f"json_schema: unsupported format {value!r} at {path}; supported: {supported}"
                 )
+
+
+def _check_finite(schema: dict[str, Any] | bool) -> None:
+    """Refuses a schema that only an infinitely nested value satisfies (a required property or item
+    that refers back to its own schema on every branch): the grammar engines would loop or give up
+    mid-generation instead of refusing it."""
+    nodes = dict(subschemas(schema))
+    known = {id(sub) for sub in nodes.values()}
+    finite: set[int] = set()  # ids of the subschemas found to admit a finite value
+    grew = True
+    while grew:  # least fixpoint: a $ref counts as finite once its target was found finite
+        grew = False
+        for sub in nodes.values():
+            if id(sub) not in finite and _admits_finite(sub, schema, known, finite):
+                finite.add(id(sub))
+                grew = True
+    if id(schema) not in finite and isinstance(schema, dict):
+        path = next((p for p, sub in nodes.items() if p != "#" and id(sub) not in finite), "#")
+        raise ValueError(
+            f"json_schema: no finite value satisfies it: a value of {path} must contain another one "
+            "without end (a required property or item that refers back to its own schema)"
+        )
+
+
+def _admits_finite(sub: Any, root: Any, known: set[int], finite: set[int]) -> bool:
+    """Whether some finite value satisfies sub, given which of the `known` subschemas are already
+    found finite (the targets of its $refs are looked up there; a target elsewhere counts as finite:
+    the check only refuses what surely nests without end)."""
+    if isinstance(sub, bool):
+        return sub
+    if not isinstance(sub, dict):
+        return True
+    ref = sub.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = _resolve(root, ref)
+        if target is False or isinstance(target, dict) and id(target) in known and id(target) not in finite:
+            return False
+    if not all(_admits_finite(s, root, known, finite) for s in sub.get("allOf", [])):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if key in sub and not any(_admits_finite(s, root, known, finite) for s in sub[key]):
+            return False
+    if "const" in sub or "enum" in sub:
+        return True
+    types = sub.get("type", ["null"])  # no type: null satisfies the object and array keywords
+    types = [types] if isinstance(types, str) else types
+    return any(_finite_of_type(t, sub, root, known, finite) for t in types)
+
+
+def _finite_of_type(kind: str, sub: dict[str, Any], root: Any, known: set[int], finite: set[int]) -> bool:
+    if kind == "object":
+        props = sub.get("properties", {})
+        extra = sub.get("additionalProperties", True)
+        return all(
+            _admits_finite(props.get(name, extra), root, known, finite) for name in sub.get("required", [])
+        )
+    if kind == "array":
+        need = sub.get("minItems", 0)
+        prefix = sub.get("prefixItems", [])
+        rest = sub.get("items", True)
+        return all(
+            _admits_finite(prefix[i] if i < len(prefix) else rest, root, known, finite)
+            for i in range(min(need, len(prefix) + 1))
+        )
+    return True
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local $ref points at; None when it does not resolve (the engine reports it)."""
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def closed_objects(schema: dict[str, Any] | bool) -> dict[str, Any] | bool:

@@ -46,10 +46,12 @@ def plan_jump(
 
 def apply_jump(guide: Guide, tail_ids: list[int], ids: list[int]) -> bool:
     """Moves the guide from after `tail_ids` to after `ids`; False (guide unchanged) when the
-    constraint does not accept `ids` token by token."""
+    constraint does not accept `ids` token by token, or when the grammar engine failed on them."""
     guide.rollback(len(tail_ids))
     if guide.advance_tokens(ids):
         return True
+    if guide.error() is not None:
+        return False  # the grammar engine failed on ids: the caller reports guide.error()
     if not guide.advance_tokens(tail_ids):
         raise ValueError(f"the constraint no longer accepts its own output tail {tail_ids}")
     return False

@@ -44,11 +44,19 @@ def grammar_of(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(lark)
 
 
-def check(constraint: Constraint) -> None:
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar_of(constraint))
+def checked_grammar(constraint: Constraint) -> str:
+    """The constraint's grammar, parsed and validated once: ValueError naming its field when
+    llguidance refuses it or would not enforce part of it."""
+    grammar = grammar_of(constraint)
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error or messages:
         # Warnings name what llguidance would not enforce (e.g. unimplemented keys): refused too.
         raise constraint.error("; ".join(m.strip() for m in messages))
+    return grammar
+
+
+def check(constraint: Constraint) -> None:
+    checked_grammar(constraint)
 
 
 class Backend:
@@ -59,8 +67,7 @@ class Backend:
         )
 
     def compile(self, constraint: Constraint) -> LLMatcher:
-        check(constraint)
-        matcher = LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
+        matcher = LLMatcher(self.tokenizer, checked_grammar(constraint), log_level=0)
         if matcher.is_error():
             raise constraint.error(matcher.get_error())
         return matcher
@@ -98,3 +105,11 @@ class LLGuidanceGuide:
 
     def jump_forward(self) -> str | None:
         return complete_utf8_prefix(self.matcher.compute_ff_bytes()) or None
+
+    def error(self) -> str | None:
+        # After an error the matcher allows only EOS and reports itself stopped: without this check
+        # the request would end as an empty, successful stop.
+        if not self.matcher.is_error():
+            return None
+        # The message's first line says why; the rest dumps the parser state and the whole grammar.
+        return self.matcher.get_error().strip().split("\n", 1)[0] or "llguidance stopped with an error"

@@ -15,17 +15,23 @@ from radixlm_runtime.constrained.backend import fit_bitmask
 from radixlm_runtime.constrained.constraint import JSON_SEPARATORS, Constraint, parse_schema, subschemas
 
 
-def check(constraint: Constraint) -> None:
+def grammar_of(constraint: Constraint) -> xgr.Grammar:
+    """The constraint parsed once into xgrammar's Grammar; ValueError naming its field when refused."""
     try:
         if constraint.kind == "regex":
-            xgr.Grammar.from_regex(constraint.text)
-        elif constraint.kind == "json_schema":
+            return xgr.Grammar.from_regex(constraint.text)
+        if constraint.kind == "json_schema":
             _check_xgrammar_schema(parse_schema(constraint.text))
-            xgr.Grammar.from_json_schema(constraint.text, any_whitespace=False, separators=JSON_SEPARATORS)
-        else:
-            xgr.Grammar.from_ebnf(constraint.text)
+            return xgr.Grammar.from_json_schema(
+                constraint.text, any_whitespace=False, separators=JSON_SEPARATORS
+            )
+        return xgr.Grammar.from_ebnf(constraint.text)
     except RuntimeError as e:
         raise constraint.error(str(e).strip()) from None
+
+
+def check(constraint: Constraint) -> None:
+    grammar_of(constraint)
 
 
 def _check_xgrammar_schema(schema: Any) -> None:
@@ -51,15 +57,9 @@ class Backend:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        check(constraint)
+        grammar = grammar_of(constraint)
         try:
-            if constraint.kind == "regex":
-                return self.compiler.compile_regex(constraint.text)
-            if constraint.kind == "json_schema":
-                return self.compiler.compile_json_schema(
-                    constraint.text, any_whitespace=False, separators=JSON_SEPARATORS
-                )
-            return self.compiler.compile_grammar(constraint.text)
+            return self.compiler.compile_grammar(grammar)
         except RuntimeError as e:
             raise constraint.error(str(e).strip()) from None
 
@@ -79,6 +79,11 @@ class XGrammarGuide:
             self.matcher.fill_next_token_bitmask(self._buffer)
             self._filled = True
         return fit_bitmask(self._buffer[0].copy(), vocab_size)
+
+    def error(self) -> str | None:
+        """xgrammar has no failed state: a token it refuses leaves the matcher as it was (`advance`
+        raises), and a mask that allows nothing shows up as such a refusal of the sampled token."""
+        return None
 
     def advance(self, token_id: int) -> None:
         if not self.matcher.accept_token(token_id):

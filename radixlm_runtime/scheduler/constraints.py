@@ -37,8 +37,8 @@ class ConstraintQueue:
         return len(self.compiling)
 
     def collect(self) -> list[Req]:
-        """Requests whose compile is done: each gets its own guide, or a finish reason when its
-        constraint did not compile."""
+        """Requests whose compile is done: each gets its own guide, or a finish reason when it is
+        refused (`_start`)."""
         if not any(f.done() for _, f in self.compiling):
             return []
         done: list[Req] = []
@@ -47,41 +47,44 @@ class ConstraintQueue:
             if not future.done():
                 pending.append((req, future))
                 continue
-            exc = future.exception()
-            constraint = req.sampling_params.constraint
-            assert constraint is not None
-            if exc is None:
-                req.guide = self.compiler.guide(future.result())
-                if not req.guide.allowed_mask(self.vocab_size).any():
-                    # Bytes the grammar needs first that no token of this vocabulary spells.
-                    exc = ValueError("no token sequence of this model's vocabulary can match it")
-            if exc is not None:
-                message = str(constraint.error(str(exc)))
-                req.finished_reason = FinishReason.abort(message, param=constraint.kind)
-            else:
-                self._check_budget(req)
+            req.finished_reason = self._start(req, future)
             done.append(req)
         self.compiling = pending
         return done
 
-    def _check_budget(self, req: Req) -> None:
-        """Refuses a max_new_tokens below the shortest output the constraint admits (as found by
-        `shortest_completion`, an upper bound; where its walk finds none, nothing is refused)."""
+    def _start(self, req: Req, compiled: Future[Any]) -> FinishReason | None:
+        """Gives req its guide; refuses (an abort naming the field, a 400 over HTTP) before anything
+        runs a constraint that did not compile, that the vocabulary cannot start (bytes it needs
+        first that no token spells), that the grammar engine gives up on along its shortest output
+        (e.g. llguidance's ParserTooComplex on a wide schema), or a max_new_tokens below the shortest
+        output the constraint admits (as found by `shortest_completion`, an upper bound; where its
+        walk finds none, nothing is refused)."""
+        constraint = req.sampling_params.constraint
+        assert constraint is not None
+        refuse = lambda message: FinishReason.abort(str(constraint.error(message)), param=constraint.kind)
+        exc = compiled.exception()
+        if exc is not None:
+            return refuse(str(exc))
+        req.guide = self.compiler.guide(compiled.result())
+        if not req.guide.allowed_mask(self.vocab_size).any():
+            return refuse("no token sequence of this model's vocabulary can match it")
         budget = req.sampling_params.max_new_tokens
-        assert req.guide is not None
         if budget == 0:
-            return
-        tokens = single_byte_tokens(self.tokenizer)
+            return None
         limit = min(4 * budget + 256, MAX_COMPLETION_STEPS)
+        tokens = single_byte_tokens(self.tokenizer)
         need = shortest_completion(req.guide, tokens, self._encode, self.vocab_size, limit)
+        error = req.guide.error()
+        if error is not None:
+            return refuse(f"the grammar engine gave up on it: {error}")
         req.shortest_output = len(need) if need is not None else 0
         if need is not None and len(need) > budget:
-            kind = req.sampling_params.constraint.kind  # type: ignore[union-attr]
-            req.finished_reason = FinishReason.abort(
+            return FinishReason.abort(
                 f"max_new_tokens: {budget} is fewer than the {len(need)} tokens the shortest output of "
-                f"this {kind} takes",
+                f"this {constraint.kind} takes",
                 param="max_new_tokens",
             )
+        return None
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -18,10 +18,8 @@ from radixlm_runtime.scheduler.stats import SchedulerStats
 from radixlm_runtime.step import ForwardItem, ItemResult, TopLogprobs
 
 # Remaining tokens (beyond its shortest output's length) from which a constrained request checks
-# whether its budget still fits the shortest completion of its output, and how many tokens early it
-# completes (one sampled token may lengthen the completion it needs).
+# whether its budget still fits the shortest completion of its output.
 BUDGET_HORIZON = 64
-BUDGET_MARGIN = 4
 
 
 class OutputProcessor:
@@ -69,6 +67,8 @@ class OutputProcessor:
         if not res.accepted and req.guide is None:  # the common case: one token, no constraint
             self._append_token(req, res.next_token, res.logprob, res.top_logprobs, now)
             return
+        if self.grammar_failed(req):  # the mask this step sampled from no longer followed it
+            return
         tokens: list[int] = [res.next_token]
         logprobs: list[float | None] = [res.logprob]
         tops: list[TopLogprobs | None] = [res.top_logprobs]
@@ -86,6 +86,7 @@ class OutputProcessor:
                 break
         if req.finished_reason is None or req.finished_reason.kind == "length":
             self.complete_within_budget(req, kept)
+        self.grammar_failed(req)
 
     def _append_token(
         self, req: Req, tok: int, logprob: float | None, top: TopLogprobs | None, now: float
@@ -96,7 +97,7 @@ class OutputProcessor:
                 req.guide.advance(tok)
             except ValueError as e:
                 # A constraint out of step with its own mask fails this request, not the loop.
-                req.finished_reason = FinishReason.abort(f"constraint error: {e}")
+                self.fail_constraint(req, str(e))
         self.stats.generated_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -109,6 +110,20 @@ class OutputProcessor:
         if not req.finished:
             self.check_finish(req)
 
+    # -- grammar-engine failures ---------------------------------------------------------------
+    def grammar_failed(self, req: Req) -> bool:
+        """Ends req with a constraint_error when its grammar engine gave up (its guide's mask then
+        allows only EOS, which would otherwise end the request as an empty, successful stop)."""
+        if req.guide is None or (error := req.guide.error()) is None:
+            return False
+        self.fail_constraint(req, f"the grammar engine gave up: {error}")
+        return True
+
+    def fail_constraint(self, req: Req, message: str) -> None:
+        constraint = req.sampling_params.constraint
+        assert constraint is not None
+        req.finished_reason = FinishReason.constraint_error(str(constraint.error(message)), constraint.kind)
+
     # -- jump-forward -------------------------------------------------------------------------
     def jump_forward(self, req: Req, tail: int) -> bool:
         """Appends the text req's constraint forces, tokenized together with the last `tail` output
@@ -118,7 +133,7 @@ class OutputProcessor:
         Forced tokens count as output tokens (bounded by max_new_tokens) but were not sampled, so
         requests returning logprobs never jump; nor does a jump ever cross a stop token or string.
         """
-        if self.config.disable_jump_forward or req.guide is None or req.return_logprob:
+        if self.config.disable_jump_forward or req.guide is None or req.return_logprob or req.guide.error():
             return False
         kept = len(req.token_ids) - tail
         out_kept = kept - req.prompt_len
@@ -141,14 +156,15 @@ class OutputProcessor:
 
     # -- valid under any budget ---------------------------------------------------------------
     def complete_within_budget(self, req: Req, kept: int) -> None:
-        """When a constrained request's remaining budget comes down to the shortest completion of its
-        output (within a margin), appends that completion and ends the request (finish_reason
-        length): an output the budget cuts short still parses. Where this step's tokens (from
-        `kept` on: the token just sampled and what jump-forward added, not yet computed nor
-        reported) made the completion outgrow the budget, they are dropped and the output is
-        completed from before them. Requests returning logprobs are left alone (forced tokens have
-        none)."""
-        if req.guide is None or req.return_logprob:
+        """Keeps a constrained request's output completable within its budget: where this step's
+        tokens (from `kept` on: the token just sampled and what jump-forward added, not yet computed
+        nor reported) made the shortest completion of its output outgrow the budget left, they are
+        dropped, the completion from before them is appended (it fitted: the previous step checked)
+        and the request ends (finish_reason length), so an output the budget cuts short still
+        parses. While the completion fits, even exactly, decoding goes on: the model writes the
+        output up to the last token it can. Requests returning logprobs are left alone (forced
+        tokens have none)."""
+        if req.guide is None or req.return_logprob or req.guide.error():
             return
         sp = req.sampling_params
         end = req.prompt_len + min(sp.max_new_tokens, self.context_len - req.prompt_len)
@@ -156,20 +172,18 @@ class OutputProcessor:
         # free tokens there already leave no room for it.
         if end - len(req.token_ids) > BUDGET_HORIZON + req.shortest_output or req.guide.is_accepting():
             return
+        need = self._shortest(req, end)  # None: not found within 4x the budget left
+        fits = need is not None and len(need) <= end - len(req.token_ids)
+        if fits or len(req.token_ids) == kept or req.guide.error():
+            return  # an engine failure is reported by the caller (grammar_failed)
+        dropped = req.token_ids[kept:]
+        req.guide.rollback(len(dropped))
+        del req.token_ids[kept:]
         need = self._shortest(req, end)
-        dropped: list[int] = []
-        too_long = need is None or len(need) > end - len(req.token_ids)  # None: not within 4x the budget
-        if too_long and len(req.token_ids) > kept:
-            dropped = req.token_ids[kept:]
-            req.guide.rollback(len(dropped))
-            del req.token_ids[kept:]
-            need = self._shortest(req, end)
-        left = end - len(req.token_ids)
-        # Without dropped tokens, complete only once the budget is within the margin of the need;
-        # with them, now (their continuation no longer fits).
-        if need is None or len(need) > left or (not dropped and len(need) + BUDGET_MARGIN < left):
-            if dropped:  # nothing better from before them: decoding goes on with them
-                self._force(req, dropped)
+        if req.guide.error():
+            return
+        if need is None or len(need) > end - len(req.token_ids):
+            self._force(req, dropped)  # nothing better from before them: decoding goes on with them
             return
         self._force(req, need)
         self.stats.budget_completions += 1

@@ -389,13 +389,16 @@ async def _make_input(
     return GenerateInput(ids, sp, uuid.uuid4().hex, return_logprob, start, top_logprobs, priority=priority)
 
 
-def _openai_names(err: RequestError) -> RequestError:
-    """Rewrites the native field names in a validation error into the OpenAI request's names."""
+def _openai_names(err: RequestError, schema_field: str = "response_format") -> RequestError:
+    """Rewrites the native field names in a validation error into the OpenAI request's names; a
+    refused json_schema is the `schema_field` that carried it (a tool call's: tools)."""
     param = (err.param or "").removeprefix("sampling_params.")
     param = _RENAMED.get(param, param)
     message = err.message.replace("sampling_params.", "")
     for native, openai in _RENAMED.items():
         message = message.replace(native, openai)
+    if param == "json_schema":
+        param, message = schema_field, f"{schema_field}: {message.removeprefix('json_schema: ')}"
     return RequestError(message, err.status, param or None, err.code, err.headers)
 
 
@@ -534,7 +537,11 @@ async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | No
 
 # -- running ----------------------------------------------------------------------------------
 async def _run_all(request: Request, tm: TokenizerManager, jobs: list[_Job]) -> list[RequestState]:
-    return await hu.unless_disconnected(request, gather_cancelling([tm.run(j.inp, j.index) for j in jobs]))
+    try:
+        runs = gather_cancelling([tm.run(j.inp, j.index) for j in jobs])
+        return await hu.unless_disconnected(request, runs)
+    except RequestError as e:  # refused by the scheduler, e.g. a budget below the schema's shortest output
+        raise _openai_names(e) from None
 
 
 ChunkFn = Callable[[_Job, RequestState, int, int], dict[str, Any]]
@@ -550,14 +557,17 @@ async def _stream(
     usage_field = {"usage": None} if include_usage else {}
     streams = [tm.generate(j.inp, j.index, stream=True) for j in jobs]
     async with contextlib.aclosing(merge_streams(streams)) as merged:
-        async for i, st in merged:
-            if i in finals or (not st.finished and len(st.output_ids) == sent_tokens[i]):
-                continue
-            choice = make_choice(jobs[i], st, sent_text[i], sent_tokens[i])
-            sent_text[i], sent_tokens[i] = len(st.text), len(st.output_ids)
-            if st.finished:
-                finals[i] = st
-            yield hu.sse(base | {"choices": [choice]} | usage_field)
+        try:
+            async for i, st in merged:
+                if i in finals or (not st.finished and len(st.output_ids) == sent_tokens[i]):
+                    continue
+                choice = make_choice(jobs[i], st, sent_text[i], sent_tokens[i])
+                sent_text[i], sent_tokens[i] = len(st.text), len(st.output_ids)
+                if st.finished:
+                    finals[i] = st
+                yield hu.sse(base | {"choices": [choice]} | usage_field)
+        except RequestError as e:
+            raise _openai_names(e) from None
     if include_usage:
         states = [finals[i] for i in range(len(jobs))]
         yield hu.sse(base | {"choices": [], "usage": _usage(jobs, states)})
@@ -628,10 +638,13 @@ def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, inde
 
     async def run_phase(ids: list[int], params: SamplingParams) -> AsyncIterator[RequestState]:
         phase = dataclasses.replace(inp, input_ids=ids, params=params, rid=uuid.uuid4().hex)
-        async with contextlib.aclosing(tm.generate(phase, index, stream=True)) as states:
-            async for st in states:
-                _finish_reason(st)  # an aborted phase fails the request
-                yield st
+        try:
+            async with contextlib.aclosing(tm.generate(phase, index, stream=True)) as states:
+                async for st in states:
+                    _finish_reason(st, schema_field="tools")  # an aborted phase fails the request
+                    yield st
+        except RequestError as e:
+            raise _openai_names(e, schema_field="tools") from None
 
     encode = lambda text: tm.tokenizer.encode(text, add_special_tokens=False)
     return tc.ToolCallLoop(
@@ -686,14 +699,21 @@ def _message_text(text: str, reasoning: str | None) -> dict[str, str | None]:
     return {"reasoning_content": split.reasoning or None, "content": split.content or None}
 
 
-def _finish_reason(st: RequestState) -> str | None:
-    """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice
+def _finish_reason(st: RequestState, schema_field: str = "response_format") -> str | None:
+    """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice, or
+    one whose constraint the grammar engine failed on (a 400 naming `schema_field` for a json_schema),
     fails the response (an error body, or an error event in a stream) instead of reporting one."""
     reason = st.finished_reason
     if reason is None:
         return None
     if reason.kind == "abort":
         raise RequestError(f"the request was aborted: {reason.message}", status=500, code="request_aborted")
+    if reason.kind == "constraint_error":
+        # The grammar engine failed on the constraint mid-generation: the output is no answer.
+        error = RequestError(
+            reason.message or "constraint error", param=reason.param, code="constraint_error"
+        )
+        raise _openai_names(error, schema_field)
     return reason.kind
 
 
