@@ -41,8 +41,9 @@ ASSETS: dict[str, Path] = {
     for p in sorted(STATIC_DIR.rglob("*"))
     if p.is_file() and (p.suffix in {".js", ".css", ".svg", ".txt"} or p.name == "LICENSE")
 }
-# Paths a browser loads without the API key: the page shell and its files, never data.
-PUBLIC_PATHS = frozenset({"/dashboard", *ASSETS})
+# Paths a browser loads without the API key: the page shell, its files and whether it needs the key
+# (so the page asks for it before any refused request); never data.
+PUBLIC_PATHS = frozenset({"/dashboard", "/dashboard/auth", *ASSETS})
 MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml", ".html": "text/html"}
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
@@ -185,9 +186,8 @@ class Dashboard:
         needle = query.casefold() if query else None
         nodes = []
         for node in snap["nodes"]:
-            ids = node.pop("ids")
-            full = self.text(ids)
-            out = node | {"text": None if full is None else _clip(full, PREVIEW_CHARS)}
+            full = self.text(node["ids"])
+            out = _without(node, "ids") | {"text": None if full is None else _clip(full, PREVIEW_CHARS)}
             if needle is not None:
                 out["match"] = full is not None and needle in full.casefold()
             nodes.append(out)
@@ -200,9 +200,9 @@ class Dashboard:
         return await asyncio.to_thread(self._shape_node, snap)
 
     def _shape_node(self, snap: dict[str, Any]) -> dict[str, Any]:
-        node = snap["node"]
-        node["text"] = self.text(node.pop("ids"))
-        node["prefix_text"] = self.text(node.pop("prefix_ids"))
+        raw = snap["node"]
+        node = _without(raw, "ids", "prefix_ids")
+        node["text"], node["prefix_text"] = self.text(raw["ids"]), self.text(raw["prefix_ids"])
         return {"node": node, "requests": [self._shape_request(r) for r in snap["requests"]]}
 
     async def requests(self, max_recent: int) -> dict[str, Any]:
@@ -223,8 +223,8 @@ class Dashboard:
 
     def _shape_request(self, r: dict[str, Any], split_cached: bool = False) -> dict[str, Any]:
         """A request with its prompt as text: whole (a preview), or split at its cached prefix."""
-        ids = r.pop("prompt_ids")
-        out_ids = r.pop("output_ids", None)
+        ids, out_ids = r["prompt_ids"], r.get("output_ids")
+        r = _without(r, "prompt_ids", "output_ids")
         if split_cached:
             cut = min(r["cached_tokens"], len(ids))
             r["cached_text"], r["uncached_text"] = self.text(ids[:cut]), self.text(ids[cut:])
@@ -247,14 +247,19 @@ class Dashboard:
             s = sessions.setdefault(
                 sid, {"session_id": sid, "program": _program_name(sid), "pinned": sid in pinned, "calls": []}
             )
-            r.pop("prompt_ids", None)
-            s["calls"].append(r)
+            s["calls"].append(_without(r, "prompt_ids"))
         runs = sorted(sessions.values(), key=lambda s: -s["calls"][-1]["arrival"])[:MAX_SESSIONS]
         for s in runs:
             calls = s["calls"]
             s["prompt_tokens"] = sum(c["prompt_tokens"] for c in calls)
             s["cached_tokens"] = sum(c["cached_tokens"] for c in calls)
         return {"sessions": runs, "call_graph": False}
+
+
+def _without(d: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """A copy of d without keys: snapshots are shared by every reader within their TTL, so shaping
+    one for a response never changes it."""
+    return {k: v for k, v in d.items() if k not in keys}
 
 
 def _clip(text: str, limit: int) -> str:
@@ -298,6 +303,10 @@ def mount_dashboard(app: FastAPI, tm: TokenizerManager, model_name: str) -> None
     @app.get("/dashboard", include_in_schema=False)
     async def page() -> Response:
         return _asset(STATIC_DIR / "index.html")
+
+    @app.get("/dashboard/auth", include_in_schema=False)
+    async def auth() -> Response:
+        return _json({"api_key_required": tm.args.server.api_key is not None})
 
     @app.get(STATIC_PREFIX + "{path:path}", include_in_schema=False)
     async def asset(path: str) -> Response:

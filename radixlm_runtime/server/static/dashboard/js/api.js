@@ -4,6 +4,8 @@ const KEY = "radixlm-dashboard-key";
 
 export class AuthError extends Error {}
 
+export const hasKey = () => sessionStorage.getItem(KEY) !== null;
+
 export function setKey(key) {
   if (key) sessionStorage.setItem(KEY, key);
   else sessionStorage.removeItem(KEY);

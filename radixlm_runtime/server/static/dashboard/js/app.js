@@ -1,7 +1,7 @@
 // The dashboard shell: asks for the API key when the server needs one, then refreshes the visible
 // view on a timer (one feed request per interval, none while the tab is hidden).
 
-import { AuthError, getJSON, setKey } from "./api.js";
+import { AuthError, getJSON, hasKey, setKey } from "./api.js";
 import { $, fill } from "./dom.js";
 import { CacheView } from "./cache.js";
 import { MetricsView } from "./metrics.js";
@@ -32,6 +32,7 @@ class App {
 
   async start() {
     try {
+      if (!hasKey() && (await getJSON("/dashboard/auth")).api_key_required) throw new AuthError("no key yet");
       const overview = await getJSON("/dashboard/api/overview");
       this.model = overview.model;
       fill($("model"), `${overview.model}${overview.redact ? " · text redacted" : ""}`);
@@ -40,10 +41,11 @@ class App {
       this.show(this.active);
     } catch (e) {
       if (!(e instanceof AuthError)) throw e;
+      const refused = hasKey();
       setKey(null);
       $("app").hidden = $("tabs").hidden = true;
       $("login").hidden = false;
-      fill($("login-error"), $("api-key").value ? "That key was refused." : "");
+      fill($("login-error"), refused ? "That key was refused." : "");
     }
   }
 
