@@ -128,6 +128,20 @@ class SchedulerConfig:
         "Token budget of one forward step. Longer prompts are prefilled in chunks so they never "
         "stall running decodes.",
     )
+    prefill_step_target_ms: float = flag(
+        250.0,
+        "Wall time a step that carries prefill tokens is sized to: the step's token budget is what fits "
+        "it by the step times measured on this device while serving (a least-squares line of step time "
+        "over step tokens, recent steps weighing most), between 16 and --chunked-prefill-size tokens. "
+        "It bounds the gap a long prompt's chunk puts into running streams and the wait of requests "
+        "arriving behind it. 0: every step takes --chunked-prefill-size tokens, however long that takes.",
+    )
+    disable_prefill_interleave: bool = flag(
+        False,
+        "Let a long prompt's remaining prefill chunks finish before another waiting request starts. By "
+        "default a waiting prompt that fits a step's budget whole runs ahead of them (the long prompt "
+        "keeps a quarter of each step's prefill budget, so it always advances).",
+    )
     schedule_policy: str = flag(
         "lpm",
         "Order of the waiting queue: 'lpm' (longest cached prefix first), 'dfs-weight' (walk the "
@@ -203,6 +217,8 @@ class SchedulerConfig:
         _check_choices(self)
         if self.chunked_prefill_size < 16:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
+        if self.prefill_step_target_ms < 0:
+            raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
         if not self.session_timeout_s > 0:
             raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
         if not self.priority_aging_s > 0:

@@ -1,6 +1,8 @@
 """Which requests run in the next step: the running requests' pending tokens first, then the
 chunked prefill in progress, then waiting requests in cache-aware order while the step's token
-budget and the KV pool allow; when decode runs out of KV the newest requests are retracted."""
+budget (sized by time, step_budget.py) and the KV pool allow; waiting prompts that fit the step
+whole go ahead of a long prompt's remaining chunks. When decode runs out of KV the newest requests
+are retracted."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.speculative import Drafter
 from radixlm_runtime.scheduler.stats import SchedulerStats
+from radixlm_runtime.scheduler.step_budget import StepBudget
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -26,6 +29,9 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 IN_BATCH_PREFIX_CHECK = 32
 # A chunked prefill always advances by at least this many tokens, however many requests decode.
 MIN_CHUNK = 16
+# While shorter prompts go ahead of it, a chunked prefill keeps at least this share of the step's
+# prefill budget, so a stream of short requests slows a long prompt down but never stalls it.
+CHUNKED_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -70,27 +76,36 @@ class Admission:
         self.chunked: Req | None = None
         self.new_token_ratio = config.new_token_ratio
         self.stats = stats
+        self.step_budget = StepBudget(config.chunked_prefill_size, config.prefill_step_target_ms / 1000)
 
     def schedule(self) -> list[ScheduledItem]:
         cfg = self.config
         self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        step_tokens = self.step_budget.tokens()
         pending = self.chunked
         want = 0
         if pending is not None:
-            room = max(cfg.chunked_prefill_size - self._pending_tokens(), MIN_CHUNK)
+            room = max(step_tokens - self._pending_tokens(), MIN_CHUNK)
             want = min(len(pending.token_ids) - pending.kv_len, room)
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
         items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
-        budget = cfg.chunked_prefill_size - decode_tokens
+        budget = step_tokens - decode_tokens
         if pending is not None:
+            if not cfg.disable_prefill_interleave and self.waiting:
+                keep = min(want, max(MIN_CHUNK, int(budget * CHUNKED_SHARE)))
+                ahead = self._admit(budget - keep, decode_tokens, chunked=pending)
+                self.stats.interleaved_prefills += len(ahead)
+                items.extend(ahead)
+                budget -= sum(it.extend_len for it in ahead)
+                want = min(want, max(budget, MIN_CHUNK))
             items.append(ScheduledItem(pending, pending.kv_len, want))
             budget -= want
             if pending.kv_len + want == len(pending.token_ids):
                 self.chunked = None
         if budget > 0 and self.chunked is None and self.waiting:
-            items.extend(self._admit(budget, decode_tokens))
+            items.extend(self._admit(budget, sum(it.extend_len for it in items)))
         return items
 
     def _reserve_decode(self, extra: int) -> list[Req]:
@@ -128,11 +143,16 @@ class Admission:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""
         return sum(r.pending_len for r in self.running)
 
-    def _admit(self, budget: int, decode_tokens: int) -> list[ScheduledItem]:
+    def _admit(self, budget: int, scheduled: int, chunked: Req | None = None) -> list[ScheduledItem]:
+        """Admits waiting requests in policy order within the budget, the last one possibly
+        chunked; `scheduled` tokens of this step already need KV slots. With a prefill already
+        `chunked`, only requests that fit the budget whole go (ahead of its remaining chunks), and
+        its own KV needs stay reserved."""
         ordered = self.policy.order(list(self.waiting), self.cache.sessions.pinned_ids())
-        reserved = (
-            sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + decode_tokens
-        )
+        reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + scheduled
+        if chunked is not None:
+            reserved += len(chunked.token_ids) - chunked.kv_len
+            reserved += int(chunked.remaining_new_tokens() * self.new_token_ratio)
         items: list[ScheduledItem] = []
         seen_prefixes: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
@@ -145,8 +165,10 @@ class Admission:
             if len(probe) == prefix_len + IN_BATCH_PREFIX_CHECK and probe in seen_prefixes:
                 continue
             ext = min(total - prefix_len, budget)
+            if chunked is not None and ext < total - prefix_len:
+                continue
             need = total - prefix_len + int(req.remaining_new_tokens() * self.new_token_ratio)
-            if not self._fits(need + reserved, req, admitted_any=bool(items)):
+            if not self._fits(need + reserved, req, busy=bool(scheduled or chunked or items)):
                 break
             if not self.cache.admit(req):
                 break
@@ -164,12 +186,12 @@ class Admission:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
         return items
 
-    def _fits(self, need: int, req: Req, admitted_any: bool) -> bool:
+    def _fits(self, need: int, req: Req, busy: bool) -> bool:
         """Whether req's KV needs fit, once session pins gave way as far as they must (see
-        SessionTable.give_way): when nothing runs nor was admitted this step, waiting would stall
-        the queue for good."""
+        SessionTable.give_way): when nothing runs and this step carries nothing else (`busy`: no
+        decode, no chunk, no admission), waiting would stall the queue for good."""
         while need > self.cache.available_tokens() - self._pinned_by_admission(req):
-            stalled = not self.running and not admitted_any
+            stalled = not self.running and not busy
             if not self.cache.sessions.give_way(stalled, spare=req.session_id):
                 return False
         return True

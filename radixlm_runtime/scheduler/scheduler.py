@@ -12,6 +12,7 @@ generated, so nothing is lost or duplicated. Nothing here touches a tensor.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ class _Launched:
     items: list[ScheduledItem]
     plan: StepPlan
     handle: Any  # the executor's, for collect
+    launched_at: float  # time.perf_counter() before the launch
 
 
 class Scheduler:
@@ -82,6 +84,9 @@ class Scheduler:
             self.runner_info.async_launch and not config.disable_overlap_schedule and self.drafter is None
         )
         self._inflight: _Launched | None = None
+        # When the last step's results were read: a step queued while the one before still ran
+        # (overlap) starts computing only then.
+        self._collected_at = 0.0
 
     # -- requests in --------------------------------------------------------------------------
     def submit(self, m: GenerateReq) -> Req:
@@ -172,6 +177,7 @@ class Scheduler:
 
     def _launch(self, items: list[ScheduledItem]) -> tuple[_Launched | None, list[Req]]:
         """Plans and queues a step; when queueing raises, its requests fail (the loop goes on)."""
+        launched_at = time.perf_counter()
         plan = build_plan(items, self.cache, self.eos_ids, self.runner_info.vocab_size)
         try:
             handle = self.runner.launch(plan)
@@ -179,7 +185,7 @@ class Scheduler:
             logger.exception("forward step failed; aborting its %d requests", len(items))
             return None, self._fail(items, e)
         self.stats.forward_passes += 1
-        return _Launched(items, plan, handle), []
+        return _Launched(items, plan, handle, launched_at), []
 
     def _complete(self, launched: _Launched) -> list[Req]:
         """Reads a launched step's results back and applies them. Requests that ended while it ran
@@ -190,6 +196,7 @@ class Scheduler:
             logger.exception("forward step failed; aborting its %d requests", len(launched.items))
             live = [it for it in launched.items if not it.req.finished]
             return self._fail(live, e)
+        self._time_step(launched)
         keep = [i for i, it in enumerate(launched.items) if not it.req.finished]
         items = [launched.items[i] for i in keep]
         planned = [launched.plan.items[i] for i in keep]
@@ -201,6 +208,13 @@ class Scheduler:
         if self.drafter is not None:
             self._settle_drafts(items, planned, results)
         return self._settle(items)
+
+    def _time_step(self, launched: _Launched) -> None:
+        """Feeds the step's wall time (planning, forward, read-back) to the step budget."""
+        now = time.perf_counter()
+        seconds = now - max(launched.launched_at, self._collected_at)
+        self._collected_at = now
+        self.admission.step_budget.observe(sum(it.extend_len for it in launched.items), seconds)
 
     def _append_futures(self, launched: _Launched) -> None:
         """Gives every request sampled in the launched step its future token, so the next step can

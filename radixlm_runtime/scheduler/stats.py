@@ -15,6 +15,8 @@ class SchedulerStats:
     cached_tokens: int = 0
     num_retractions: int = 0
     forward_passes: int = 0
+    # Requests whose prompt was prefilled ahead of the remaining chunks of a longer one.
+    interleaved_prefills: int = 0
     # Jump-forward: jumps made, and output tokens they added without a decode step.
     jump_forwards: int = 0
     jump_forward_tokens: int = 0
