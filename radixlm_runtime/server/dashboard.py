@@ -70,6 +70,8 @@ MAX_RECENT = 1000
 PROMPT_TOKENS = 4096
 LIST_PREVIEW_TOKENS = 48
 MAX_SESSIONS = 100
+# Decoded node texts remembered by their token ids (a poll decodes only nodes it has not seen).
+TEXT_CACHE_ENTRIES = 50_000
 
 
 class SnapshotCache:
@@ -144,6 +146,7 @@ class Dashboard:
         self.redact = tm.args.server.dashboard_redact
         self.cache = SnapshotCache(SNAPSHOT_TTL_S)
         self.metrics = MetricsHistory(tm)
+        self._texts: dict[tuple[int, ...], str] = {}
 
     async def snapshot(self, view: str, **bounds: Any) -> dict[str, Any]:
         if self.redact:
@@ -162,7 +165,17 @@ class Dashboard:
         if self.redact:
             return None
         text = self.tm.tokenizer.decode(ids, skip_special_tokens=False)
-        return text if limit is None or len(text) <= limit else text[:limit] + "…"
+        return text if limit is None else _clip(text, limit)
+
+    def node_text(self, ids: list[int]) -> str | None:
+        """text(ids), remembered: the tree's nodes change little from one poll to the next."""
+        key = tuple(ids)
+        text = self._texts.get(key)
+        if text is None and not self.redact:
+            if len(self._texts) >= TEXT_CACHE_ENTRIES:
+                self._texts.clear()
+            text = self._texts[key] = self.text(ids)  # type: ignore[assignment]
+        return text
 
     # -- feeds -----------------------------------------------------------------------------------
     async def overview(self) -> dict[str, Any]:
@@ -183,15 +196,20 @@ class Dashboard:
         return await asyncio.to_thread(self._shape_tree, snap, query)
 
     def _shape_tree(self, snap: dict[str, Any], query: str | None) -> dict[str, Any]:
+        """The scheduler's node columns as one row per node, with their text."""
         needle = query.casefold() if query else None
+        cols, names = snap["nodes"], snap.get("locked_by", {})
         nodes = []
-        for node in snap["nodes"]:
-            full = self.text(node["ids"])
-            out = _without(node, "ids") | {"text": None if full is None else _clip(full, PREVIEW_CHARS)}
+        for i in range(len(cols["id"])):
+            values = {field: column[i] for field, column in cols.items()}
+            full = self.node_text(values["ids"])
+            row = _node_row(
+                values, names.get(values["id"], []), None if full is None else _clip(full, PREVIEW_CHARS)
+            )
             if needle is not None:
-                out["match"] = full is not None and needle in full.casefold()
-            nodes.append(out)
-        return snap | {"nodes": nodes, "query": query}
+                row["match"] = full is not None and needle in full.casefold()
+            nodes.append(row)
+        return _without(snap, "locked_by") | {"nodes": nodes, "query": query}
 
     async def node(self, node_id: int) -> dict[str, Any]:
         snap = await self.snapshot("node", node_id=node_id, text_tokens=PROMPT_TOKENS, max_recent=200)
@@ -201,8 +219,8 @@ class Dashboard:
 
     def _shape_node(self, snap: dict[str, Any]) -> dict[str, Any]:
         raw = snap["node"]
-        node = _without(raw, "ids", "prefix_ids")
-        node["text"], node["prefix_text"] = self.text(raw["ids"]), self.text(raw["prefix_ids"])
+        node = _node_row(_without(raw, "prefix_ids", "locked_by"), raw["locked_by"], self.text(raw["ids"]))
+        node["prefix_text"] = self.text(raw["prefix_ids"])
         return {"node": node, "requests": [self._shape_request(r) for r in snap["requests"]]}
 
     async def requests(self, max_recent: int) -> dict[str, Any]:
@@ -254,6 +272,19 @@ class Dashboard:
             s["prompt_tokens"] = sum(c["prompt_tokens"] for c in calls)
             s["cached_tokens"] = sum(c["cached_tokens"] for c in calls)
         return {"sessions": runs, "call_graph": False}
+
+
+def _node_row(values: dict[str, Any], locked_by: list[str], text: str | None) -> dict[str, Any]:
+    """One node as the feeds show it (the README's API section lists the fields)."""
+    root = values["parent"] == -1
+    return _without(values, "ids") | {
+        "parent": None if root else values["parent"],
+        "locked_by": locked_by,
+        # Locks beyond the running requests named: more requests, and session pins.
+        "other_locks": max(values["lock_ref"] - len(locked_by), 0),
+        "evictable": not root and values["lock_ref"] == 0,
+        "text": text,
+    }
 
 
 def _without(d: dict[str, Any], *keys: str) -> dict[str, Any]:

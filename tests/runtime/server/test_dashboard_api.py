@@ -65,16 +65,17 @@ def test_tree_snapshot_is_bounded_in_nodes_and_depth() -> None:
     tree = make_tree([[i, 100 + i, 200 + i] for i in range(300)] + [[7, 107, 207, 300, 301]])
     sched, log = fake_scheduler(tree), dashboard_snapshot.RequestLog()
     snap = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree", max_nodes=50, text_tokens=2))
-    assert len(snap["nodes"]) == 50 and snap["truncated"]
-    assert sum(n["omitted_children"] for n in snap["nodes"]) == 301 - 49
-    assert all(len(n["ids"]) <= 2 for n in snap["nodes"])
+    cols = snap["nodes"]
+    assert len(cols["id"]) == 50 and snap["truncated"]
+    assert sum(cols["omitted_children"]) == 301 - 49
+    assert all(len(ids) <= 2 for ids in cols["ids"])
     shallow = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree", max_nodes=10_000, max_depth=1))
-    assert max(n["depth"] for n in shallow["nodes"]) == 1 and shallow["truncated"]
+    assert max(shallow["nodes"]["depth"]) == 1 and shallow["truncated"]
     full = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree", max_nodes=10**9, text_tokens=10**9))
-    assert len(full["nodes"]) == 302 and not full["truncated"]
+    assert len(full["nodes"]["id"]) == 302 and not full["truncated"]
     assert full["total_tokens"] == 300 * 3 + 2
     redacted = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree", text_tokens=0))
-    assert all(n["ids"] == [] for n in redacted["nodes"])
+    assert all(ids == [] for ids in redacted["nodes"]["ids"])
 
 
 def test_lock_holders_and_node_users() -> None:
@@ -92,8 +93,8 @@ def test_lock_holders_and_node_users() -> None:
     done.finished_reason = FinishReason("length", length=8)
     log.ended([ReqOutput("done-1", [], done.finished_reason, 3, 0, 2)])
     snap = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree"))
-    by_id = {n["id"]: n for n in snap["nodes"]}
-    assert by_id[shared.id]["locked_by"] == ["run-1"] and not by_id[shared.id]["evictable"]
+    at = snap["nodes"]["id"].index(shared.id)
+    assert snap["locked_by"][shared.id] == ["run-1"] and snap["nodes"]["lock_ref"][at] == 1
     assert snap["protected_tokens"] == 3
     users = dashboard_snapshot.answer(sched, log, DashboardReq(0, "node", node_id=shared.id))
     assert [(r["rid"], r["state"]) for r in users["requests"]] == [
