@@ -1,13 +1,23 @@
 """How many tokens the KV pool holds when --max-total-tokens is not given: a fraction of the memory
-left after the weights, less (on CUDA) what the largest steps were measured to need at start-up."""
+left after the weights, less (on CUDA) what the largest steps were measured to need at start-up. The
+executor lends the measurement a step runner on a scratch pool (`Scratch`); the sizing is decided here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.models.config import ModelConfig
+from radixlm_runtime.sampling.params import SamplingParams
+from radixlm_runtime.sampling.sampler import SamplingBatchInfo
 from radixlm_runtime.step import ForwardItem, StepPlan
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 # Share of available memory for the KV pool by default: (CPU, CUDA). On CUDA it is a share of what is
 # left once the measured activations are set aside; the rest covers the allocator's fragmentation
@@ -80,3 +90,92 @@ def scratch_prefill(tokens: int, context_len: int, sampled: int) -> StepPlan:
         rows.append(min(n, left))
         left -= rows[-1]
     return scratch_plan(lens, rows[::-1])
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest steps the scheduler plans, which the memory beside the KV pool must hold."""
+
+    max_step_tokens: int  # the chunked-prefill budget
+    context_len: int
+    max_running_requests: int
+    graph_batch: int  # the largest decode batch CUDA graphs capture; 0 when decode runs eagerly
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_step_tokens: int, context_len: int) -> StepLimits:
+        graph_batch = 0 if config.disable_cuda_graph else config.cuda_graph_max_bs
+        return cls(max_step_tokens, context_len, config.max_running_requests, graph_batch)
+
+
+@dataclass(frozen=True)
+class ScratchShape:
+    """The scratch KV pool and request-to-token table the measured steps run on."""
+
+    pool_tokens: int
+    table_rows: int
+    table_cols: int
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """The executor's step runner on a scratch pool: `run(plan, sampling)` runs the forward of plan and,
+    given sampling, samples its logits rows (with logprobs); what it returns is only measured."""
+
+    run: Callable[[StepPlan, SamplingBatchInfo | None], object]
+    graph_capturable: bool  # whether its attention backend's decode steps are captured in CUDA graphs
+
+
+OpenScratch = Callable[[ScratchShape], Scratch]
+
+
+@torch.inference_mode()
+def activation_reserve(
+    limits: StepLimits, vocab_size: int, device: torch.device, open_scratch: OpenScratch
+) -> int:
+    """Device memory, beyond the weights and the KV pool, of the largest steps: a prefill of
+    max_step_tokens tokens (requests no longer than the context) whose last max_running_requests rows are
+    sampled with top-p (a sort of the whole vocabulary), plus a decode of the largest captured batch (CUDA
+    graphs keep a memory pool of their own). Measured on a scratch pool before the real one is sized; the
+    run also compiles the kernels the first requests would otherwise wait for."""
+    rows = min(limits.max_running_requests, limits.max_step_tokens)
+    prefill = scratch_prefill(limits.max_step_tokens, limits.context_len, rows)
+    longest = max(len(it.input_ids) for it in prefill.items)
+    shape = ScratchShape(max(limits.max_step_tokens, rows) + 1, max(len(prefill.items), rows), longest)
+    scratch = open_scratch(shape)
+    params = SamplingParams.from_dict({"temperature": 1.0, "top_p": 0.9}, vocab_size)
+    draws = [(0, i) for i in range(rows)]
+    sampling = SamplingBatchInfo.build([params] * rows, draws, None, vocab_size, device)
+    reserved = peak_bytes(lambda: scratch.run(prefill, sampling), device)
+    if limits.graph_batch and scratch.graph_capturable:
+        n = min(rows, limits.graph_batch)
+        reserved += peak_bytes(lambda: scratch.run(scratch_plan([1] * n, [1] * n), None), device)
+    return reserved
+
+
+def kv_pool_size(
+    config: EngineConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    limits: StepLimits,
+    open_scratch: OpenScratch,
+) -> int:
+    """Tokens of the KV pool: --max-total-tokens when given, else --mem-fraction-static (or its default)
+    of the available memory, less on CUDA the activations of the largest steps, measured."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    per_token = KVPool.bytes_per_token_for(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    fraction = config.mem_fraction_static
+    if fraction is None:
+        fraction = DEFAULT_MEM_FRACTION[device.type == "cuda"]
+    reserved = 0
+    if device.type == "cuda":
+        try:
+            reserved = activation_reserve(limits, model.vocab_size, device, open_scratch)
+        except torch.OutOfMemoryError as e:
+            raise ValueError(
+                f"the largest step ({limits.max_step_tokens} tokens) does not fit in GPU memory beside the "
+                "weights; lower chunked_prefill_size, max_running_requests or cuda_graph_max_bs"
+            ) from e
+        logger.info("activations of the largest steps: %.2f GiB (measured)", reserved / 2**30)
+    return kv_pool_tokens(available_memory_bytes(device), reserved, fraction, per_token, device)

@@ -14,23 +14,13 @@ from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
-from radixlm_runtime.executor.memory import (
-    DEFAULT_MEM_FRACTION,
-    available_memory_bytes,
-    kv_pool_tokens,
-    peak_bytes,
-    scratch_plan,
-    scratch_prefill,
-)
+from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_pool_size
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
-from radixlm_runtime.layers import fused_triton
-from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
-from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
 from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
@@ -38,9 +28,6 @@ from radixlm_runtime.utils.logging import get_logger
 from radixlm_runtime.utils.transfer import to_device
 
 logger = get_logger(__name__)
-
-# Rows per matmul call under --deterministic: small enough that a decode step pads little.
-DETERMINISTIC_ROW_BLOCK = 16
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,10 +74,11 @@ class ModelRunner:
             self.dtype,
         )
 
-        if config.deterministic:
-            self._make_linears_batch_invariant()
         self.sampler = Sampler(device=self.device)
-        self.max_total_tokens = self._kv_pool_size(max_step_tokens)
+        limits = StepLimits.of(config, max_step_tokens, self.context_len)
+        self.max_total_tokens = kv_pool_size(
+            config, self.config, self.dtype, self.device, limits, self.open_scratch
+        )
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.req_to_token = ReqToTokenTable(
             config.max_running_requests + 8, self.context_len + 8, self.device
@@ -120,61 +108,22 @@ class ModelRunner:
         c = self.config
         return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def _kv_pool_size(self, max_step_tokens: int) -> int:
-        if self.engine_config.max_total_tokens is not None:
-            return self.engine_config.max_total_tokens
-        per_token = KVPool.bytes_per_token_for(
-            self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
-        )
-        fraction = self.engine_config.mem_fraction_static
-        if fraction is None:
-            fraction = DEFAULT_MEM_FRACTION[self.device.type == "cuda"]
-        reserved = 0
-        if self.device.type == "cuda":
-            try:
-                reserved = self._activation_reserve(max_step_tokens)
-            except torch.OutOfMemoryError as e:
-                raise ValueError(
-                    f"the largest step ({max_step_tokens} tokens) does not fit in GPU memory beside the "
-                    "weights; lower chunked_prefill_size, max_running_requests or cuda_graph_max_bs"
-                ) from e
-            logger.info("activations of the largest steps: %.2f GiB (measured)", reserved / 2**30)
-        available = available_memory_bytes(self.device)
-        return kv_pool_tokens(available, reserved, fraction, per_token, self.device)
-
-    @torch.inference_mode()
-    def _activation_reserve(self, max_step_tokens: int) -> int:
-        """Device memory, beyond the weights and the KV pool, of the largest steps: a prefill of
-        max_step_tokens tokens (requests no longer than the context) whose last max_running_requests
-        rows are sampled with top-p (a sort of the whole vocabulary), plus a decode of the largest
-        captured batch (CUDA graphs keep a memory pool of their own). Measured on a scratch pool
-        before the real one is sized; the run also compiles the kernels the first requests would
-        otherwise wait for."""
-        config = self.engine_config
-        rows = min(config.max_running_requests, max_step_tokens)
-        prefill = scratch_prefill(max_step_tokens, self.context_len, rows)
-        pool = self._new_kv_pool(max(max_step_tokens, rows) + 1)
-        longest = max(len(it.input_ids) for it in prefill.items)
-        table = ReqToTokenTable(max(len(prefill.items), rows), longest, self.device)
+    def open_scratch(self, shape: ScratchShape) -> Scratch:
+        """Steps on a KV pool and table of their own, for measuring the largest steps before the real
+        pool is sized (executor/memory.py)."""
+        pool = self._new_kv_pool(shape.pool_tokens)
+        table = ReqToTokenTable(shape.table_rows, shape.table_cols, self.device)
         attn = self._make_attention_backend(pool, table)
-        vocab = self.config.vocab_size
-        params = SamplingParams.from_dict({"temperature": 1.0, "top_p": 0.9}, vocab)
-        draws = [(0, i) for i in range(rows)]
-        info = SamplingBatchInfo.build([params] * rows, draws, None, vocab, self.device)
 
-        def run(plan: StepPlan, sample: bool) -> object:
+        def run(plan: StepPlan, sampling: SamplingBatchInfo | None) -> object:
             batch, writes = build_batch(plan, self.device)
             assert writes is not None
             table.write(*writes)
             attn.init_forward_metadata(batch)
             logits = self.model(batch, attn)
-            return self.sampler(logits, info, return_logprob=True) if sample else logits
+            return logits if sampling is None else self.sampler(logits, sampling, return_logprob=True)
 
-        reserved = peak_bytes(lambda: run(prefill, True), self.device)
-        if not config.disable_cuda_graph and attn.graph_capturable:
-            n = min(rows, config.cuda_graph_max_bs)
-            reserved += peak_bytes(lambda: run(scratch_plan([1] * n, [1] * n), False), self.device)
-        return reserved
+        return Scratch(run, attn.graph_capturable)
 
     def _make_attention_backend(self, pool: KVPool, table: ReqToTokenTable) -> AttentionBackend:
         name = self.engine_config.attention_backend
@@ -187,24 +136,6 @@ class ModelRunner:
                 )
             backend.per_token = True
         return backend
-
-    def _make_linears_batch_invariant(self) -> None:
-        """--deterministic: batch-invariant matmuls (see EngineConfig); the attention backend is
-        made per-token where it is built."""
-        variant = [m for m in self.model.modules() if isinstance(m, Linear) and not m.batch_invariant]
-        for module in variant:
-            if fused_triton.supports(module.weight):
-                module.invariant_matmul = True
-            else:
-                module.row_block = DETERMINISTIC_ROW_BLOCK
-        on_triton = sum(m.invariant_matmul for m in variant)
-        logger.info(
-            "deterministic: per-token attention; %d linears on the invariant Triton matmul, %d in "
-            "blocks of %d rows (the others are batch-invariant as they are)",
-            on_triton,
-            len(variant) - on_triton,
-            DETERMINISTIC_ROW_BLOCK,
-        )
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         config = self.engine_config

@@ -1,6 +1,7 @@
 """A model built, loaded and quantized on its device: the registry's class for the architecture,
 constructed on the meta device, its checkpoint loaded, its rotary tables built, its linears given
-int8/int4 weights per --quantization and its float linears pre-packed for the CPU kernels."""
+int8/int4 weights per --quantization, its float linears pre-packed for the CPU kernels and, under
+--deterministic, every linear made batch-invariant."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 
 from radixlm_runtime.config import EngineConfig
-from radixlm_runtime.layers.linear import prepack_linears
+from radixlm_runtime.layers import fused_triton
+from radixlm_runtime.layers.linear import Linear, prepack_linears
 from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
@@ -21,6 +23,9 @@ from radixlm_runtime.models.registry import CausalLM, model_class
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# Rows per matmul call under --deterministic: small enough that a decode step pads little.
+DETERMINISTIC_ROW_BLOCK = 16
 
 
 def build_model(
@@ -50,6 +55,8 @@ def build_model(
         source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
         _quantize(model, mode, source)
     logger.info("float linears: %s", prepack_linears(model))
+    if engine_config.deterministic:
+        _make_linears_batch_invariant(model)
     return model
 
 
@@ -93,4 +100,23 @@ def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> Non
         len(targets),
         "/int".join(map(str, bits)),
         next((f"int{w.bits}" for t, w in plans if t.is_lm_head), "float"),
+    )
+
+
+def _make_linears_batch_invariant(model: CausalLM) -> None:
+    """--deterministic: batch-invariant matmuls (see EngineConfig); the executor makes the attention
+    backend per-token where it builds it."""
+    variant = [m for m in model.modules() if isinstance(m, Linear) and not m.batch_invariant]
+    for module in variant:
+        if fused_triton.supports(module.weight):
+            module.invariant_matmul = True
+        else:
+            module.row_block = DETERMINISTIC_ROW_BLOCK
+    on_triton = sum(m.invariant_matmul for m in variant)
+    logger.info(
+        "deterministic: per-token attention; %d linears on the invariant Triton matmul, %d in "
+        "blocks of %d rows (the others are batch-invariant as they are)",
+        on_triton,
+        len(variant) - on_triton,
+        DETERMINISTIC_ROW_BLOCK,
     )

@@ -1,28 +1,49 @@
-"""Sizing the KV pool: the budget arithmetic, the scratch steps the executor measures on CUDA (their
-plans run through the normal batch path on any device), and on a GPU the measurement itself."""
+"""Sizing the KV pool: the budget arithmetic, the pool size from the flags and the measured reserve,
+the scratch steps the executor measures on CUDA (their plans run through the normal batch path on any
+device), and on a GPU the measurement itself."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 import radixlm_runtime as rt
-from radixlm_runtime.executor import model_runner
+from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.executor import memory
 from radixlm_runtime.executor.memory import (
     MIN_POOL_TOKENS,
+    Scratch,
+    ScratchShape,
+    StepLimits,
+    activation_reserve,
+    kv_pool_size,
     kv_pool_tokens,
     peak_bytes,
     scratch_plan,
     scratch_prefill,
 )
+from radixlm_runtime.executor.model_runner import ModelRunner
 from radixlm_runtime.executor.step_io import build_batch
+from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.models.config import ModelConfig
+from radixlm_runtime.sampling.sampler import SamplingBatchInfo
+from radixlm_runtime.step import StepPlan
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 GIB = 2**30
+
+
+def runner_reserve(runner: ModelRunner, max_step_tokens: int) -> int:
+    """The measured reserve of the runner's largest steps for a step budget of max_step_tokens."""
+    limits = StepLimits.of(runner.engine_config, max_step_tokens, runner.context_len)
+    return activation_reserve(limits, runner.config.vocab_size, runner.device, runner.open_scratch)
+
+
+def no_scratch(shape: ScratchShape) -> Scratch:
+    raise AssertionError("nothing is measured here")
 
 
 def test_pool_is_a_fraction_of_what_the_measured_activations_leave() -> None:
@@ -76,10 +97,10 @@ def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pyt
         returned.append(run())
         return 1
 
-    monkeypatch.setattr(model_runner, "peak_bytes", record)
-    assert engine.runner._activation_reserve(40) == 2
+    monkeypatch.setattr(memory, "peak_bytes", record)
+    assert runner_reserve(engine.runner, 40) == 2
     # More tokens than the context (512) holds: the prefill is split into requests.
-    assert engine.runner._activation_reserve(1100) == 2
+    assert runner_reserve(engine.runner, 1100) == 2
     for sampled, decode_logits in (returned[:2], returned[2:]):
         assert sampled.next_token_ids.shape == (6,) and sampled.logprobs.shape == (6,)
         assert decode_logits.shape == (6, 300)
@@ -88,18 +109,82 @@ def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pyt
 def test_a_step_too_large_for_the_gpu_is_a_clear_error(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), device="cpu", max_total_tokens=256, log_level="warning")
-    runner = engine.runner
-
-    def out_of_memory(max_step_tokens: int) -> int:
+    def out_of_memory(*args: object) -> int:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(runner, "_activation_reserve", out_of_memory)
-    unsized = dataclasses.replace(runner.engine_config, max_total_tokens=None)
-    monkeypatch.setattr(runner, "engine_config", unsized)
-    monkeypatch.setattr(runner, "device", CUDA)
+    monkeypatch.setattr(memory, "activation_reserve", out_of_memory)
+    config = EngineConfig()
+    limits = StepLimits.of(config, 4096, 512)
+    model = ModelConfig.from_dir(tiny_llama_dir)
     with pytest.raises(ValueError, match=r"largest step \(4096 tokens\).*lower chunked_prefill_size"):
-        runner._kv_pool_size(4096)
+        kv_pool_size(config, model, torch.bfloat16, CUDA, limits, no_scratch)
+
+
+def test_pool_size_from_the_flags_and_the_available_memory(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-total-tokens is the size; otherwise --mem-fraction-static (0.15 on CPU, 0.9 on CUDA by
+    default) of what is available, less on CUDA the reserve measured for these limits (CUDA faked here:
+    the memory read and the measurement replaced)."""
+    model = ModelConfig.from_dir(tiny_llama_dir)
+    per_token = KVPool.bytes_per_token_for(
+        model.num_layers, model.num_kv_heads, model.head_dim, torch.float32
+    )
+    limits = StepLimits(max_step_tokens=64, context_len=512, max_running_requests=8, graph_batch=4)
+    measured: list[StepLimits] = []
+
+    def reserve(got: StepLimits, vocab_size: int, device: torch.device, open_scratch: object) -> int:
+        measured.append(got)
+        return 2 * GIB
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 10 * GIB)
+    monkeypatch.setattr(memory, "activation_reserve", reserve)
+
+    def size(device: torch.device, **flags: object) -> int:
+        return kv_pool_size(EngineConfig(**flags), model, torch.float32, device, limits, no_scratch)
+
+    assert size(CPU, max_total_tokens=300) == size(CUDA, max_total_tokens=300) == 300
+    assert size(CPU) == int(10 * GIB * 0.15) // per_token
+    assert size(CPU, mem_fraction_static=0.5) == int(10 * GIB * 0.5) // per_token
+    assert measured == []
+    assert size(CUDA) == int(8 * GIB * 0.9) // per_token
+    assert measured == [limits]
+
+
+def test_step_limits_follow_the_engine_flags() -> None:
+    config = EngineConfig(max_running_requests=12, cuda_graph_max_bs=8)
+    assert StepLimits.of(config, 2048, 512) == StepLimits(2048, 512, 12, 8)
+    eager = EngineConfig(max_running_requests=12, disable_cuda_graph=True)
+    assert StepLimits.of(eager, 2048, 512).graph_batch == 0
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_the_reserve_measures_the_largest_prefill_and_graph_decode(
+    monkeypatch: pytest.MonkeyPatch, capturable: bool
+) -> None:
+    """The scratch pool and table hold the largest prefill (split at the context) sampled on
+    max_running_requests rows; a decode of the largest graph batch is measured too where the backend's
+    decode steps are captured. Run on a stand-in scratch that records what it was given."""
+    shapes: list[ScratchShape] = []
+    steps: list[tuple[StepPlan, SamplingBatchInfo | None]] = []
+
+    def open_scratch(shape: ScratchShape) -> Scratch:
+        shapes.append(shape)
+        return Scratch(lambda plan, sampling: steps.append((plan, sampling)), capturable)
+
+    monkeypatch.setattr(memory, "peak_bytes", lambda run, device: run() or 10)
+    limits = StepLimits(max_step_tokens=70, context_len=32, max_running_requests=6, graph_batch=4)
+    assert activation_reserve(limits, 300, CPU, open_scratch) == (20 if capturable else 10)
+    assert shapes == [ScratchShape(pool_tokens=71, table_rows=6, table_cols=32)]
+    (prefill, sampling), *decode = steps
+    assert [len(it.input_ids) for it in prefill.items] == [32, 32, 6]
+    assert sum(it.num_logit_rows for it in prefill.items) == 6
+    assert sampling is not None and sampling.temperatures.shape[0] == 6 and sampling.need_top_p
+    if capturable:
+        [(graph_step, no_sampling)] = decode
+        assert [len(it.input_ids) for it in graph_step.items] == [1] * 4 and no_sampling is None
+    else:
+        assert decode == []
 
 
 @needs_cuda
@@ -122,7 +207,7 @@ def test_cuda_pool_leaves_room_for_the_largest_steps(tiny_llama_dir: Path) -> No
         log_level="warning",
     )
     runner = engine.runner
-    assert runner._activation_reserve(2048) > runner._activation_reserve(64) > 0
+    assert runner_reserve(runner, 2048) > runner_reserve(runner, 64) > 0
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     long_prompt = engine.generate(input_ids=[[5] * 470], sampling_params=params)
     batch = engine.generate(input_ids=[[5 + i] * 8 for i in range(16)], sampling_params=params)
