@@ -280,6 +280,12 @@ class ServerConfig:
         "Most tool calls in one chat completion choice when parallel_tool_calls is allowed: after each "
         "call the model chooses to end its turn or open another, and a model that keeps calling stops here.",
     )
+    shutdown_timeout: float = flag(
+        15.0,
+        "Seconds a SIGTERM (or Ctrl-C) lets running requests finish: the server answers new requests "
+        "with 503 at once, and ends the requests still running after this long with finish reason "
+        "abort (a stream gets its final event and [DONE]) before it exits. A second signal exits at once.",
+    )
     reasoning_parser: str | None = flag(
         None,
         "Split a reasoning model's <think>...</think> block out of its chat completions: the message's "
@@ -314,6 +320,8 @@ class ServerConfig:
         for name in ("max_n", "max_stop_strings", "max_stop_length", "max_tool_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

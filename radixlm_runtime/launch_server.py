@@ -1,8 +1,9 @@
 """Starts the HTTP server: `python -m radixlm_runtime.launch_server [flags]` or `radixlm-server [flags]`.
 
 Two processes: this one (FastAPI + tokenizer manager) and the scheduler process (model + KV cache).
-This process owns the scheduler's lifetime: it stops it on SIGINT/SIGTERM, and exits non-zero when
-the scheduler dies, so a supervisor restarts the pair instead of talking to a half-dead server.
+This process owns the scheduler's lifetime: on SIGINT/SIGTERM it drains (server/drain.py), then stops
+it and exits 0; it exits non-zero when the scheduler dies, so a supervisor restarts the pair instead
+of talking to a half-dead server.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import FrameType
 
@@ -27,8 +29,35 @@ from radixlm_runtime.utils.logging import get_logger, setup_logging
 
 logger = get_logger("radixlm_runtime.launch_server")
 
-# Seconds uvicorn waits for open connections (e.g. streams) before closing them at shutdown.
+# Seconds uvicorn waits for open connections once the drain is over, before closing them.
 GRACEFUL_SHUTDOWN_S = 3
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first SIGTERM/SIGINT drains before uvicorn shuts down; a second
+    signal (or one before the server started) shuts down at once, as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        # A signal handler interrupts the loop at any point: start the drain from the loop itself.
+        asyncio.get_running_loop().call_soon_threadsafe(self._start_drain, sig)
+
+    def _start_drain(self, sig: int) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await self._drain()
+            finally:
+                uvicorn.Server.handle_exit(self, sig, None)
+
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(drain_then_exit())
 
 
 def _stop_on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -54,7 +83,7 @@ async def _serve(tm: TokenizerManager, args: ServerArgs) -> int:
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, lambda: app.state.drain.run(tm, args.server.shutdown_timeout))
     exit_code = 0
 
     def on_scheduler_death() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixlm_runtime.io import outputs
@@ -18,6 +20,7 @@ from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, 
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server import dashboard
 from radixlm_runtime.server import http_utils as hu
+from radixlm_runtime.server.drain import Drain, DrainGate
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm_runtime.server.openai_api import build_openai_router
@@ -91,11 +94,15 @@ class ApiKeyMiddleware:
 
 
 def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
+    """The app; app.state.drain is what a graceful shutdown runs (server/drain.py)."""
     args = tm.args.server
     app = FastAPI(title="radixlm server", docs_url=None, redoc_url=None, openapi_url=None)
 
     if args.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    # Outermost: while draining, every request is refused before anything else runs.
+    app.state.drain = Drain()
+    app.add_middleware(DrainGate, drain=app.state.drain)
 
     @app.exception_handler(RequestError)
     async def on_request_error(_: Request, err: RequestError) -> JSONResponse:
@@ -104,6 +111,13 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(RequestError(str(err.detail), status=err.status_code).body(), err.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_disconnect(request: Request, _: ClientDisconnect) -> Response:
+        """The client hung up while sending its body: nobody is left to answer, nothing ran."""
+        logger.debug("client disconnected while sending its request to %s", request.url.path)
+        tm.metrics.disconnected_before_admission()
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception) -> JSONResponse:
@@ -203,7 +217,8 @@ async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[li
     if body.session_id is not None:
         _check_session_id(body.session_id)
     try:
-        id_lists, single, param = prompt_ids(body.text, body.input_ids, tm.tokenize, "text")
+        tokenize = partial(tm.tokenize, field="text")
+        id_lists, single, param = await tm.run_cpu(prompt_ids, body.text, body.input_ids, tokenize, "text")
         n = len(id_lists)
         params_list = per_prompt(body.sampling_params, n, "sampling_params")
         rids = per_prompt(body.rid, n, "rid")

@@ -20,6 +20,15 @@ _AT_FIELD = re.compile(r"at `\$\.?([\w.\[\]]*)`")
 _NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
 # How often a non-streaming handler checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
+# Deepest nesting of objects and arrays a request body may have (the body itself is level 1), and a
+# JSON schema given as a string. The JSON decoder, schema validation and the grammar compilers
+# all recurse on nesting, and a few hundred levels exhaust Python's stack: deeper input is a 400.
+MAX_JSON_DEPTH = 64
+# Bodies larger than this are decoded on a worker thread, so the event loop keeps serving.
+INLINE_DECODE_BYTES = 256 * 1024
+_CONTAINERS = (dict, list)
+# A JSON string (optionally a key, with its colon) or a bracket: the tokens that matter for nesting.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*:?|[\[\]{}]')
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -60,13 +69,32 @@ def require_json(request: Request) -> None:
 
 async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
     """Decodes a JSON body into a msgspec Struct; type errors and unknown or missing fields become
-    400s naming the field, and a body that is not JSON text (including invalid UTF-8) a 400."""
+    400s naming the field, a body that is not JSON text (including invalid UTF-8) a 400, and one
+    nested deeper than MAX_JSON_DEPTH a 400 naming the top-level field that holds the nesting."""
     require_json(request)
     body = await read_body(request, limit)
     if not body.strip():
         raise RequestError("request body is empty; expected a JSON object")
+    if len(body) > INLINE_DECODE_BYTES:
+        return await asyncio.to_thread(decode_body, body, kind)
+    return decode_body(body, kind)
+
+
+def decode_body(body: bytes, kind: type[T]) -> T:
+    """parse_body's decoding and checks, after the body is read. The nesting is checked on the
+    parsed JSON first, before the request type's validation walks it."""
     try:
         body.decode()  # JSON text is UTF-8, in the fields the request type skips too
+        parsed = msgspec.json.decode(body)
+    except RecursionError:  # the decoder's own bound, far past MAX_JSON_DEPTH
+        raise too_deep(_key_too_deep(body)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from None
+    fields = parsed.items() if isinstance(parsed, dict) else [(None, parsed)]
+    for name, value in fields:
+        if nesting_exceeds(value, MAX_JSON_DEPTH - (name is not None)):
+            raise too_deep(name)
+    try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
@@ -74,8 +102,60 @@ async def parse_body(request: Request, limit: int, kind: type[T]) -> T:
         at = _AT_FIELD.search(text)
         param = named.group(1) if named else at.group(1) if at and at.group(1) else None
         raise RequestError(f"invalid request: {text}", param=param) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
+
+
+def check_json_text_depth(text: str, param: str) -> None:
+    """Refuses (400) JSON given as a string (a json_schema) nested deeper than MAX_JSON_DEPTH;
+    text that is not JSON is left to the check that parses it."""
+    try:
+        value = msgspec.json.decode(text)
+    except RecursionError:
+        raise too_deep(param) from None
+    except msgspec.DecodeError:
+        return
+    if nesting_exceeds(value, MAX_JSON_DEPTH):
+        raise too_deep(param)
+
+
+def too_deep(param: str | None) -> RequestError:
+    where = f"{param}: " if param else ""
+    return RequestError(
+        f"{where}JSON nested deeper than the limit of {MAX_JSON_DEPTH} levels of objects and arrays",
+        param=param,
+        code="json_too_deep",
+    )
+
+
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels deep in a decoded JSON value;
+    walked level by level, without recursion."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    for _ in range(limit):
+        level = [c for v in level for c in _children(v) if isinstance(c, _CONTAINERS)]
+        if not level:
+            return False
+    return bool(level)
+
+
+def _children(value: dict[str, Any] | list[Any]) -> Any:
+    return value.values() if isinstance(value, dict) else value
+
+
+def _key_too_deep(body: bytes) -> str | None:
+    """The top-level key under which body nests past MAX_JSON_DEPTH (None if the body is not an
+    object): a scan of its strings and brackets, for bodies too deep for the decoder itself."""
+    depth, key = 0, None
+    for m in _JSON_TOKEN.finditer(body):
+        token = m.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return key
+        elif token in (b"]", b"}"):
+            depth -= 1
+        elif depth == 1 and token.endswith(b":"):
+            key = msgspec.json.decode(token[:-1].rstrip())
+    return key
 
 
 def sse(payload: dict[str, Any]) -> bytes:

@@ -31,7 +31,11 @@ class ServerMetrics:
         gauge = partial(Gauge, registry=self.registry)
         histogram = partial(Histogram, registry=self.registry)
         # Counter names omit `_total`: prometheus-client appends it to the exposed sample.
-        self.requests = counter("radixlm_requests", "Generation requests accepted (each of n samples).")
+        self.requests = counter(
+            "radixlm_requests",
+            "Generation requests accepted (each of n samples), and requests whose client hung up while "
+            "sending the body.",
+        )
         self.finished = counter(
             "radixlm_requests_finished",
             "Ended requests by finish reason; abort includes requests whose client went away.",
@@ -111,6 +115,12 @@ class ServerMetrics:
         if self._prompt_total:
             self.cache_hit_rate.set(self._cached_total / self._prompt_total)
         self.e2e.observe(e2e)
+
+    def disconnected_before_admission(self) -> None:
+        """A client that hung up while still sending its body: one request, ended by abort. Nothing
+        ran for it, so no latency is observed."""
+        self.requests.inc()
+        self.finished.labels("abort").inc()
 
     def speculation_ended(self, verify_steps: int, drafted: int, accepted: int) -> None:
         """An ended request's speculative decoding totals."""

@@ -31,6 +31,7 @@ from radixlm_runtime.server import tool_calls as tc
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.reasoning import ReasoningParser, split_reasoning
 from radixlm_runtime.server.tokenizer_manager import (
+    DRAIN_ABORT,
     GenerateInput,
     RequestState,
     TokenizerManager,
@@ -230,7 +231,7 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         _check_unsupported_completion_fields(body)
         if body.logprobs is not None:
             tm.check_logprobs(body.logprobs, "logprobs")
-        id_lists = _completion_prompts(tm, body.prompt)
+        id_lists = await tm.run_cpu(_completion_prompts, tm, body.prompt)
         want_lp = body.logprobs is not None
         jobs: list[_Job] = []
         for ids in id_lists:
@@ -275,7 +276,9 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             tc.check_compatible(
                 plan, bool(body.logprobs), formatted, body.regex is not None, body.ebnf is not None
             )
-        ids = render_chat_prompt(tm, body.messages, plan, template_kwargs=body.chat_template_kwargs)
+        ids = await tm.run_cpu(
+            render_chat_prompt, tm, body.messages, plan, template_kwargs=body.chat_template_kwargs
+        )
         want_lp = bool(body.logprobs)
         if body.top_logprobs is not None:
             if not want_lp:
@@ -641,7 +644,9 @@ def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, inde
         try:
             async with contextlib.aclosing(tm.generate(phase, index, stream=True)) as states:
                 async for st in states:
-                    _finish_reason(st, schema_field="tools")  # an aborted phase fails the request
+                    _finish_reason(
+                        st, drained=None, schema_field="tools"
+                    )  # an aborted phase fails the request
                     yield st
         except RequestError as e:
             raise _openai_names(e, schema_field="tools") from None
@@ -699,13 +704,18 @@ def _message_text(text: str, reasoning: str | None) -> dict[str, str | None]:
     return {"reasoning_content": split.reasoning or None, "content": split.content or None}
 
 
-def _finish_reason(st: RequestState, schema_field: str = "response_format") -> str | None:
+def _finish_reason(
+    st: RequestState, drained: str | None = "abort", schema_field: str = "response_format"
+) -> str | None:
     """OpenAI's finish reasons are stop, length, content_filter and tool_calls: an aborted choice, or
     one whose constraint the grammar engine failed on (a 400 naming `schema_field` for a json_schema),
-    fails the response (an error body, or an error event in a stream) instead of reporting one."""
+    fails the response (an error body, or an error event in a stream) instead of reporting one. A
+    choice the shutdown drain ended finishes as `drained` ("abort", as SGLang and vLLM name it)."""
     reason = st.finished_reason
     if reason is None:
         return None
+    if reason == DRAIN_ABORT and drained is not None:
+        return drained
     if reason.kind == "abort":
         raise RequestError(f"the request was aborted: {reason.message}", status=500, code="request_aborted")
     if reason.kind == "constraint_error":

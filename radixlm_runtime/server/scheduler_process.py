@@ -59,12 +59,12 @@ class SchedulerProcess:
             )
         )
         while self.running:
+            if os.getppid() != self.parent_pid:  # killed without a Shutdown: nobody reads our outputs
+                logger.warning("the HTTP process is gone; scheduler exiting")
+                return
             self._drain(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
                 self._step()
-            elif os.getppid() != self.parent_pid:
-                logger.warning("the HTTP process is gone; scheduler exiting")
-                return
 
     # -- inputs -------------------------------------------------------------------------------
     def _drain(self, block: bool) -> None:
@@ -138,8 +138,10 @@ class SchedulerProcess:
 def run_scheduler_process(server_args: ServerArgs, model_dir: Path, in_addr: str, out_addr: str) -> None:
     """Process entry point. Exits non-zero on any error not tied to one request, so the HTTP
     process's watchdog notices and shuts the server down instead of serving a broken engine."""
-    # Ctrl-C reaches the whole process group; the HTTP process decides when this one stops.
+    # Ctrl-C (and a supervisor's SIGTERM to the whole group) reach this process too; the HTTP
+    # process decides when it stops, after draining its requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(server_args.log_level)
     t0 = time.perf_counter()
     try:

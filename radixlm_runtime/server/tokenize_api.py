@@ -3,10 +3,12 @@ SGLang, so either's clients (token counting, prompt budgeting) work unchanged.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.errors import RequestError
@@ -44,40 +46,54 @@ def build_tokenize_router(tm: TokenizerManager, model_name: str) -> APIRouter:
 
     @router.post("/tokenize")
     @router.post("/v1/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         """{"tokens", "count", "max_model_len"} (+ "token_strs"); lists of them for a list of prompts."""
         body = await hu.parse_body(request, limit, TokenizeRequest)
         check_model(body.model)
-        id_lists, single = _tokenize(tm, body)
-        assert tm.ready is not None
-        out: dict[str, Any] = {
-            "tokens": id_lists[0] if single else id_lists,
-            "count": len(id_lists[0]) if single else [len(ids) for ids in id_lists],
-            "max_model_len": tm.ready.context_length,
-        }
-        if body.return_token_strs:
-            strs = [tm.tokenizer.convert_ids_to_tokens(ids) for ids in id_lists]
-            out["token_strs"] = strs[0] if single else strs
-        return out
+        return await tm.run_cpu(_json_response, _tokenize_output, tm, body)
 
     @router.post("/detokenize")
     @router.post("/v1/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
+    async def detokenize(request: Request) -> Response:
         """The text under both vLLM's key ("prompt") and SGLang's ("text")."""
         body = await hu.parse_body(request, limit, DetokenizeRequest)
         check_model(body.model)
-        id_lists, single = _id_lists(body.tokens)
-        vocab = len(tm.tokenizer)
-        bad = [t for ids in id_lists for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens"
-            )
-        texts = [tm.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in id_lists]
-        text: str | list[str] = texts[0] if single else texts
-        return {"prompt": text, "text": text}
+        return await tm.run_cpu(_json_response, _detokenize_output, tm, body)
 
     return router
+
+
+def _json_response(make: Callable[..., dict[str, Any]], *args: Any) -> Response:
+    """make(*args) encoded as the response, on the tokenizer threads: a million token ids take the
+    event loop's encoder a second."""
+    return Response(msgspec.json.encode(make(*args)), media_type="application/json")
+
+
+def _tokenize_output(tm: TokenizerManager, body: TokenizeRequest) -> dict[str, Any]:
+    """/tokenize's answer; runs on the tokenizer threads."""
+    id_lists, single = _tokenize(tm, body)
+    assert tm.ready is not None
+    out: dict[str, Any] = {
+        "tokens": id_lists[0] if single else id_lists,
+        "count": len(id_lists[0]) if single else [len(ids) for ids in id_lists],
+        "max_model_len": tm.ready.context_length,
+    }
+    if body.return_token_strs:
+        strs = [tm.tokenizer.convert_ids_to_tokens(ids) for ids in id_lists]
+        out["token_strs"] = strs[0] if single else strs
+    return out
+
+
+def _detokenize_output(tm: TokenizerManager, body: DetokenizeRequest) -> dict[str, Any]:
+    """/detokenize's answer; runs on the tokenizer threads."""
+    id_lists, single = _id_lists(body.tokens)
+    vocab = len(tm.tokenizer)
+    bad = [t for ids in id_lists for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"tokens: ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    texts = [tm.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) for ids in id_lists]
+    text: str | list[str] = texts[0] if single else texts
+    return {"prompt": text, "text": text}
 
 
 def _tokenize(tm: TokenizerManager, body: TokenizeRequest) -> tuple[list[list[int]], bool]:

@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.http_utils import check_json_text_depth
 from radixlm_runtime.server.metrics import ServerMetrics
 from radixlm_runtime.server.scheduler_process import run_scheduler_process
 from radixlm_runtime.server_args import ServerArgs
@@ -52,6 +54,15 @@ CALL_TIMEOUT_S = 60.0
 HEALTH_PROBE_TIMEOUT_S = 10.0
 # Suggested client back-off when the queue is full.
 RETRY_AFTER_S = 1
+# Threads that tokenize, render chat templates and detokenize off the event loop. HF fast
+# tokenizers release the GIL while encoding, so large prompts run in parallel with serving.
+TOKENIZER_THREADS = 8
+# A prompt text longer than context length x longest token (in characters) x this factor cannot fit
+# the context, and is refused before it is tokenized. The factor covers normalizers (NFC, NFKC) that
+# merge a few characters into one before tokenizing.
+PROMPT_CHARS_SLACK = 4
+# How the drain (server/drain.py) ends the requests still running at --shutdown-timeout.
+DRAIN_ABORT = FinishReason.abort("the server is shutting down (--shutdown-timeout passed)")
 
 
 class SchedulerDied(RuntimeError):
@@ -124,6 +135,10 @@ class TokenizerManager:
         self.states: dict[str, RequestState] = {}
         self.ready: msg.Ready | None = None
         self.dead = False
+        # Set by abort_all at shutdown: no request starts after it.
+        self.closed = False
+        self._cpu = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._chars_per_token = PROMPT_CHARS_SLACK * max(map(len, tokenizer.get_vocab()), default=1)
         # When the scheduler last showed progress (a step's outputs, or work sent to an idle loop).
         self.last_progress = time.monotonic()
         self.constraints = ConstraintChecker(server_args.scheduler.grammar_backend)
@@ -179,13 +194,11 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         self.constraints.shutdown()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
         if self.proc.is_alive():
             self._send(msg.Shutdown(), quiet=True)
             self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
+        if self.proc.is_alive():  # it ignores SIGTERM (see run_scheduler_process)
             self.proc.kill()
             self.proc.join()
         self._send_sock.close(linger=0)
@@ -231,7 +244,7 @@ class TokenizerManager:
                 now = time.monotonic()
                 for o in out.outputs:
                     state = self.states.get(o.rid)
-                    if state is not None:
+                    if state is not None and not state.finished:  # abort_all may have ended it
                         self._apply(state, o, now)
             elif isinstance(out, msg.CallResult):
                 fut = self._calls.pop(out.call_id, None)
@@ -255,8 +268,29 @@ class TokenizerManager:
         state.wake.put_nowait(None)
 
     # -- validation and tokenization ----------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
+    async def run_cpu(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs fn (tokenizing, rendering a chat template) on the tokenizer threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, lambda: fn(*args, **kwargs))
+
+    def tokenize(self, text: str, field: str = "prompt") -> list[int]:
+        """A prompt's ids; a text too long to fit the context is refused (400 naming field) first."""
+        self.check_prompt_chars(text, field)
         return encode_prompt(self.tokenizer, text)
+
+    def check_prompt_chars(self, text: str, field: str) -> None:
+        """Refuses a prompt text that cannot fit the context whatever it says: more characters than
+        context length x the most characters one token of this tokenizer spells (x PROMPT_CHARS_SLACK),
+        before the seconds it would take to tokenize."""
+        assert self.ready is not None
+        ctx = self.ready.context_length
+        bound = ctx * self._chars_per_token
+        if len(text) > bound:
+            raise RequestError(
+                f"{field}: {len(text)} characters cannot fit the context length {ctx} (at most {bound} "
+                f"characters: {self._chars_per_token} per token)",
+                param=field,
+                code="context_length_exceeded",
+            )
 
     def render_chat(
         self,
@@ -279,6 +313,7 @@ class TokenizerManager:
             )
         except Exception as e:  # the template itself rejects the conversation (e.g. role order)
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
+        self.check_prompt_chars(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def make_params(self, raw: dict[str, Any] | None) -> SamplingParams:
@@ -329,6 +364,8 @@ class TokenizerManager:
         compile, with the engine's own check, before the request reaches the scheduler."""
         if constraint is None:
             return
+        if constraint.kind == "json_schema":
+            check_json_text_depth(constraint.text, constraint.kind)
         try:
             await self.constraints.check(constraint)
         except ValueError as e:
@@ -346,6 +383,8 @@ class TokenizerManager:
     def check_capacity(self, num_requests: int) -> None:
         if self.dead:
             raise RequestError("the scheduler process died; the server is shutting down", status=503)
+        if self.closed:
+            raise RequestError("the server is shutting down", status=503, code="shutting_down")
         if len(self.states) + num_requests > self.args.server.max_queued_requests:
             self.metrics.rejected.inc()
             raise RequestError(
@@ -430,6 +469,20 @@ class TokenizerManager:
             async for state in states:
                 return state
         raise AssertionError("generate ended without a final state")
+
+    def abort_all(self) -> int:
+        """Ends every running request now with DRAIN_ABORT, as if the scheduler had reported it, so
+        each handler still writes its final output; the scheduler is told to drop them. Returns how
+        many were ended. No request starts afterwards."""
+        self.closed = True
+        now = time.monotonic()
+        running = [st for st in self.states.values() if not st.finished]
+        for st in running:
+            self._send(msg.AbortReq(st.rid), quiet=True)
+            prompt = st.prompt_tokens or len(st.req.input_ids)
+            ended = msg.ReqOutput(st.rid, [], DRAIN_ABORT, prompt, len(st.output_ids), st.cached_tokens)
+            self._apply(st, ended, now)
+        return len(running)
 
     def abort(self, rid: str) -> bool:
         """Aborts rid, or all n samples sent under rid; False when nothing by that id is in flight."""

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 from server_harness import HEADERS, MAX_REQUEST_BYTES, assert_no_leak, wait_idle
+
+from radixlm_runtime.server.http_utils import MAX_JSON_DEPTH, nesting_exceeds
 
 pytestmark = pytest.mark.slow
 
@@ -152,3 +156,78 @@ def test_server_still_serves_after_bad_inputs(server) -> None:
     r = requests.post(f"{server.url}/generate", json=OK, headers=HEADERS, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
     assert_no_leak(wait_idle(server))
+
+
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def nested_arrays(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+CHAT_MSG = [{"role": "user", "content": "x"}]
+DEEP_SCHEMA = nested_schema(100)  # ~5 KB; schema validation recursed past Python's stack (500)
+# (path, raw JSON body, the field the error must name)
+DEEP_BODIES = [
+    (
+        "/generate",
+        json.dumps({"text": "Hi", "sampling_params": {"json_schema": json.dumps(DEEP_SCHEMA)}}),
+        "json_schema",
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "messages": CHAT_MSG,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": DEEP_SCHEMA},
+                },
+            }
+        ),
+        "response_format",
+    ),
+    ("/v1/completions", '{"prompt": ' + nested_arrays(100) + "}", "prompt"),
+    # 10^4 levels: past the JSON decoder's own recursion bound.
+    (
+        "/generate",
+        '{"text": "Hi", "sampling_params": {"x": ' + nested_arrays(10**4) + "}}",
+        "sampling_params",
+    ),
+    ("/generate", '{"text": "Hi", "input_ids": ' + nested_arrays(100) + "}", "input_ids"),
+    ("/v1/chat/completions", '{"messages": ' + nested_arrays(10**4) + "}", "messages"),
+    ("/tokenize", '{"prompt": "Hi", "tools": ' + nested_arrays(10**4) + "}", "tools"),
+    ("/abort_request", '{"rid": ' + nested_arrays(100) + "}", "rid"),
+]
+
+
+@pytest.mark.parametrize(("path", "data", "param"), DEEP_BODIES, ids=[f"{p}-{f}" for p, _, f in DEEP_BODIES])
+def test_deep_nesting_is_refused_naming_the_field(url: str, path: str, data: str, param: str) -> None:
+    """Any endpoint, any field: JSON nested past MAX_JSON_DEPTH is a 400 naming the field, never a
+    500 from a recursion limit."""
+    r = requests.post(
+        f"{url}{path}", data=data, headers=HEADERS | {"Content-Type": "application/json"}, timeout=60
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "json_too_deep", err
+    assert f"{MAX_JSON_DEPTH} levels" in err["message"], err
+
+
+def test_nesting_at_the_limit_is_accepted(url: str) -> None:
+    """A schema whose JSON text nests exactly MAX_JSON_DEPTH levels runs as before."""
+    schema = nested_schema((MAX_JSON_DEPTH - 2) // 2)
+    assert 1 + 2 * ((MAX_JSON_DEPTH - 2) // 2) <= MAX_JSON_DEPTH
+    body = {"text": "Hi", "sampling_params": {"json_schema": json.dumps(schema), "max_new_tokens": 200}}
+    r = requests.post(f"{url}/generate", json=body, headers=HEADERS, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_nesting_check_counts_levels() -> None:
+    assert not nesting_exceeds({"a": [1, {"b": []}]}, 4)
+    assert nesting_exceeds({"a": [1, {"b": []}]}, 3)
+    assert not nesting_exceeds("x", 0) and nesting_exceeds([], 0)
