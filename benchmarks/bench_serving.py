@@ -9,6 +9,13 @@ inter-token latency (ITL) percentiles, and the share of prompt tokens served fro
 (from each response's meta_info). The baseline is the same server with --disable-radix-cache, given the
 same requests at the same arrival times; the cache is flushed before every rate.
 
+The long-prompt mix (`--workloads long_mix`) asks whether a long prompt stalls everyone else: one
+request in ten carries a 4,000-token prompt of its own, the rest are the requests above, at one
+rate. It reports the short requests' TTFT, the long ones' and every stream's ITL, for the server's
+default chunking (steps sized by time, short prompts ahead of a long one's remaining chunks) and for
+the fixed behaviour before it (`--prefill-step-target-ms 0 --disable-prefill-interleave`: 1024-token
+chunks, a long prompt's chunks first), given the same requests at the same times.
+
 vLLM's CPU build joins as a peer with `--servers ...,vllm_cpu` (its OpenAI server from the environment
 benchmarks/vllm_cpu/install.sh makes, set up as its CPU guide says): the same texts through its
 streamed /v1/completions (greedy, ignore_eos), the cached share from its usage's
@@ -16,6 +23,7 @@ prompt_tokens_details. Skipped with a message where it is not installed.
 
     python benchmarks/bench_serving.py                  # rates 0.5, 1, 2, 4 req/s, 24 requests each
     python benchmarks/bench_serving.py --servers radixlm,radixlm_no_cache,vllm_cpu
+    python benchmarks/bench_serving.py --workloads long_mix   # only the long-prompt mix
     python benchmarks/bench_serving.py --tiny
 """
 
@@ -62,9 +70,25 @@ SIZES = {
     "max_new_tokens": Size(24, 4, "tokens decoded per request", scales=False),
     "chat_turns": Size(3, 2, "turns per chat conversation", scales=False),
     "num_shots": Size(5, 1, "solved examples in the few-shot requests' shared prefix", scales=False),
+    "long_mix_requests": Size(40, 10, "requests of the long-prompt mix, one in ten with a long prompt"),
+    "long_prompt_tokens": Size(4000, 512, "tokens of each long prompt", scales=False),
 }
 DEFAULT_RATES = "0.5,1,2,4"
 TINY_RATES = "4"
+WORKLOADS = "prefix,long_mix"
+LONG_MIX_RATE = 0.5
+TINY_LONG_MIX_RATE = 2.0
+# One request in LONG_EVERY carries a long prompt.
+LONG_EVERY = 10
+# The long-prompt mix's server flags: the default chunking, and the fixed one it replaced.
+CHUNKING = {
+    "mixed": [],
+    "fixed": ["--prefill-step-target-ms", "0", "--disable-prefill-interleave"],
+}
+CHUNKING_LABELS = {
+    "mixed": "mixed chunking (steps sized by time, short prompts first)",
+    "fixed": "fixed 1024-token chunks, long prompt first (before)",
+}
 RADIXLM_FLAGS = {"radixlm": [], "radixlm_no_cache": ["--disable-radix-cache"]}
 DEFAULT_SERVERS = "radixlm,radixlm_no_cache"
 LABELS = {
@@ -76,8 +100,9 @@ LABELS = {
 
 @dataclass
 class Request:
-    kind: str  # "fewshot" or "chat"
+    kind: str  # "fewshot", "chat" or "long"
     text: str
+    input_ids: list[int] | None = None  # sent instead of the text where set
 
 
 @dataclass
@@ -104,6 +129,24 @@ def build_requests(num_requests: int, turns: int, num_shots: int) -> list[Reques
     return mixed + fewshot[len(chat) :]
 
 
+def long_mix_requests(num_requests: int, long_tokens: int, turns: int, num_shots: int) -> list[Request]:
+    """The requests above with every LONG_EVERY-th (from the middle of the first ten) replaced by a
+    long prompt: GSM8K questions in an order of its own, cut to exactly long_tokens tokens, so no two
+    long prompts share a cached prefix."""
+    reqs = build_requests(num_requests, turns, num_shots)
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    questions = gsm8k_prompts(200, 0)[0]
+    rng = random.Random(0)
+    for i in range(LONG_EVERY // 2, num_requests, LONG_EVERY):
+        ids: list[int] = []
+        while len(ids) < long_tokens:
+            ids += tokenizer.encode(
+                "\n\n".join(rng.sample(questions, len(questions))), add_special_tokens=False
+            )
+        reqs[i] = Request("long", "", ids[:long_tokens])
+    return reqs
+
+
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     rng = random.Random(seed)
     t, out = 0.0, []
@@ -126,7 +169,8 @@ class Api:
 
 def _native_body(req: Request, max_new_tokens: int) -> dict[str, Any]:
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
-    return {"text": req.text, "sampling_params": params, "stream": True}
+    prompt = {"text": req.text} if req.input_ids is None else {"input_ids": req.input_ids}
+    return {**prompt, "sampling_params": params, "stream": True}
 
 
 def _native_read(chunk: dict[str, Any], out: Outcome) -> int:
@@ -140,7 +184,7 @@ def _native_read(chunk: dict[str, Any], out: Outcome) -> int:
 def _openai_body(req: Request, max_new_tokens: int) -> dict[str, Any]:
     return {
         "model": VLLM_MODEL_NAME,
-        "prompt": req.text,
+        "prompt": req.text if req.input_ids is None else req.input_ids,
         "max_tokens": max_new_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -204,10 +248,14 @@ async def run_rate(
         return await asyncio.gather(*(at(r, a) for r, a in zip(reqs, arrivals)))
 
 
+def _ms(values: list[float]) -> dict[str, float | None]:
+    """Percentiles of seconds, in milliseconds."""
+    return {k: None if v is None else 1000 * v for k, v in percentiles(values).items()}
+
+
 def summarize(rate: float, outs: list[Outcome]) -> dict[str, Any]:
     duration = max(o.end for o in outs) - min(o.start for o in outs)
     completion = sum(o.completion_tokens for o in outs)
-    ms = lambda values: {k: None if v is None else 1000 * v for k, v in percentiles(values).items()}
 
     def hit(kind: str | None) -> float:
         sel = [o for o in outs if kind is None or o.kind == kind]
@@ -219,14 +267,84 @@ def summarize(rate: float, outs: list[Outcome]) -> dict[str, Any]:
         "duration_s": duration,
         "request_throughput": len(outs) / duration,
         "output_tok_per_s": completion / duration,
-        "ttft_ms": ms([o.ttft for o in outs]),
-        "itl_ms": ms([x for o in outs for x in o.itls]),
-        "e2e_ms": ms([o.end - o.start for o in outs]),
+        "ttft_ms": _ms([o.ttft for o in outs]),
+        "itl_ms": _ms([x for o in outs for x in o.itls]),
+        "e2e_ms": _ms([o.end - o.start for o in outs]),
         "cache_hit_rate": hit(None),
         "cache_hit_rate_by_kind": {k: hit(k) for k in sorted({o.kind for o in outs})},
         "prompt_tokens": sum(o.prompt_tokens for o in outs),
         "completion_tokens": completion,
     }
+
+
+def summarize_long_mix(outs: list[Outcome]) -> dict[str, Any]:
+    """The short requests' TTFT (what a long prompt must not stall), the long ones', and the ITL of
+    every stream (what a long prompt's chunks must not stretch)."""
+    short = [o for o in outs if o.kind != "long"]
+    itl = _ms([x for o in outs for x in o.itls])
+    duration = max(o.end for o in outs) - min(o.start for o in outs)
+    return {
+        "num_requests": len(outs),
+        "num_long": len(outs) - len(short),
+        "duration_s": duration,
+        "request_throughput": len(outs) / duration,
+        "short_ttft_ms": _ms([o.ttft for o in short]),
+        "long_ttft_ms": _ms([o.ttft for o in outs if o.kind == "long"]),
+        "itl_ms": itl,
+        "itl_p99_over_p50": itl["p99"] / itl["p50"],
+        "completion_tokens": sum(o.completion_tokens for o in outs),
+    }
+
+
+def long_mix_table(rate: float, long_tokens: int, points: dict[str, dict[str, Any]]) -> Table:
+    headers = ["chunking", "achieved req/s", "short TTFT P50 ms", "short TTFT P99 ms", "long TTFT P50 ms"]
+    headers += ["ITL P50 ms", "ITL P99 ms", "ITL P99 / P50"]
+    rows = [
+        [
+            CHUNKING_LABELS[name],
+            fmt(p["request_throughput"], ".2f"),
+            fmt(p["short_ttft_ms"]["p50"], ".0f"),
+            fmt(p["short_ttft_ms"]["p99"], ".0f"),
+            fmt(p["long_ttft_ms"]["p50"], ".0f"),
+            fmt(p["itl_ms"]["p50"], ".0f"),
+            fmt(p["itl_ms"]["p99"], ".0f"),
+            fmt(p["itl_p99_over_p50"], ".1f"),
+        ]
+        for name, p in points.items()
+    ]
+    title = f"Long-prompt mix: 1 in {LONG_EVERY} requests with a {long_tokens}-token prompt, {rate:g} req/s"
+    return Table(title, headers, rows)
+
+
+def long_mix_notes(points: dict[str, dict[str, Any]]) -> list[str]:
+    if set(points) != set(CHUNKING):
+        return []
+    on, off = points["mixed"], points["fixed"]
+    return [
+        f"short requests' TTFT P99 {on['short_ttft_ms']['p99']:.0f} ms with mixed chunking vs "
+        f"{off['short_ttft_ms']['p99']:.0f} ms with fixed chunks; ITL P99 {on['itl_ms']['p99']:.0f} vs "
+        f"{off['itl_ms']['p99']:.0f} ms ({on['itl_p99_over_p50']:.1f}x vs {off['itl_p99_over_p50']:.1f}x "
+        "the ITL P50)"
+    ]
+
+
+def run_long_mix(
+    reqs: list[Request], rate: float, seed: int, max_new_tokens: int, logs: Path
+) -> dict[str, dict[str, Any]]:
+    """Each chunking policy's server given the same requests at the same times."""
+    arrivals = poisson_arrivals(len(reqs), rate, seed)
+    points = {}
+    for name, flags in CHUNKING.items():
+        with running_server(flags, logs / f"long_mix_{name}.log") as url:
+            asyncio.run(run_rate(url, NATIVE, reqs[:1], [0.0], 2))  # warm-up
+            outs = asyncio.run(run_rate(url, NATIVE, reqs, arrivals, max_new_tokens))
+        points[name] = summarize_long_mix(outs)
+        p = points[name]
+        print(
+            f"long mix, {name} chunking @ {rate:g} req/s: short TTFT P99 {p['short_ttft_ms']['p99']:.0f} ms, "
+            f"ITL P50 {p['itl_ms']['p50']:.0f} / P99 {p['itl_ms']['p99']:.0f} ms"
+        )
+    return points
 
 
 def plot(path: Path, results: dict[str, list[dict[str, Any]]]) -> None:
@@ -304,20 +422,32 @@ def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     add_list_flag(ap, "--rates", "request rates", DEFAULT_RATES, TINY_RATES)
     add_list_flag(ap, "--servers", f"servers out of {', '.join(LABELS)}", DEFAULT_SERVERS, DEFAULT_SERVERS)
+    add_list_flag(ap, "--workloads", "workloads out of prefix, long_mix", WORKLOADS, WORKLOADS)
+    ap.add_argument(
+        "--long-mix-rate",
+        type=float,
+        default=None,
+        help=f"Rate of the long-prompt mix, req/s (default {LONG_MIX_RATE:g}, --tiny {TINY_LONG_MIX_RATE:g})",
+    )
     ap.add_argument("--seed", type=int, default=0, help="Seed of the arrival times.")
     args, sizes = parse_sizes(ap, argv, SIZES)
     # A SIGTERM must still run the `finally` that stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rates = list_flag(args, "--rates", float)
     servers = list_flag(args, "--servers", str)
+    workloads = list_flag(args, "--workloads", str)
     if unknown := [s for s in servers if s not in LABELS]:
         ap.error(f"--servers: unknown {', '.join(unknown)} (choose from {', '.join(LABELS)})")
+    if unknown := [w for w in workloads if w not in WORKLOADS.split(",")]:
+        ap.error(f"--workloads: unknown {', '.join(unknown)} (choose from {WORKLOADS})")
+    long_rate = args.long_mix_rate or (TINY_LONG_MIX_RATE if args.tiny else LONG_MIX_RATE)
 
     reqs = build_requests(sizes["num_requests"], sizes["chat_turns"], sizes["num_shots"])
     results: dict[str, list[dict[str, Any]]] = {}
     skipped: dict[str, str] = {}
+    long_mix: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as logs:
-        for server in servers:
+        for server in servers if "prefix" in workloads else []:
             try:
                 with serving(server, Path(logs) / f"{server}.log") as (url, api, flush_path):
                     asyncio.run(run_rate(url, api, reqs[:1], [0.0], 2))  # warm-up
@@ -335,9 +465,25 @@ def main(argv: list[str] | None = None) -> None:
             except SystemUnavailable as e:
                 skipped[server] = str(e)
                 print(f"{server}: skipped: {e}")
-    figure = f"{NAME}.png"
+        if "long_mix" in workloads:
+            mix = long_mix_requests(
+                sizes["long_mix_requests"],
+                sizes["long_prompt_tokens"],
+                sizes["chat_turns"],
+                sizes["num_shots"],
+            )
+            points = run_long_mix(mix, long_rate, args.seed, sizes["max_new_tokens"], Path(logs))
+            long_mix = {"rate": long_rate, "long_every": LONG_EVERY, "chunking": points}
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(args.out_dir / figure, results)
+    tables, notes, figures = [], [], []
+    if "prefix" in workloads:
+        figures.append(f"{NAME}.png")
+        plot(args.out_dir / figures[0], results)
+        tables.append(table(results))
+        notes += notes_for(results) + [f"{LABELS[k]}: skipped ({why})" for k, why in skipped.items()]
+    if long_mix:
+        tables.append(long_mix_table(long_rate, sizes["long_prompt_tokens"], long_mix["chunking"]))
+        notes += long_mix_notes(long_mix["chunking"])
     save_result(
         args.out_dir,
         NAME,
@@ -350,10 +496,11 @@ def main(argv: list[str] | None = None) -> None:
             },
             "servers": results,
             "skipped": skipped,
+            "long_mix": long_mix,
         },
-        tables=[table(results)],
-        notes=notes_for(results) + [f"{LABELS[k]}: skipped ({why})" for k, why in skipped.items()],
-        figures=[figure],
+        tables=tables,
+        notes=notes,
+        figures=figures,
         sizes=sizes,
     )
 

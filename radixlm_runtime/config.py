@@ -129,12 +129,20 @@ class SchedulerConfig:
         "stall running decodes.",
     )
     prefill_step_target_ms: float = flag(
-        250.0,
+        100.0,
         "Wall time a step that carries prefill tokens is sized to: the step's token budget is what fits "
         "it by the step times measured on this device while serving (a least-squares line of step time "
         "over step tokens, recent steps weighing most), between 16 and --chunked-prefill-size tokens. "
         "It bounds the gap a long prompt's chunk puts into running streams and the wait of requests "
         "arriving behind it. 0: every step takes --chunked-prefill-size tokens, however long that takes.",
+    )
+    prefill_step_decode_ratio: float = flag(
+        2.5,
+        "With --prefill-step-target-ms, a step carrying prefill may take up to this many times the "
+        "measured time of the running requests' decode step alone, where that is longer than the "
+        "target: on a slow or busy machine steps then still spend most of their time on prefill "
+        "instead of shrinking to a few tokens, and a stream's longest gaps stay within this factor "
+        "of a decode step. 0: the target alone.",
     )
     disable_prefill_interleave: bool = flag(
         False,
@@ -219,6 +227,8 @@ class SchedulerConfig:
             raise ValueError(f"chunked_prefill_size must be >= 16, got {self.chunked_prefill_size}")
         if self.prefill_step_target_ms < 0:
             raise ValueError(f"prefill_step_target_ms must be >= 0, got {self.prefill_step_target_ms}")
+        if self.prefill_step_decode_ratio < 0:
+            raise ValueError(f"prefill_step_decode_ratio must be >= 0, got {self.prefill_step_decode_ratio}")
         if not self.session_timeout_s > 0:
             raise ValueError(f"session_timeout_s must be > 0, got {self.session_timeout_s}")
         if not self.priority_aging_s > 0:

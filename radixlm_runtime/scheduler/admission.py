@@ -76,12 +76,13 @@ class Admission:
         self.chunked: Req | None = None
         self.new_token_ratio = config.new_token_ratio
         self.stats = stats
-        self.step_budget = StepBudget(config.chunked_prefill_size, config.prefill_step_target_ms / 1000)
+        target_s = config.prefill_step_target_ms / 1000
+        self.step_budget = StepBudget(config.chunked_prefill_size, target_s, config.prefill_step_decode_ratio)
 
     def schedule(self) -> list[ScheduledItem]:
         cfg = self.config
         self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        step_tokens = self.step_budget.tokens()
+        step_tokens = self.step_budget.tokens(self._pending_tokens())
         pending = self.chunked
         want = 0
         if pending is not None:

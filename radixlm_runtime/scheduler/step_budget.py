@@ -4,8 +4,12 @@ A step that carries prefill tokens should end within a target latency, or every 
 waits for it and every request that arrives meanwhile waits behind it. How many tokens fit depends
 on the device, the model and what else the machine runs, so it is measured while serving: each
 step's wall time is fitted against its token count (least squares over the recent steps, older
-ones weighing less), and the budget is what the fit says fits the target. The budget grows at most
-twofold past the largest step measured so far, so it never extrapolates far from what was seen.
+ones weighing less), and the budget is what the fit says fits the target. The target is never
+below `decode_ratio` times what the fit predicts for the running requests' decode step alone: on
+a slow or busy machine, where even a decode step takes longer than the target, a step still spends
+most of its time on prefill instead of shrinking to a few tokens, and a stream's slowest gaps stay
+within that factor of its usual one. The budget grows at most twofold past the largest step measured so far,
+so it never extrapolates far from what was seen.
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ class _Fit:
 
 class StepBudget:
     """Tokens the next step may carry: `max_tokens` when no target is set, else as many as the
-    measured step times say fit `target_s` (between MIN_STEP_TOKENS and max_tokens)."""
+    measured step times say fit the target (between MIN_STEP_TOKENS and max_tokens)."""
 
-    def __init__(self, max_tokens: int, target_s: float) -> None:
+    def __init__(self, max_tokens: int, target_s: float, decode_ratio: float = 0.0) -> None:
         self.max_tokens = max_tokens
         self.target_s = target_s
+        self.decode_ratio = decode_ratio
         self._fit = _Fit()
         self._largest = 0
 
@@ -67,11 +72,13 @@ class StepBudget:
         self._fit.add(float(tokens), seconds)
         self._largest = max(self._largest, tokens)
 
-    def tokens(self) -> int:
+    def tokens(self, decode_tokens: int) -> int:
+        """The budget of a step whose running requests compute `decode_tokens` (included in it)."""
         if self.target_s <= 0.0:
             return self.max_tokens
         if self._largest == 0:
             return min(self.max_tokens, FIRST_STEP_TOKENS)
         per_step, per_token = self._fit.line()
-        fits = int((self.target_s - per_step) / per_token)
+        target = max(self.target_s, self.decode_ratio * (per_step + per_token * decode_tokens))
+        fits = int((target - per_step) / per_token)
         return max(MIN_STEP_TOKENS, min(fits, 2 * self._largest, self.max_tokens))

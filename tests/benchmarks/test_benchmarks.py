@@ -153,6 +153,15 @@ def test_serving(serving: dict[str, Any]) -> None:
             assert 0.0 <= p["cache_hit_rate"] <= 1.0
             if name == "radixlm_no_cache":
                 assert p["cache_hit_rate"] == 0
+    mix = serving["long_mix"]
+    assert set(mix["chunking"]) == {"mixed", "fixed"}
+    for p in mix["chunking"].values():
+        assert p["num_requests"] == serving["sizes"]["long_mix_requests"] and p["num_long"] >= 1
+        assert p["completion_tokens"] == p["num_requests"] * serving["sizes"]["max_new_tokens"]
+        for key in ("short_ttft_ms", "long_ttft_ms", "itl_ms"):
+            assert 0 < p[key]["p50"] <= p[key]["p99"], (key, p[key])
+        assert p["itl_p99_over_p50"] >= 1
+    assert [t["title"].startswith("Long-prompt mix") for t in serving["tables"]] == [False, True]
 
 
 def test_startup(startup: dict[str, Any]) -> None:

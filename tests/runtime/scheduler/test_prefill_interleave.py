@@ -185,22 +185,22 @@ def test_budget_is_what_fits_the_target() -> None:
     budget = StepBudget(max_tokens=1024, target_s=0.25)
     # 10 ms a step plus 1 ms a token: 240 tokens fit 250 ms.
     _device(budget, 0.010, 0.001, [8, 200, 8, 8, 200, 9])
-    assert abs(budget.tokens() - 240) <= 1
+    assert abs(budget.tokens(0) - 240) <= 1
     # A slower device (or a busier machine) shrinks it as its steps come in.
     _device(budget, 0.010, 0.004, [8, 200] * 40)
-    assert abs(budget.tokens() - 60) <= 1
+    assert abs(budget.tokens(0) - 60) <= 1
     # A faster one grows it, never past the fixed budget.
     _device(budget, 0.001, 0.00001, [8, 200] * 40 + [512, 1024])
-    assert budget.tokens() == 1024
+    assert budget.tokens(0) == 1024
 
 
 def test_budget_starts_small_and_at_most_doubles() -> None:
     budget = StepBudget(max_tokens=1024, target_s=0.25)
-    assert budget.tokens() == FIRST_STEP_TOKENS
+    assert budget.tokens(0) == FIRST_STEP_TOKENS
     _device(budget, 0.0, 0.0001, [FIRST_STEP_TOKENS])
-    assert budget.tokens() == 2 * FIRST_STEP_TOKENS
+    assert budget.tokens(0) == 2 * FIRST_STEP_TOKENS
     _device(budget, 0.0, 0.0001, [2 * FIRST_STEP_TOKENS])
-    assert budget.tokens() == 4 * FIRST_STEP_TOKENS
+    assert budget.tokens(0) == 4 * FIRST_STEP_TOKENS
 
 
 def test_budget_without_spread_charges_everything_to_tokens() -> None:
@@ -208,12 +208,23 @@ def test_budget_without_spread_charges_everything_to_tokens() -> None:
     then errs small (every second counted per token), and never drops below MIN_STEP_TOKENS."""
     budget = StepBudget(max_tokens=1024, target_s=0.25)
     _device(budget, 0.050, 0.001, [100] * 5)
-    assert abs(budget.tokens() - 0.25 / 0.0015) <= 1
+    assert abs(budget.tokens(0) - 0.25 / 0.0015) <= 1
     _device(budget, 5.0, 0.001, [100] * 100)
-    assert budget.tokens() == MIN_STEP_TOKENS
+    assert budget.tokens(0) == MIN_STEP_TOKENS
+
+
+def test_budget_never_below_a_multiple_of_the_decode_step() -> None:
+    """A machine so slow (or busy) that a decode step of 8 requests alone takes 0.5 s, over a
+    0.1 s target: a step may take 2.5 decode steps, most of it prefill, rather than 16 tokens."""
+    budget = StepBudget(max_tokens=1024, target_s=0.1, decode_ratio=2.5)
+    _device(budget, 0.4, 0.01, [8, 200, 8, 300])
+    assert budget.tokens(8) in (79, 80)  # (2.5 * (0.4 + 0.01 * 8) - 0.4) / 0.01, rounded down
+    target_alone = StepBudget(max_tokens=1024, target_s=0.1)
+    _device(target_alone, 0.4, 0.01, [8, 200, 8, 300])
+    assert target_alone.tokens(8) == MIN_STEP_TOKENS
 
 
 def test_no_target_is_the_fixed_budget() -> None:
     budget = StepBudget(max_tokens=1024, target_s=0.0)
     _device(budget, 5.0, 0.1, [8, 200])
-    assert budget.tokens() == 1024
+    assert budget.tokens(0) == 1024
