@@ -37,6 +37,8 @@ CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 # After a call: end the turn (EOS), or open the next call.
 NEXT_CALL_REGEX = r"(\n<tool_call>)?"
+# The field a call refused for its budget names (the budget left is below the call's shortest output).
+BUDGET_FIELD = "max_tokens"
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -491,10 +493,19 @@ class ToolCallLoop:
                 break
             call = CallOutput(new_call_id())
             out.calls.append(call)
-            async for st in self._phase(self.encode(turn), with_schema):
-                call.text = st.text
-                call.finished = st.finished_reason is not None and st.finished_reason.kind == "stop"
-                yield out
+            try:
+                async for st in self._phase(self.encode(turn), with_schema):
+                    call.text = st.text
+                    call.finished = st.finished_reason is not None and st.finished_reason.kind == "stop"
+                    yield out
+            except RequestError as e:
+                # Refused before it ran: the budget left is below the shortest call. After calls or
+                # text the turn ends with what it has; a turn that would be empty is the request's 400.
+                out.calls.pop()
+                if e.param != BUDGET_FIELD or not (out.calls or out.content.strip()):
+                    raise
+                finish = "tool_calls" if out.calls else "length"
+                break
             if not call.finished:
                 finish = _finish_kind(st.finished_reason)
                 break

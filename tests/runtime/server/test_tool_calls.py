@@ -83,13 +83,13 @@ def streamed(client: openai.OpenAI, model: str, **kw: Any) -> tuple[dict[str, An
     return {"content": content, "tool_calls": calls}, finish, usage, call_deltas
 
 
-def check_calls(calls: list[dict[str, Any]], allowed: set[str]) -> None:
+def check_calls(calls: list[dict[str, Any]], allowed: set[str], schemas: dict[str, Any] = SCHEMAS) -> None:
     """Each call is OpenAI-shaped and its arguments parse and satisfy its function's schema."""
     assert calls
     for call in calls:
         assert call["id"].startswith("call_") and call["type"] == "function"
         assert call["function"]["name"] in allowed
-        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
 
 
 def dumped_calls(message: Any) -> list[dict[str, Any]]:
@@ -117,6 +117,57 @@ def test_forced_calls_streamed_and_not(client: openai.OpenAI, model: str, choice
     assert all(d.type is None and d.function.name is None for d in deltas if d.id is None)
     assert usage.completion_tokens == out.usage.completion_tokens
     assert usage.prompt_tokens == out.usage.prompt_tokens
+
+
+WEATHER_AT = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a location",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["location"],
+        },
+    },
+}
+TIME_IN = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a timezone",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}},
+            "required": ["timezone"],
+        },
+    },
+}
+
+
+# The model opens a third call with 3, 11 and 1 tokens left, below the shortest call (14 tokens).
+@pytest.mark.parametrize(("budget", "stream"), [(52, True), (60, False), (76, False)])
+def test_parallel_calls_end_within_the_budget(
+    client: openai.OpenAI, model: str, budget: int, stream: bool
+) -> None:
+    """Another call runs only when the budget left can finish it: the turn ends with the calls made
+    (tool_calls), or with a call cut by the budget (length), never with an error after them."""
+    kw = {
+        "messages": [{"role": "user", "content": "Use both tools for Paris."}],
+        "tools": [WEATHER_AT, TIME_IN],
+        "tool_choice": "required",
+        "max_tokens": budget,
+    }
+    out = create(client, model, **kw)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length"), choice
+    assert out.usage.completion_tokens <= budget, out.usage
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_AT, TIME_IN)}
+    check_calls(dumped_calls(choice.message), set(schemas), schemas)
+    if stream:
+        rebuilt, finish, usage, _ = streamed(client, model, **kw)
+        assert finish == choice.finish_reason and usage.completion_tokens == out.usage.completion_tokens
+        assert len(rebuilt["tool_calls"]) == len(choice.message.tool_calls)
 
 
 def test_several_choices_stream_their_own_calls(client: openai.OpenAI, model: str) -> None:
