@@ -155,3 +155,171 @@ def test_completions_never_fail_the_server(server: Server, body: dict[str, Any])
 @given(body=mutated(CHAT))
 def test_chat_never_fails_the_server(server: Server, body: dict[str, Any]) -> None:
     _send(server, "/v1/chat/completions", body)
+
+
+# -- constraints ------------------------------------------------------------------------------
+LEAF_SCHEMAS = st.sampled_from(
+    [
+        {"type": "integer"},
+        {"type": "integer", "minimum": 0, "maximum": 9},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "string", "maxLength": 4},
+        {"enum": ["a", 1, None]},
+        {"const": "x"},
+        {"$ref": "#/$defs/node"},  # the recursive definition below
+    ]
+)
+
+
+def _node_schemas(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    props = st.dictionaries(st.from_regex(r"[a-z]{1,3}", fullmatch=True), children, min_size=1, max_size=4)
+    return st.one_of(
+        props.flatmap(
+            lambda p: st.lists(st.sampled_from(sorted(p)), unique=True).map(
+                lambda req: {"type": "object", "properties": p, "required": req}
+            )
+        ),
+        st.tuples(children, st.integers(0, 2)).map(
+            lambda t: {"type": "array", "items": t[0], "minItems": t[1]}
+        ),
+        st.lists(children, min_size=1, max_size=3).map(lambda alts: {"anyOf": alts}),
+    )
+
+
+# Deep (nesting), wide (hundreds of optional properties) and recursive ($defs/node refers to itself,
+# through a required property: no finite value; or an optional one) schemas.
+SCHEMAS = st.one_of(
+    st.recursive(LEAF_SCHEMAS, _node_schemas, max_leaves=8),
+    st.integers(1, 800).map(lambda n: {"type": "object", "properties": {f"p{i}": {} for i in range(n)}}),
+    st.integers(1, 60).map(
+        lambda depth: json.loads('{"type":"array","items":' * depth + '{"type":"integer"}' + "}" * depth)
+    ),
+).flatmap(
+    lambda schema: st.sampled_from([[], ["next"]]).map(
+        lambda required: (
+            schema
+            | {
+                "$defs": {
+                    "node": {
+                        "type": "object",
+                        "properties": {"next": {"$ref": "#/$defs/node"}},
+                        "required": required,
+                    }
+                }
+            }
+        )
+    )
+)
+REGEXES = st.sampled_from(
+    ["[a-z]{1,10}", "(yes|no)", r"\d+(\.\d+)?", "a*", "<think>[a-z]+", "(a|b)*c{2,4}", ""]
+)
+EBNFS = st.sampled_from(
+    [
+        'root ::= "yes" | "no"',
+        'root ::= item+\nitem ::= [a-z] ","',
+        'root ::= "(" root ")" | "x"',
+        "root ::= undefined_rule",
+        'root ::= ""',
+    ]
+)
+CONSTRAINED = st.fixed_dictionaries(
+    {"text": st.sampled_from(["JSON:", "Answer:", "My name is"])},
+    optional={"stream": st.booleans()},
+).flatmap(
+    lambda body: st.one_of(
+        SCHEMAS.map(lambda s: {"json_schema": json.dumps(s)}),
+        REGEXES.map(lambda r: {"regex": r}),
+        EBNFS.map(lambda e: {"ebnf": e}),
+    ).flatmap(
+        lambda constraint: st.fixed_dictionaries(
+            {"max_new_tokens": st.integers(1, 12), "temperature": st.sampled_from([0.0, 1.0])}
+        ).map(lambda sp: body | {"sampling_params": sp | constraint})
+    )
+)
+CONSTRAINT_FUZZ = settings(FUZZ, max_examples=40)
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """Posts body; (status, the JSON answer or the stream's events), after the server checks of _send."""
+    with httpx.Client(headers=HEADERS, timeout=120) as client:
+        r = client.post(f"{server.url}{path}", content=json.dumps(body))
+    assert r.status_code < 500, (path, body, r.status_code, r.text[:500])
+    if body.get("stream") and r.status_code == 200:
+        events = [
+            line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+        answer: Any = [json.loads(e) for e in events]
+    else:
+        answer = r.json()
+    if r.status_code >= 400:
+        assert "error" in answer, answer
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert_no_leak(wait_idle(server))
+    return r.status_code, answer
+
+
+@CONSTRAINT_FUZZ
+@given(body=CONSTRAINED)
+def test_constrained_generate_is_never_an_empty_success(server: Server, body: dict[str, Any]) -> None:
+    """A constraint is refused (4xx), or the output ends as an error finish, or it is a non-empty
+    match: a JSON schema's output on a stop parses."""
+    status, answer = _post(server, "/generate", body)
+    if status != 200:
+        return
+    final = answer[-1] if isinstance(answer, list) else answer
+    assert "error" not in final, final
+    reason = final["meta_info"]["finish_reason"]
+    sp = body["sampling_params"]
+    if reason["type"] == "constraint_error":
+        assert reason["message"].startswith(next(k for k in ("json_schema", "regex", "ebnf") if k in sp))
+        return
+    assert reason["type"] in ("stop", "length"), final
+    if "json_schema" in sp:
+        assert final["text"], (body, final)
+        if reason["type"] == "stop":
+            json.loads(final["text"])
+
+
+TOOL_CHAT = st.fixed_dictionaries(
+    {
+        "messages": st.just([{"role": "user", "content": "Call f."}]),
+        "max_tokens": st.integers(1, 24),
+        "tool_choice": st.sampled_from(["required", "auto"]),
+        "tools": SCHEMAS.map(
+            lambda s: [{"type": "function", "function": {"name": "f", "parameters": s | {"type": "object"}}}]
+        ),
+    },
+    optional={"stream": st.booleans(), "temperature": st.sampled_from([0.0, 1.0])},
+)
+
+
+@pytest.fixture(scope="module")
+def tools_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A context that holds the tools' listing in the prompt (max_tokens keeps the cases cheap)."""
+    srv = launch_server(tmp_path_factory.mktemp("fuzz-tools"), "--context-length", "4096")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@settings(FUZZ, max_examples=25)
+@given(body=TOOL_CHAT)
+def test_tool_calls_are_never_an_empty_success(tools_server: Server, body: dict[str, Any]) -> None:
+    """A forced call is made or refused: never finish tool_calls without a call."""
+    status, answer = _post(tools_server, "/v1/chat/completions", body)
+    if status != 200:
+        return
+    if isinstance(answer, list):  # streamed: an error event, or a finish_reason on the last choice chunk
+        assert answer, body
+        if any("error" in event for event in answer):
+            return
+        chunks = [c for event in answer for c in event["choices"]]
+        finish = chunks[-1]["finish_reason"]
+        calls = [d for c in chunks for d in c["delta"].get("tool_calls") or []]
+    else:
+        finish = answer["choices"][0]["finish_reason"]
+        calls = answer["choices"][0]["message"].get("tool_calls") or []
+    assert finish in ("tool_calls", "length", "stop"), (body, answer)
+    if finish == "tool_calls" or body["tool_choice"] == "required" and finish != "length":
+        assert calls, (body, answer)
