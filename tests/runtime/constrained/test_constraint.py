@@ -101,3 +101,37 @@ def test_closed_objects_only_where_unset() -> None:
     )
     assert closed["properties"]["b"]["additionalProperties"] is True
     assert "additionalProperties" not in schema, "the caller's schema is left alone"
+
+
+NODE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"n": NODE | {"required": ["c"]}}, "$ref": "#/$defs/n"},
+        {"type": "object", "properties": {"self": {"$ref": "#"}}, "required": ["self"]},
+        {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+        {
+            "$defs": {"n": {"anyOf": [{"$ref": "#/$defs/m"}]}, "m": {"allOf": [{"$ref": "#/$defs/n"}]}},
+            "$ref": "#/$defs/n",
+        },
+    ],
+    ids=["required-property", "root", "non-empty-array", "ref-cycle"],
+)
+def test_schema_only_an_endless_value_satisfies_is_refused(schema: dict) -> None:
+    with pytest.raises(ValueError, match="^json_schema: no finite value satisfies it"):
+        parse_schema(json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"n": NODE}, "$ref": "#/$defs/n"},
+        {"type": "array", "items": {"$ref": "#"}},
+        {"$defs": {"n": {"anyOf": [{"type": "integer"}, NODE | {"required": ["c"]}]}}, "$ref": "#/$defs/n"},
+    ],
+    ids=["optional-property", "empty-array", "a-finite-branch"],
+)
+def test_recursive_schema_with_a_finite_value_is_accepted(schema: dict) -> None:
+    assert parse_schema(json.dumps(schema)) == schema

@@ -256,3 +256,18 @@ def test_refused_constraints_name_their_field(
         check_constraint(name, constraint)
     with pytest.raises(ValueError, match=re.escape(message)):
         backend.compile(constraint)
+
+
+def test_engine_failure_is_reported_not_a_stop(backend: GrammarBackend, smol_tokenizer: Any) -> None:
+    """Opening an object of 1,000 optional properties exceeds llguidance's parser limit
+    (ParserTooComplex): its guide says so instead of allowing only EOS as a complete output would.
+    xgrammar compiles the object ahead of time and follows it."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(1000)}}
+    guide = backend.guide(backend.compile(Constraint("json_schema", json.dumps(wide))))
+    assert guide.error() is None
+    opened = guide.advance_tokens(smol_tokenizer.encode('{"', add_special_tokens=False))
+    if type(backend).__module__.endswith("llguidance_backend"):
+        assert not opened and "Current row has 3999 items" in (guide.error() or "")
+        assert "\n" not in (guide.error() or "")
+    else:
+        assert opened and guide.error() is None
