@@ -53,8 +53,11 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
-# Snapshots of the same kind and bounds asked within this long share one scheduler call.
+# Snapshots of the same kind and bounds asked within this long share one scheduler call; one that
+# took the scheduler d seconds to build is shared for COST_FACTOR * d seconds when that is longer,
+# so snapshots take at most 1 / COST_FACTOR of the scheduler's time however many pages poll.
 SNAPSHOT_TTL_S = 0.5
+COST_FACTOR = 100
 # Metrics sampling: one sample a second, an hour of them.
 SAMPLE_INTERVAL_S = 1.0
 SAMPLES_KEPT = 3600
@@ -75,19 +78,28 @@ TEXT_CACHE_ENTRIES = 50_000
 
 
 class SnapshotCache:
-    """Coalesces identical scheduler calls: one in flight per key, its answer reused for a TTL."""
+    """Coalesces identical scheduler calls: one in flight per key, its answer reused while fresh
+    (ttl_s, or COST_FACTOR times the scheduler time it took to build, whichever is longer)."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._entries: dict[tuple[Any, ...], tuple[float, asyncio.Future[dict[str, Any]]]] = {}
+
+    def _fresh(self, entry: tuple[float, asyncio.Future[dict[str, Any]]], now: float) -> bool:
+        started, fut = entry
+        if not fut.done():
+            return True
+        if fut.cancelled() or fut.exception() is not None:
+            return False
+        return now - started <= max(self.ttl_s, COST_FACTOR * fut.result().get("build_s", 0.0))
 
     async def get(
         self, key: tuple[Any, ...], fetch: Callable[[], Awaitable[dict[str, Any]]]
     ) -> dict[str, Any]:
         now = time.monotonic()
         entry = self._entries.get(key)
-        if entry is None or now - entry[0] > self.ttl_s or (entry[1].done() and entry[1].exception()):
-            self._entries = {k: e for k, e in self._entries.items() if now - e[0] <= self.ttl_s}
+        if entry is None or not self._fresh(entry, now):
+            self._entries = {k: e for k, e in self._entries.items() if self._fresh(e, now)}
             entry = (now, asyncio.ensure_future(fetch()))
             self._entries[key] = entry
         return await asyncio.shield(entry[1])

@@ -114,7 +114,14 @@ def _state(req: Req) -> str:
 
 
 def answer(scheduler: Scheduler, log: RequestLog, m: DashboardReq) -> dict[str, Any]:
-    """The snapshot m asks for, within this module's bounds."""
+    """The snapshot m asks for, within this module's bounds, with when it was taken and the
+    scheduler time it took (build_s: the HTTP side reuses a costly snapshot for longer)."""
+    start = time.perf_counter()
+    snap = _snapshot(scheduler, log, m)
+    return snap | {"taken_at": time.time(), "build_s": time.perf_counter() - start}
+
+
+def _snapshot(scheduler: Scheduler, log: RequestLog, m: DashboardReq) -> dict[str, Any]:
     text_tokens = min(max(m.text_tokens, 0), MAX_TEXT_TOKENS)
     if m.view == "tree":
         return tree_snapshot(
@@ -173,24 +180,33 @@ class NodeColumns:
     def __init__(self, text_tokens: int) -> None:
         self.text_tokens = text_tokens
         self.now = time.monotonic()
-        self.data: dict[str, list[Any]] = {f: [] for f in self.FIELDS}
+        self._rows: list[tuple[Any, ...]] = []
 
     def __len__(self) -> int:
-        return len(self.data["id"])
+        return len(self._rows)
 
     def add(self, node: TreeNode, depth: int, prefix: int, omitted: int) -> None:
-        d = self.data
-        d["id"].append(node.id)
-        d["parent"].append(-1 if node.parent is None else node.parent.id)
-        d["depth"].append(depth)
-        d["tokens"].append(len(node.key))
-        d["prefix_tokens"].append(prefix)
-        d["hits"].append(node.hits)
-        d["age_s"].append(round(self.now - node.accessed_at, 1))
-        d["lock_ref"].append(node.lock_ref if node.parent is not None else 0)
-        d["children"].append(len(node.children))
-        d["omitted_children"].append(omitted)
-        d["ids"].append(node.key[: self.text_tokens])
+        parent = node.parent
+        self._rows.append(
+            (
+                node.id,
+                -1 if parent is None else parent.id,
+                depth,
+                len(node.key),
+                prefix,
+                node.hits,
+                round(self.now - node.accessed_at, 1),
+                0 if parent is None else node.lock_ref,
+                len(node.children),
+                omitted,
+                node.key[: self.text_tokens],
+            )
+        )
+
+    @property
+    def data(self) -> dict[str, list[Any]]:
+        columns = list(zip(*self._rows)) or [()] * len(self.FIELDS)
+        return {field: list(column) for field, column in zip(self.FIELDS, columns)}
 
 
 def _lock_holders(tree: RadixCache, log: RequestLog) -> dict[int, list[str]]:

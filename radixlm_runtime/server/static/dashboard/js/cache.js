@@ -72,6 +72,7 @@ export class CacheView {
     fill($("tree-summary"),
       `${snap.total_tokens} tokens cached of ${snap.max_total_tokens} (${snap.evictable_tokens} evictable, ${snap.protected_tokens} protected)`,
       ` · ${snap.nodes.length} nodes${snap.truncated ? " (truncated: raise the node limit)" : ""}`,
+      ` · snapshot ${age(Math.max(0, Date.now() / 1000 - snap.taken_at))}`,
       matches === null ? "" : ` · ${matches} nodes match "${this.query}"`,
       hidden ? ` · ${hidden} more rows not drawn` : "");
     fill($("tree"), rows);
