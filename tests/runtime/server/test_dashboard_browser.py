@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -244,4 +245,25 @@ def test_a_prompt_with_script_shows_as_text(dash_server: Server, driver: Any) ->
     wait_for(lambda: "<script>" in driver.find_element("id", "request-prompt").text, "the prompt as text")
     assert js(driver, "return window.__pwned") is None
     assert js(driver, "return document.querySelectorAll('#app script, #app img').length") == 0
+    assert console_errors(driver) == []
+
+
+def test_abort_from_the_requests_view(dash_server: Server, driver: Any) -> None:
+    body = {"text": "Count slowly:", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    body["rid"] = "dashboard-abort-me"
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(
+            requests.post, f"{dash_server.url}/generate", json=body, headers=HEADERS, timeout=600
+        )
+        open_dashboard(driver, dash_server, API_KEY)
+        show(driver, "requests")
+        button = wait_for(
+            lambda: driver.find_element(
+                "css selector", "#live-table tr[data-rid='dashboard-abort-me'] button"
+            ),
+            "the running request's abort button",
+        )
+        button.click()
+        finish = answer.result().json()["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort", finish
     assert console_errors(driver) == []
