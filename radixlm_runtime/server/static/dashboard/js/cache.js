@@ -4,7 +4,7 @@ import { getJSON } from "./api.js";
 import { $, age, el, fill, kv, oneLine, seconds } from "./dom.js";
 
 // Rows drawn at most; the rest are counted (collapse nodes or search to narrow).
-const MAX_ROWS = 5000;
+const MAX_ROWS = 2000;
 // Levels open before anyone clicks.
 const OPEN_DEPTH = 3;
 
