@@ -127,6 +127,7 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
         dtype="float32",
         max_total_tokens=8192,
         chunked_prefill_size=24,
+        prefill_step_target_ms=0,  # chunks of exactly 24 tokens, however fast the machine is
         log_level="warning",
     )
     sched = engine.scheduler
@@ -254,6 +255,7 @@ def test_queue_time_reported_from_first_scheduled_step(tiny_llama_dir: Path) -> 
         dtype="float32",
         max_total_tokens=8192,
         chunked_prefill_size=24,
+        prefill_step_target_ms=0,  # chunks of exactly 24 tokens, however fast the machine is
         log_level="warning",
     )
     sched = engine.scheduler
