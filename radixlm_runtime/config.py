@@ -129,7 +129,7 @@ class SchedulerConfig:
         "stall running decodes.",
     )
     prefill_step_target_ms: float = flag(
-        100.0,
+        250.0,
         "Wall time a step that carries prefill tokens is sized to: the step's token budget is what fits "
         "it by the step times measured on this device while serving (a least-squares line of step time "
         "over step tokens, recent steps weighing most), between 16 and --chunked-prefill-size tokens. "
