@@ -136,7 +136,8 @@ def update_readme(benches: list[Bench], results_dir: Path, readme: Path, figures
         for fig in result["figures"]:
             shutil.copyfile(results_dir / fig, figures_dir / fig)
         text = replace_section(text, bench.name, render_section(result, figures_rel), bench.title)
-        machine = result["machine"]
+        if not bench.args:  # the machine line names the default model; another model's rows say theirs
+            machine = result["machine"]
         rendered.append(bench.name)
     if machine is not None:
         text = replace_section(text, "machine", machine_line(machine), "Machine")
