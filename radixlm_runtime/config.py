@@ -27,7 +27,7 @@ def _check_choices(config: Any) -> None:
             raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(config, f.name)!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The model executor: weights, device, KV memory."""
 
@@ -119,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Batching, cache policy and program sessions."""
 
@@ -247,7 +247,7 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The HTTP process (radixlm-server / python -m radixlm_runtime.launch_server)."""
 

@@ -303,7 +303,9 @@ def test_runner_picks_cpu_by_default_and_falls_back_without_a_compiler(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def runner(backend: str) -> model_runner.ModelRunner:
-        config = EngineConfig(str(tiny_llama_dir), "cpu", max_total_tokens=64, attention_backend=backend)
+        config = EngineConfig(
+            model_path=str(tiny_llama_dir), device="cpu", max_total_tokens=64, attention_backend=backend
+        )
         return model_runner.ModelRunner(tiny_llama_dir, config, max_step_tokens=1024)
 
     assert type(runner("auto").attn_backend) is CpuAttentionBackend
