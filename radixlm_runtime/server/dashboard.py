@@ -205,7 +205,7 @@ class Dashboard:
             raise RequestError("text search is off: the server runs with --dashboard-redact", param="q")
         tokens = SEARCH_TOKENS if query else PREVIEW_TOKENS
         snap = await self.snapshot("tree", max_nodes=max_nodes, max_depth=max_depth, text_tokens=tokens)
-        return await asyncio.to_thread(self._shape_tree, snap, query)
+        return await self.tm.run_cpu(self._shape_tree, snap, query)
 
     def _shape_tree(self, snap: dict[str, Any], query: str | None) -> dict[str, Any]:
         """The scheduler's node columns as one row per node, with their text."""
@@ -227,7 +227,7 @@ class Dashboard:
         snap = await self.snapshot("node", node_id=node_id, text_tokens=PROMPT_TOKENS, max_recent=200)
         if snap["node"] is None:
             raise RequestError(f"no node {node_id} in the radix tree (evicted or split?)", status=404)
-        return await asyncio.to_thread(self._shape_node, snap)
+        return await self.tm.run_cpu(self._shape_node, snap)
 
     def _shape_node(self, snap: dict[str, Any]) -> dict[str, Any]:
         raw = snap["node"]
@@ -237,7 +237,7 @@ class Dashboard:
 
     async def requests(self, max_recent: int) -> dict[str, Any]:
         snap = await self.snapshot("requests", max_recent=max_recent, text_tokens=LIST_PREVIEW_TOKENS)
-        return await asyncio.to_thread(self._shape_requests, snap)
+        return await self.tm.run_cpu(self._shape_requests, snap)
 
     def _shape_requests(self, snap: dict[str, Any]) -> dict[str, Any]:
         return snap | {
@@ -249,7 +249,7 @@ class Dashboard:
         snap = await self.snapshot("request", rid=rid, text_tokens=PROMPT_TOKENS)
         if snap["request"] is None:
             raise RequestError(f"no request {rid!r} is live or among the recent ones", status=404)
-        return {"request": await asyncio.to_thread(self._shape_request, snap["request"], True)}
+        return {"request": await self.tm.run_cpu(self._shape_request, snap["request"], True)}
 
     def _shape_request(self, r: dict[str, Any], split_cached: bool = False) -> dict[str, Any]:
         """A request with its prompt as text: whole (a preview), or split at its cached prefix."""
