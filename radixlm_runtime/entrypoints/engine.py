@@ -89,6 +89,7 @@ class Engine:
             for rid_ in self._step(states):
                 if states[rid_].finished:
                     pending.discard(rid_)
+        self._drain()
         outs = [self._output(states[m.rid], return_text_in_logprobs) for m in messages]
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -111,6 +112,8 @@ class Engine:
         state = states[messages[0].rid]
         while not state.finished:
             if state.req.rid in self._step(states):
+                if state.finished:
+                    self._drain()
                 yield self._output(state, False)
 
     def flush_cache(self) -> bool:
@@ -155,6 +158,13 @@ class Engine:
                 state.apply(out)
                 progressed.add(out.rid)
         return progressed
+
+    def _drain(self) -> None:
+        """Under overlap scheduling the step launched last can serve no live request (its requests
+        finished in the step before it): reads it back, so the engine is idle between calls, its
+        KV and counters settled."""
+        while self.scheduler.has_work() and not self.scheduler.num_live():
+            self.scheduler.step()
 
     def _build_requests(
         self,

@@ -78,13 +78,15 @@ def test_the_largest_prefill_is_split_at_the_context_length() -> None:
     assert [len(it.input_ids) for it in scratch_prefill(20, 512, 4).items] == [20]
 
 
-def test_measured_steps_run_on_any_device(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measured_steps_run_on_any_device(
+    tiny_llama_dir: Path, test_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The two steps measured on CUDA (a full prefill chunk sampled on max_running_requests rows, a
-    decode of the largest graph batch) run on the CPU too, the measurement replaced by a record of
-    what each step returned; the Triton backend (interpreter here) is the graph-capturable one."""
+    decode of the largest graph batch) run on the test device, the measurement replaced by a record of
+    what each step returned; the Triton backend (the interpreter on CPU) is the graph-capturable one."""
     engine = rt.Engine(
         str(tiny_llama_dir),
-        device="cpu",
+        device=test_device.type,
         dtype="float32",
         attention_backend="triton",
         max_total_tokens=256,
