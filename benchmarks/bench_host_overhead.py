@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from common import (
     REPO_ROOT,
+    BenchModel,
     Size,
     Table,
     add_list_flag,
@@ -393,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         notes,
         [figure],
         sizes,
+        BenchModel(args.model),
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from common import (
     REPO_ROOT,
+    BenchModel,
     Size,
     Table,
     add_list_flag,
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         notes,
         [figure],
         sizes,
+        BenchModel(args.model or os.environ.get("RADIXLM_GPU_MODEL")),
     )
 
 

@@ -58,7 +58,10 @@ class BenchModel:
 
     @property
     def label(self) -> str:
-        return DEFAULT_MODEL_LABEL if self.path is None else f"{Path(self.path).name} (GGUF, dequantized)"
+        if self.path is None:
+            return DEFAULT_MODEL_LABEL
+        name = Path(self.path).name
+        return f"{name} (GGUF, dequantized)" if name.endswith(".gguf") else name
 
     def result_name(self, base: str) -> str:
         """The result's name: `base` for the default model, `base_<model>` for another, so a second

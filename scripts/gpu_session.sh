@@ -16,10 +16,12 @@
 #   invariance   bench_invariance.py (bf16 and fp32, default and --deterministic), then the cost of
 #                --deterministic in bench_gpu.py (radixlm sides only)
 #   lease        all of the above but `slow`, cut to fit one call of a 15-minute lease (~9 min): the
-#                GPU-facing tests (kernels in parallel, engines serially), the host time, decode / busy /
-#                few-shot beside transformers eager, transformers compiled at batch 1 and 64, invariance
-#                and the cost of --deterministic; each part stops at its own limit, and everything
-#                under $out is packed into $out/lease.tgz (the device tool returns at most 8 files)
+#                GPU-facing tests (kernels in parallel; engines serially: each engine sizes its KV pool
+#                from the GPU's free memory, so parallel ones starve each other), the host time, decode /
+#                busy / few-shot beside transformers eager, transformers compiled at batch 1 and 64,
+#                invariance and the cost of --deterministic; each part stops at its own limit. At the
+#                end everything but the log is packed into $out/lease.tgz (the device tool returns at
+#                most 8 files, and drops the rest)
 #
 # Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
 # stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
@@ -84,5 +86,6 @@ case "$stage" in
         timeout 50 python3 benchmarks/bench_invariance.py --out-dir "$out" --prompts 8 2>&1 | tee -a "$log"
         timeout 40 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
             --parts decode --batch-sizes 1,64 --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log"
-        tar -czf "$out/lease.tgz" -C "$out" --exclude lease.tgz . ;;
+        tar -czf /tmp/lease.tgz -C "$out" --exclude lease.log . &&
+            find "$out" -type f ! -name lease.log -delete && mv /tmp/lease.tgz "$out/" ;;
 esac
