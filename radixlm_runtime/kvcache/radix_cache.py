@@ -89,11 +89,21 @@ class RadixCache:
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
         self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
+        # Every node in the tree by id, the root's included: the dashboard looks nodes up by id, and a
+        # walk would cost the scheduler time in proportion to the tree.
+        self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
         self._evictable_size = 0
         self._protected_size = 0
 
     def _tick(self) -> float:
         return float(next(self._clock))
+
+    def node(self, node_id: int) -> TreeNode | None:
+        """The node with this id while it is in the tree (split nodes keep their id on the lower part)."""
+        return self._nodes.get(node_id)
+
+    def num_nodes(self) -> int:
+        return len(self._nodes)
 
     def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
         """Longest cached prefix of key: its KV slots and the node the match ends in."""
@@ -161,6 +171,7 @@ class RadixCache:
                 leaf = TreeNode(key[pos:], value[pos:], node, now)
                 _learn_logprobs(leaf, logprobs, top, pos)
                 node.children[key[pos]] = leaf
+                self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
                 return pos
             n = _common_prefix_len(child.key, key, pos)
@@ -208,6 +219,7 @@ class RadixCache:
         child.parent = upper
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
+        self._nodes[upper.id] = upper
         return upper
 
     def record_hit(self, node: TreeNode) -> None:
@@ -256,6 +268,7 @@ class RadixCache:
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[0]]
+            del self._nodes[node.id]
             node.parent = None
             freed.extend(node.value)
             num_freed += len(node.key)
@@ -298,6 +311,7 @@ class RadixCache:
             node.parent = None
         self.allocator.free(values)
         self.root_node.children = {}
+        self._nodes = {self.root_node.id: self.root_node}
         self._evictable_size = 0
 
     def pretty_print(self) -> str:

@@ -30,8 +30,6 @@ KEPT_PROMPT_TOKENS = 4096
 KEPT_OUTPUT_TOKENS = 1024
 # Lock holders named per node (the rest are counted).
 MAX_LOCK_NAMES = 8
-# Nodes a "node" lookup visits at most before it gives up (the tree has no id index).
-MAX_LOOKUP = 200_000
 
 
 @dataclass
@@ -222,25 +220,13 @@ def _lock_holders(tree: RadixCache, log: RequestLog) -> dict[int, list[str]]:
     return holders
 
 
-def _find_node(tree: RadixCache, node_id: int) -> TreeNode | None:
-    stack = [tree.root_node]
-    visited = 0
-    while stack and visited < MAX_LOOKUP:
-        node = stack.pop()
-        if node.id == node_id:
-            return node
-        visited += 1
-        stack.extend(node.children.values())
-    return None
-
-
 def node_snapshot(
     scheduler: Scheduler, log: RequestLog, node_id: int, text_tokens: int, max_recent: int
 ) -> dict[str, Any]:
     """One node: its own tokens and the requests (live, then the most recent first) whose prompt
     runs through it, i.e. starts with the tokens from the root to the end of the node."""
     tree = scheduler.cache.tree
-    node = None if tree is None else _find_node(tree, node_id)
+    node = None if tree is None else tree.node(node_id)
     if tree is None or node is None:
         return {"node": None, "requests": []}
     nodes = _path(tree, node)

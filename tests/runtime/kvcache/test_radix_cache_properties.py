@@ -255,6 +255,17 @@ class RadixCacheMachine(RuleBasedStateMachine):
             assert node.lock_ref == self._lock_count(self._path_of(node))
             stack.extend(node.children.values())
 
+    @invariant()
+    def every_node_is_found_by_id(self) -> None:
+        nodes = [self.cache.root_node]
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        assert self.cache.num_nodes() == len(nodes)
+        assert all(self.cache.node(n.id) is n for n in nodes)
+
 
 RadixCacheMachine.TestCase.settings = settings(
     max_examples=200,
