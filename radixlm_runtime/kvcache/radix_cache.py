@@ -73,16 +73,19 @@ class TreeNode:
         self.hits = 0
         self.accessed_at = time.monotonic()
 
-    def __lt__(self, other: TreeNode) -> bool:
-        # Heap order for eviction: least recently used first, creation order breaks ties.
-        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
-
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
 class RadixCache:
-    """Prefix cache with LRU eviction of unlocked leaves and O(1) size accounting."""
+    """Prefix cache with LRU eviction of unlocked leaves and O(1) size accounting.
+
+    Eviction candidates sit in a heap of (access time, id, node): least recently used first, creation
+    order breaking ties. An entry is pushed
+    whenever a node may have become an unlocked leaf or was touched (a new access time), and checked
+    when popped: entries of nodes since detached, locked, given children or touched again are
+    dropped then. So evict costs O(k log n) for the k nodes it takes, not a walk of every leaf, and
+    the heap is rebuilt from the tree when stale entries outnumber the nodes."""
 
     def __init__(self, allocator: TokenAllocator) -> None:
         self.allocator = allocator
@@ -92,6 +95,7 @@ class RadixCache:
         # Every node in the tree by id, the root's included: the dashboard looks nodes up by id, and a
         # walk would cost the scheduler time in proportion to the tree.
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
+        self._lru: list[tuple[float, int, TreeNode]] = []
         self._evictable_size = 0
         self._protected_size = 0
 
@@ -133,6 +137,7 @@ class RadixCache:
             child.accessed_at = wall
             node = child
             pos += n
+        self._candidate(node)
         return pos, node
 
     def path_slots(self, node: TreeNode) -> list[int]:
@@ -173,6 +178,7 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
+                self._candidate(leaf)
                 return pos
             n = _common_prefix_len(child.key, key, pos)
             if n < len(child.key):
@@ -182,6 +188,7 @@ class RadixCache:
             _learn_logprobs(child, logprobs, top, pos)
             node = child
             pos += n
+        self._candidate(node)
         return pos
 
     def path_logprobs(self, node: TreeNode) -> tuple[list[float], list[TopLogprobs | None]]:
@@ -249,6 +256,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
+                self._candidate(node)
             assert node.parent is not None, "dec_lock_ref on a node detached from the tree"
             node = node.parent
 
@@ -259,12 +267,12 @@ class RadixCache:
         """
         if num_tokens <= 0:
             return 0
-        heap = [n for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
         num_freed = 0
-        while num_freed < num_tokens and heap:
-            node = heapq.heappop(heap)
+        while num_freed < num_tokens and self._lru:
+            touched, _, node = heapq.heappop(self._lru)
+            if not self._is_candidate(node, touched):
+                continue
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[0]]
@@ -273,21 +281,35 @@ class RadixCache:
             freed.extend(node.value)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
-            if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+            self._candidate(parent)
         self.allocator.free(freed)
         return num_freed
 
-    def _leaves(self) -> list[TreeNode]:
-        leaves: list[TreeNode] = []
-        stack = list(self.root_node.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                leaves.append(node)
-        return leaves
+    def _candidate(self, node: TreeNode) -> None:
+        """Queues node for eviction if it is an unlocked leaf now, at its current access time."""
+        if node.lock_ref == 0 and not node.children and node is not self.root_node:
+            heapq.heappush(self._lru, (node.last_access_time, node.id, node))
+            if len(self._lru) > 2 * len(self._nodes) + 64:
+                self._rebuild_lru()
+
+    @staticmethod
+    def _is_candidate(node: TreeNode, touched: float) -> bool:
+        """Whether an entry queued at access time `touched` still stands: node in the tree, an
+        unlocked leaf, not touched since (touching queued a newer entry)."""
+        return (
+            node.parent is not None
+            and node.lock_ref == 0
+            and not node.children
+            and node.last_access_time == touched
+        )
+
+    def _rebuild_lru(self) -> None:
+        self._lru = [
+            (n.last_access_time, n.id, n)
+            for n in self._nodes.values()
+            if n is not self.root_node and n.lock_ref == 0 and not n.children
+        ]
+        heapq.heapify(self._lru)
 
     def evictable_size(self) -> int:
         return self._evictable_size
@@ -312,6 +334,7 @@ class RadixCache:
         self.allocator.free(values)
         self.root_node.children = {}
         self._nodes = {self.root_node.id: self.root_node}
+        self._lru = []
         self._evictable_size = 0
 
     def pretty_print(self) -> str:

@@ -8,6 +8,7 @@ fresh slots) and bare locks. After every step the tree must agree with the model
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
@@ -52,6 +53,40 @@ def _tree_contents(cache: RadixCache) -> dict[Prefix, int]:
                 out[path] = slot
             stack.append((child, path))
     return out
+
+
+def _lru_eviction(cache: RadixCache, n: int) -> set[Prefix]:
+    """The cached token prefixes evict(n) must take, by the definition: repeatedly the unlocked leaf
+    least recently used (creation order breaking ties) until n tokens are freed, a parent whose last
+    child went joining the candidates. Computed from a walk of the tree, as evict did before it kept
+    its candidates in a heap."""
+    children: dict[int, int] = {}
+    parent_of: dict[int, TreeNode] = {}
+    paths: dict[int, Prefix] = {}
+    heap: list[tuple[float, int, TreeNode]] = []
+    stack: list[tuple[TreeNode, Prefix]] = [(cache.root_node, ())]
+    while stack:
+        node, prefix = stack.pop()
+        children[node.id] = len(node.children)
+        for child in node.children.values():
+            path = (*prefix, *child.key)
+            parent_of[child.id], paths[child.id] = node, path
+            if not child.children and child.lock_ref == 0:
+                heap.append((child.last_access_time, child.id, child))
+            stack.append((child, path))
+    heapq.heapify(heap)
+    taken: set[Prefix] = set()
+    freed = 0
+    while freed < n and heap:
+        _, _, node = heapq.heappop(heap)
+        path = paths[node.id]
+        taken.update(path[: len(path) - len(node.key) + i + 1] for i in range(len(node.key)))
+        freed += len(node.key)
+        parent = parent_of[node.id]
+        children[parent.id] -= 1
+        if parent is not cache.root_node and children[parent.id] == 0 and parent.lock_ref == 0:
+            heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+    return taken
 
 
 def _is_attached(cache: RadixCache, node: TreeNode) -> bool:
@@ -200,6 +235,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         locked = self._locked_slots()
         evictable = self.cache.evictable_size()
         available = self.alloc.available_size()
+        expected = _lru_eviction(self.cache, n)
         freed = self.cache.evict(n)
         after = self._tree()
         assert all(before.get(path) == slot for path, slot in after.items())
@@ -208,6 +244,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert self.alloc.available_size() == available + freed
         assert freed >= min(n, evictable)
         assert not locked & set(removed.values())
+        assert set(removed) == expected, "evict did not take the least recently used leaves"
         for path in removed:
             del self.model[path]
 
