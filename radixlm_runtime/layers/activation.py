@@ -1,5 +1,6 @@
-"""SwiGLU and GeGLU on a fused gate/up projection. SwiGLU: one Triton kernel on CUDA, one pass of the
-fused CPU kernel for float32 CPU rows, torch ops elsewhere (and as the reference)."""
+"""SwiGLU and GeGLU on a fused gate/up projection: one pass of the fused CPU kernel for float32 CPU rows
+(the one-call C++ decoder runs the same kernel, so both paths give the same bits), one Triton kernel on
+CUDA for SwiGLU, torch ops elsewhere (and as the reference)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,14 @@ class SiluAndMul(nn.Module):
 
 
 class GeluAndMul(nn.Module):
-    """GeGLU (Gemma): gelu(gate) * up with the tanh approximation, in torch ops on every device."""
+    """GeGLU (Gemma): gelu(gate) * up with the tanh approximation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and fused_cpu.supports(x):
+            return fused_cpu.gelu_tanh_and_mul(x)
+        return self.reference(x)
+
+    @staticmethod
+    def reference(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh").mul_(up)

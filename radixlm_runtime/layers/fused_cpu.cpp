@@ -1,5 +1,6 @@
 // Fused elementwise ops of the decoder layer for CPUs, float32: RMSNorm with the residual add,
-// rotary embedding of q and k in place, SiLU-and-mul.
+// per-head RMSNorm of q and k in place (Qwen3, Gemma 3), rotary embedding of q and k in place,
+// SiLU-and-mul and GELU(tanh)-and-mul.
 //
 // In torch each of these is 3-10 passes over the activations and as many op dispatches; at decode
 // (one row per request) the dispatches, not the arithmetic, are the cost. Each op here is one pass
@@ -59,6 +60,17 @@ void silu_mul_row_scalar(const float* gate_up, float* out, int64_t inter) {
     const float g = gate_up[i];
     out[i] = g / (1.0f + expf(-g)) * up[i];
   }
+}
+
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): the
+// sigmoid form needs one exp and, unlike 1 + tanh, does not cancel for negative g.
+constexpr float kGeluTwoBeta = 2.0f * 0.7978845608028654f, kGeluKappa = 0.044715f;
+
+inline float gelu_tanh(float g) { return g / (1.0f + expf(-kGeluTwoBeta * (g + kGeluKappa * (g * g * g)))); }
+
+void gelu_tanh_mul_row_scalar(const float* gate_up, float* out, int64_t inter) {
+  const float* up = gate_up + inter;
+  for (int64_t i = 0; i < inter; ++i) out[i] = gelu_tanh(gate_up[i]) * up[i];
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA
@@ -128,6 +140,24 @@ SIMD_AVX2 void silu_mul_row_avx2(const float* gate_up, float* out, int64_t inter
   }
 }
 
+SIMD_AVX2 void gelu_tanh_mul_row_avx2(const float* gate_up, float* out, int64_t inter) {
+  const float* up = gate_up + inter;
+  const __m256 one = _mm256_set1_ps(1.0f), minus_two_beta = _mm256_set1_ps(-kGeluTwoBeta);
+  const __m256 kappa = _mm256_set1_ps(kGeluKappa);
+  int64_t i = 0;
+  for (; i + 8 <= inter; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate_up + i);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 minus_two_u = _mm256_mul_ps(minus_two_beta, _mm256_fmadd_ps(kappa, cube, g));
+    const __m256 denom = _mm256_add_ps(one, exp_avx2(minus_two_u));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, denom), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < inter; ++i) out[i] = gelu_tanh(gate_up[i]) * up[i];
+}
+
+// The gated activations by rf_gated_act's `act`.
+enum Activation : int { kSilu = 0, kGeluTanh = 1 };
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +180,27 @@ void rf_rms_norm(const float* x, int64_t x_stride, float* residual, const float*
   }
 }
 
+// RMSNorm in place over each head (of `head_dim`) of each row of x: the first q_heads heads with
+// q_weight, the next kv_heads with k_weight (q and k of a fused projection's output, before rotary).
+void rf_head_rms_norm(float* x, int64_t x_stride, int64_t rows, int64_t q_heads, int64_t kv_heads,
+                      int64_t head_dim, const float* q_weight, const float* k_weight, float eps, int mode,
+                      int threads) {
+  const bool vec = simd::use_avx2(mode);
+  const int64_t heads = q_heads + kv_heads;
+#pragma omp parallel for schedule(static) num_threads(pick_threads(rows * heads * head_dim, threads))
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < heads; ++h) {
+      float* head = x + r * x_stride + h * head_dim;
+      const float* w = h < q_heads ? q_weight : k_weight;
+      if (vec) {
+        rms_norm_row_avx2(head, nullptr, w, head, head_dim, eps);
+      } else {
+        rms_norm_row_scalar(head, nullptr, w, head, head_dim, eps);
+      }
+    }
+  }
+}
+
 // Rotates the first `heads` heads (of `head_dim`) of each row of x in place, neox style (the two
 // halves of a head are the pairs). cos and sin are [rows, head_dim / 2], row r's position's entries.
 void rf_rope(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t rows, int64_t heads,
@@ -166,17 +217,15 @@ void rf_rope(float* x, int64_t x_stride, const float* cos, const float* sin, int
   }
 }
 
-// out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up is [rows, 2 * inter].
-void rf_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter, int mode, int threads) {
+// out[r, i] = act(gate_up[r, i]) * gate_up[r, inter + i]; gate_up is [rows, 2 * inter]; act 0 SiLU,
+// 1 GELU with the tanh approximation.
+void rf_gated_act(const float* gate_up, float* out, int64_t rows, int64_t inter, int act, int mode, int threads) {
   const bool vec = simd::use_avx2(mode);
+  using Row = void (*)(const float*, float*, int64_t);
+  const Row row = act == kGeluTanh ? (vec ? gelu_tanh_mul_row_avx2 : gelu_tanh_mul_row_scalar)
+                                   : (vec ? silu_mul_row_avx2 : silu_mul_row_scalar);
 #pragma omp parallel for schedule(static) num_threads(pick_threads(rows * inter, threads))
-  for (int64_t r = 0; r < rows; ++r) {
-    if (vec) {
-      silu_mul_row_avx2(gate_up + r * 2 * inter, out + r * inter, inter);
-    } else {
-      silu_mul_row_scalar(gate_up + r * 2 * inter, out + r * inter, inter);
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) row(gate_up + r * 2 * inter, out + r * inter, inter);
 }
 
 }  // extern "C"

@@ -1,6 +1,7 @@
-"""Bindings of fused_cpu.cpp: RMSNorm with the residual add, rotary in place, SiLU-and-mul in one
-pass each for float32 CPU tensors. The layers call them where `supports` says so and keep their torch
-code as the reference (and the path for other devices and dtypes)."""
+"""Bindings of fused_cpu.cpp: RMSNorm with the residual add, per-head q/k RMSNorm in place, rotary in
+place, SiLU-and-mul and GELU(tanh)-and-mul, in one pass each for float32 CPU tensors. The layers call
+them where `supports` says so and keep their torch code as the reference (and the path for other
+devices and dtypes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ logger = get_logger(__name__)
 _SOURCE = Path(__file__).with_name("fused_cpu.cpp")
 # Kernel modes: the portable loop, or the AVX2+FMA path where the CPU has it.
 SCALAR, SIMD = 0, 1
+# rf_gated_act's activations.
+SILU, GELU_TANH = 0, 1
 
 
 @functools.cache
@@ -31,9 +34,10 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.rf_has_avx2_fma.restype = c_int
     lib.rf_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, f32, c_int, c_int]
+    lib.rf_head_rms_norm.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, f32, c_int, c_int]
     lib.rf_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int, c_int]
-    lib.rf_silu_mul.argtypes = [ptr, ptr, i64, i64, c_int, c_int]
-    for fn in (lib.rf_rms_norm, lib.rf_rope, lib.rf_silu_mul):
+    lib.rf_gated_act.argtypes = [ptr, ptr, i64, i64, c_int, c_int, c_int]
+    for fn in (lib.rf_rms_norm, lib.rf_head_rms_norm, lib.rf_rope, lib.rf_gated_act):
         fn.restype = None
     return lib
 
@@ -111,16 +115,57 @@ def rope_(
     )
 
 
+def head_rms_norm_(
+    x: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    mode: int | None = None,
+) -> None:
+    """RMSNorm in place over each head of x [T, W] (rows of contiguous elements): the first q_heads
+    heads of head_dim with q_weight, the next kv_heads with k_weight (Qwen3's and Gemma 3's q/k norms
+    on a fused projection's output)."""
+    if (q_heads + kv_heads) * head_dim > x.shape[1] or x.stride(-1) != 1:
+        raise ValueError(f"{q_heads + kv_heads} heads of {head_dim} do not fit rows of {x.shape[1]}")
+    _lib().rf_head_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        q_heads,
+        kv_heads,
+        head_dim,
+        q_weight.data_ptr(),
+        k_weight.data_ptr(),
+        eps,
+        default_mode() if mode is None else mode,
+        torch.get_num_threads(),
+    )
+
+
 def silu_and_mul(gate_up: torch.Tensor, mode: int | None = None) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2I] (contiguous), gate first."""
+    """silu(gate) * up for gate_up [T, 2I], gate first."""
+    return gated_act(gate_up, SILU, mode)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, mode: int | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up [T, 2I], gate first (Gemma's GeGLU)."""
+    return gated_act(gate_up, GELU_TANH, mode)
+
+
+def gated_act(gate_up: torch.Tensor, act: int, mode: int | None = None) -> torch.Tensor:
+    """act(gate) * up for gate_up [T, 2I] (contiguous), gate first; act SILU or GELU_TANH."""
     rows, width = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(rows, width // 2, dtype=torch.float32)
-    _lib().rf_silu_mul(
+    _lib().rf_gated_act(
         gate_up.data_ptr(),
         out.data_ptr(),
         rows,
         width // 2,
+        act,
         default_mode() if mode is None else mode,
         torch.get_num_threads(),
     )

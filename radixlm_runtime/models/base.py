@@ -20,6 +20,7 @@ from torch import nn
 
 from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.layers import fused_cpu
 from radixlm_runtime.layers.activation import GeluAndMul, SiluAndMul
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
@@ -77,7 +78,20 @@ class Attention(nn.Module):
         self, rope: CosSin, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if self.qk_norm is None:
+        fused_norm = self.fused_head_norm(qkv)
+        if fused_norm:
+            # In place in the projection's output, then rotated there as a plain layer's q and k are:
+            # the kernels (and order) the one-call C++ decoder runs.
+            fused_cpu.head_rms_norm_(
+                qkv,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.q_norm.eps,
+            )
+        if self.qk_norm is None or fused_norm:
             q, k, v = RotaryEmbedding.split_qkv(rope, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -92,6 +106,16 @@ class Attention(nn.Module):
             v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = attn.forward(q, k, v.contiguous(), self.layer_id, batch)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def fused_head_norm(self, qkv: torch.Tensor) -> bool:
+        """Whether the per-head q/k norms run on the fused CPU kernel (float32 CPU rows and weights)."""
+        return (
+            self.qk_norm == "head"
+            and qkv.dim() == 2
+            and fused_cpu.supports(qkv)
+            and self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32
+            and self.q_norm.eps == self.k_norm.eps
+        )
 
     def load_shard(self, shard: str, weight: torch.Tensor, bias: bool) -> None:
         offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
@@ -277,7 +301,7 @@ class DecoderForCausalLM(nn.Module):
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         ropes = [rotary.cos_sin(batch.positions) for rotary in self.rotaries]
         if self.cpu_decoder is not None:
-            hidden, residual = self.cpu_decoder.forward(hidden, ropes[0], batch)
+            hidden, residual = self.cpu_decoder.forward(hidden, ropes, batch)
         else:
             residual = None
             for layer, table in zip(self.layers, self.layer_rotary):

@@ -16,6 +16,9 @@ from radixlm_runtime.models.registry import register
 
 
 class _Gemma(DecoderForCausalLM):
+    # Sandwich norms, GeGLU and per-layer rotary tables are in the one-call C++ decoder's loop; the
+    # embedding scale and final soft-cap stay in Python around it.
+    supports_cpu_decoder = True
     qk_norm: str | None = None
     # Every how many layers a global one comes, for configs that list no layer_types.
     global_every = 2

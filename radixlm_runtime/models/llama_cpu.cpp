@@ -1,18 +1,22 @@
-// The Llama decoder stack in one call, for float32 activations on CPUs with linears on linear_cpu.cpp's
-// kernels (float32 panels or weight-only int8/int4): every layer's norm, projections, rotary, KV store,
-// attention and MLP.
+// The decoder stack of Llama-shaped models in one call, for float32 activations on CPUs with linears on
+// linear_cpu.cpp's kernels (float32 panels or weight-only int8/int4): every layer's norms, projections,
+// q/k norms, rotary, KV store, attention and gated MLP. Serves Llama/Mistral/Qwen2, Qwen3 (per-head q/k
+// norms) and Gemma 2/3 (four norms a layer, GeGLU, a rotary table per layer type).
 //
 // Per layer the Python path makes about ten calls into the C++ kernels (norms, four linears,
-// rotary, KV store, attention, SiLU-and-mul) plus their torch wrappers: at one decode token the
+// rotary, KV store, attention, the gated activation) plus their torch wrappers: at one decode token the
 // interpreter's share of those, ~2.5 ms a step over 30 layers, is a fifth of the step. This file
 // compiles the same kernels into one library (a unity build of their sources) and chains them here, so
 // a step crosses from Python once and its results are bit-identical to the Python path's: the same
 // kernels on the same buffers in the same order.
 //
 // Each layer arrives as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
-//   0 input_norm, 1 post_norm, 2 qkv_bias (0: none), 3 k_buf, 4 v_buf, 5 the attention's sliding window
-//   (0: none), then four linears (qkv, o, gate_up, down) of 7 values each: q (or float32 panels), scales,
-//   mins (0: none), n, group, bits, k;
+//   0 input_norm, 1 post_attention_norm, 2 pre_feedforward_norm and 3 post_feedforward_norm (Gemma's
+//   sandwich norms; 0: a plain pre-norm layer), 4 q_norm and 5 k_norm (per head; 0: none), 6 qkv_bias
+//   (0: none), 7 k_buf, 8 v_buf, 9 the attention's sliding window (0: none), 10 the layer's rotary table
+//   (an index into cos / sin), 11 the MLP's activation (fused_cpu.cpp's Activation), then four linears
+//   (qkv, o, gate_up, down) of 7 values each: q (or float32 panels), scales, mins (0: none), n, group,
+//   bits, k;
 // and kAttentionFloats float32 values: 0 the attention's scale, 1 its logit soft-cap (0: none).
 
 #include "../attention/cpu_attention.cpp"
@@ -22,7 +26,7 @@
 namespace {
 
 constexpr int64_t kLinearFields = 7;
-constexpr int64_t kLinearsAt = 6;
+constexpr int64_t kLinearsAt = 12;
 constexpr int64_t kFields = kLinearsAt + 4 * kLinearFields;
 constexpr int64_t kAttentionFloats = 2;
 
@@ -63,9 +67,10 @@ void run_linear(const Weights& w, const float* x, int64_t m, float* y, int mode,
 extern "C" {
 
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
-// stream out (the model's final norm adds the two). cos, sin [T, D / 2]. loc [T]: the new tokens' KV
-// slots. table, requests, groups, members: as ca_decode takes them. Modes: the linears' kernel (rq_linear),
-// the fused ops' and the attention's (0 scalar, 1 SIMD). layers and attention: per layer, see the top.
+// stream out (the model's final norm adds the two). cos, sin [tables, T, D / 2]. loc [T]: the new tokens'
+// KV slots. table, requests, groups, members: as ca_decode takes them. Modes: the linears' kernel
+// (rq_linear), the fused ops' and the attention's (0 scalar, 1 SIMD). layers and attention: per layer,
+// see the top. Every op runs as the Python layer (models/base.py) runs it, in its order.
 void lc_forward(const int64_t* layers, const float* attention, int64_t num_layers, int64_t hidden_size,
                 int64_t inter, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, float* hidden,
                 float* residual, int64_t tokens, const float* cos, const float* sin, const int64_t* loc,
@@ -73,7 +78,7 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
                 const int64_t* groups, int64_t num_groups, const int64_t* members, int linear_mode,
                 int fused_mode, int attention_mode, int threads) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
+  const int64_t qkv_width = q_width + 2 * kv_width, rope_stride = tokens * (head_dim / 2);
   static thread_local Buffers b;
   b.fit(tokens, hidden_size, qkv_width, q_width, inter);
   float *x = b.x.data(), *qkv = b.qkv.data(), *attn = b.attn.data();
@@ -84,27 +89,46 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
     const Weights qkv_w = linear_at(f + kLinearsAt), o_w = linear_at(f + kLinearsAt + kLinearFields);
     const Weights gate_up_w = linear_at(f + kLinearsAt + 2 * kLinearFields);
     const Weights down_w = linear_at(f + kLinearsAt + 3 * kLinearFields);
+    const bool sandwich = f[2] != 0;
     rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[0]), x, tokens, hidden_size, eps, fused_mode,
                 threads);
     run_linear(qkv_w, x, tokens, qkv, linear_mode, threads);
-    if (f[2]) {
-      const float* bias = ptr<const float>(f[2]);
+    if (f[6]) {
+      const float* bias = ptr<const float>(f[6]);
       for (int64_t t = 0; t < tokens; ++t) {
         for (int64_t i = 0; i < qkv_width; ++i) qkv[t * qkv_width + i] += bias[i];
       }
     }
-    rf_rope(qkv, qkv_width, cos, sin, tokens, q_heads + kv_heads, head_dim, fused_mode, threads);
-    float *k_buf = ptr<float>(f[3]), *v_buf = ptr<float>(f[4]);
+    if (f[4]) {
+      rf_head_rms_norm(qkv, qkv_width, tokens, q_heads, kv_heads, head_dim, ptr<const float>(f[4]),
+                       ptr<const float>(f[5]), eps, fused_mode, threads);
+    }
+    rf_rope(qkv, qkv_width, cos + f[10] * rope_stride, sin + f[10] * rope_stride, tokens, q_heads + kv_heads,
+            head_dim, fused_mode, threads);
+    float *k_buf = ptr<float>(f[7]), *v_buf = ptr<float>(f[8]);
     ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_width, k_buf,
                 v_buf, threads);
     ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, q_heads, kv_heads, head_dim, table, table_stride,
-              requests, num_reqs, groups, num_groups, members, a[0], f[5], a[1], attention_mode, threads);
+              requests, num_reqs, groups, num_groups, members, a[0], f[9], a[1], attention_mode, threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
-    rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[1]), x, tokens, hidden_size, eps, fused_mode,
-                threads);
+    if (sandwich) {
+      // The attention's output normed on its own (in place), then added into the stream by the
+      // pre-feedforward norm.
+      rf_rms_norm(hidden, hidden_size, nullptr, ptr<const float>(f[1]), hidden, tokens, hidden_size, eps,
+                  fused_mode, threads);
+      rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[2]), x, tokens, hidden_size, eps, fused_mode,
+                  threads);
+    } else {
+      rf_rms_norm(hidden, hidden_size, residual, ptr<const float>(f[1]), x, tokens, hidden_size, eps, fused_mode,
+                  threads);
+    }
     run_linear(gate_up_w, x, tokens, b.gate_up.data(), linear_mode, threads);
-    rf_silu_mul(b.gate_up.data(), b.act.data(), tokens, inter, fused_mode, threads);
+    rf_gated_act(b.gate_up.data(), b.act.data(), tokens, inter, static_cast<int>(f[11]), fused_mode, threads);
     run_linear(down_w, b.act.data(), tokens, hidden, linear_mode, threads);
+    if (sandwich) {
+      rf_rms_norm(hidden, hidden_size, nullptr, ptr<const float>(f[3]), hidden, tokens, hidden_size, eps,
+                  fused_mode, threads);
+    }
   }
 }
 

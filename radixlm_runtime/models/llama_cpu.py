@@ -1,11 +1,15 @@
-"""The decoder stack of a Llama in one C++ call on the CPU (llama_cpu.cpp).
+"""The decoder stack of a Llama-shaped model in one C++ call on the CPU (llama_cpu.cpp).
 
-Serves a forward when every decoder linear runs on the CPU linear kernels (float32 panels or
-weight-only int8/int4), the activations are float32 on the CPU and attention runs on the C++ CPU
-backend: then each layer is nothing but calls into the C++ kernels, and making them from C++ instead of
-Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step). The outputs
-are bit-identical to the Python path's: the same kernels in the same order. Everything else
-(embeddings, final norm, lm_head, --deterministic's per-token attention) stays in Python.
+Serves a forward when the family declares `supports_cpu_decoder`, every layer's ops are ones the C++
+loop has (pre-norm or Gemma's sandwich norms, per-head q/k norms, SwiGLU or GeGLU, a rotary table per
+layer type, per-layer windows and soft-caps), every decoder linear runs on the CPU linear kernels
+(float32 panels or weight-only int8/int4), the activations are float32 on the CPU and attention runs on
+the C++ CPU backend: then each layer is nothing but calls into the C++ kernels, and making them from C++
+instead of Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step).
+The outputs are bit-identical to the Python path's: the same kernels in the same order. Everything else
+(embeddings and their scale, final norm, lm_head, --deterministic's per-token attention) stays in
+Python. A model with an op the loop lacks is refused with the reason logged, and its layers run from
+Python.
 """
 
 from __future__ import annotations
@@ -22,18 +26,22 @@ from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers import fused_cpu
+from radixlm_runtime.layers.activation import GeluAndMul, SiluAndMul
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import kernel_mode
 from radixlm_runtime.layers.rotary import CosSin
+from radixlm_runtime.models.base import GatedMLP
 from radixlm_runtime.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from radixlm_runtime.models.base import DecoderLayer
-    from radixlm_runtime.models.llama import LlamaForCausalLM
+    from radixlm_runtime.layers.norm import RMSNorm
+    from radixlm_runtime.models.base import DecoderForCausalLM, DecoderLayer
 
 logger = get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("llama_cpu.cpp")
+# The MLP activations the C++ loop runs, as fused_cpu.cpp numbers them.
+_ACTIVATIONS = {SiluAndMul: fused_cpu.SILU, GeluAndMul: fused_cpu.GELU_TANH}
 
 
 @functools.cache
@@ -70,6 +78,39 @@ def _linears(layer: DecoderLayer) -> tuple[Linear, Linear, Linear, Linear]:
     return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
+def _norm_slots(layer: DecoderLayer) -> list[RMSNorm | None]:
+    """The layer's RMSNorms in the order llama_cpu.cpp reads them, None where the layer has none:
+    input, post-attention, pre- and post-feedforward (Gemma's sandwich), q and k (per head)."""
+    attn = layer.self_attn
+    sandwich = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if layer.sandwich else ()
+    qk = (attn.q_norm, attn.k_norm) if attn.qk_norm is not None else ()
+    return [
+        layer.input_layernorm,
+        layer.post_attention_layernorm,
+        *(sandwich or (None, None)),
+        *(qk or (None, None)),
+    ]
+
+
+def _unsupported(model: DecoderForCausalLM) -> str | None:
+    """Why llama_cpu.cpp cannot run this model's layers as the Python path does, or None if it can."""
+    eps = model.layers[0].input_layernorm.eps
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer.mlp, GatedMLP) or type(layer.mlp.act) not in _ACTIVATIONS:
+            return f"layer {i}'s MLP is not a gated MLP with SiLU or GELU(tanh)"
+        if layer.self_attn.qk_norm not in (None, "head"):
+            return f"layer {i} normalizes q/k over {layer.self_attn.qk_norm!r}, not per head"
+        linears = _linears(layer)
+        if any(lin.kernel_weight is None or lin.row_block for lin in linears):
+            return f"layer {i} has a linear off the CPU linear kernels"
+        if any(lin.bias is not None for lin in linears[1:]):
+            return f"layer {i} has an o_proj or MLP bias"
+        for norm in filter(None, _norm_slots(layer)):
+            if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu" or norm.eps != eps:
+                return f"layer {i} has a norm that is not float32 on the CPU with eps {eps}"
+    return None
+
+
 def _linear_fields(linear: Linear) -> list[int]:
     """The linear kernel's weight arguments, then in_features (see llama_cpu.cpp)."""
     w = linear.kernel_weight
@@ -80,21 +121,24 @@ def _linear_fields(linear: Linear) -> list[int]:
 class LlamaCpuDecoder:
     """Built by `build` where the model and attention backend qualify; holds the layers' weight
     pointers (the tensors are never replaced after loading, and the model keeps them alive) and
-    attention parameters (each layer its own: a sliding window on some layers only, Qwen2's)."""
+    attention parameters (each layer its own: a sliding window on some layers only, Qwen2's and
+    Gemma's)."""
 
-    def __init__(self, model: LlamaForCausalLM, attn: CpuAttentionBackend) -> None:
+    def __init__(self, model: DecoderForCausalLM, attn: CpuAttentionBackend) -> None:
         config = model.config
         rows = []
-        for i, (layer, params) in enumerate(zip(model.layers, attn.layers)):
+        for i, (layer, params, rotary) in enumerate(zip(model.layers, attn.layers, model.layer_rotary)):
+            norms = [0 if norm is None else norm.weight.data_ptr() for norm in _norm_slots(layer)]
             bias = layer.self_attn.qkv_proj.bias
             rows.append(
-                [
-                    layer.input_layernorm.weight.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
+                norms
+                + [
                     0 if bias is None else bias.data_ptr(),
                     attn.kv_pool.k_buffers[i].data_ptr(),
                     attn.kv_pool.v_buffers[i].data_ptr(),
                     params.sliding_window or 0,
+                    rotary,
+                    _ACTIVATIONS[type(layer.mlp.act)],
                 ]
                 + [f for lin in _linears(layer) for f in _linear_fields(lin)]
             )
@@ -115,23 +159,16 @@ class LlamaCpuDecoder:
         self.fused_mode = fused_cpu.default_mode()
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
+    def build(cls, model: DecoderForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
         """The decoder for this model, or None where it cannot serve (and the Python path runs)."""
-        # Plain Llama layers only (a family with q/k norms, sandwich norms or GeGLU has ops the C++ loop
-        # lacks), all rotating with one table.
-        if not model.supports_cpu_decoder or len(model.rotaries) != 1:
+        if not model.supports_cpu_decoder:
             return None
         if not isinstance(attn, CpuAttentionBackend) or attn.per_token:
             return None
-        for layer in model.layers:
-            linears = _linears(layer)
-            if any(lin.kernel_weight is None or lin.row_block for lin in linears):
-                return None
-            if any(lin.bias is not None for lin in linears[1:]):
-                return None
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
-                return None
+        reason = _unsupported(model)
+        if reason is not None:
+            logger.info("the one-call CPU decoder does not serve this model (%s); Python runs it", reason)
+            return None
         if not fused_cpu.supports(model.layers[0].input_layernorm.weight[None]):
             return None
         try:
@@ -142,13 +179,17 @@ class LlamaCpuDecoder:
         return cls(model, attn)
 
     def forward(
-        self, hidden: torch.Tensor, rope: CosSin, batch: ForwardBatch
+        self, hidden: torch.Tensor, ropes: list[CosSin], batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H] (the embeddings; overwritten) -> (last MLP output, residual stream)."""
+        """hidden [T, H] (the embeddings; overwritten) and the step's rows of each rotary table ->
+        (last MLP output, residual stream)."""
         if not hidden.is_contiguous():
             hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
-        cos, sin = (t.squeeze(1).contiguous() for t in rope)
+        if len(ropes) == 1:
+            cos, sin = (t.contiguous() for t in ropes[0])
+        else:
+            cos, sin = (torch.stack(tables) for tables in zip(*ropes))
         tokens = hidden.shape[0]
         layers, hidden_size, inter, q_heads, kv_heads, head_dim = self.shape
         table = self.attn.req_to_token

@@ -9,6 +9,8 @@ from radixlm_runtime.models.registry import register
 
 @register("Qwen3ForCausalLM", model_types=("qwen3",))
 class Qwen3ForCausalLM(DecoderForCausalLM):
+    supports_cpu_decoder = True
+
     def make_layer(self, config: ModelConfig, layer_id: int) -> DecoderLayer:
         bias = config.attention_bias
         attn = Attention(config, layer_id, qkv_bias=bias, o_bias=bias, qk_norm="head")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm_runtime.layers import fused_cpu
-from radixlm_runtime.layers.activation import SiluAndMul
+from radixlm_runtime.layers.activation import GeluAndMul, SiluAndMul
 from radixlm_runtime.layers.norm import RMSNorm
 from radixlm_runtime.layers.rotary import RotaryEmbedding, build_rotary
 
@@ -72,15 +72,48 @@ def test_silu_and_mul(mode: int, rows: int, inter: int) -> None:
     torch.testing.assert_close(fused_cpu.silu_and_mul(x, mode=mode), F.silu(gate) * up, **TOL)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows, inter", [(1, 2048), (9, 13), (64, 200)])
+def test_gelu_tanh_and_mul(mode: int, rows: int, inter: int) -> None:
+    """Against float64 GeGLU: float32 torch's 1 + tanh cancels to 0 for gates below about -5, where the
+    kernel's sigmoid form keeps the (tiny) value."""
+    gen = torch.Generator().manual_seed(inter)
+    # Gates over the range where exp over/underflows too.
+    x = torch.randn(rows, 2 * inter, generator=gen) * 30
+    gate, up = x.double().chunk(2, dim=-1)
+    want = (F.gelu(gate, approximate="tanh") * up).float()
+    torch.testing.assert_close(fused_cpu.gelu_tanh_and_mul(x, mode=mode), want, **TOL)
+    torch.testing.assert_close(GeluAndMul.reference(x), want, atol=1e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head_dim", [256, 20])
+def test_head_rms_norm_normalizes_q_and_k_heads_in_place(mode: int, head_dim: int) -> None:
+    """Each q head by the q norm's weight, each k head by the k norm's, v untouched: as the layer's
+    RMSNorms do over the heads reshaped to rows (Qwen3's and Gemma 3's q/k norms)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    q_norm.weight.data = torch.randn(head_dim, generator=gen)
+    k_norm.weight.data = torch.randn(head_dim, generator=gen)
+    qkv = torch.randn(5, (4 + 2 * 1) * head_dim, generator=gen)
+    q, k, v = qkv.clone().split([4 * head_dim, head_dim, head_dim], dim=-1)
+    fused_cpu.head_rms_norm_(qkv, q_norm.weight, k_norm.weight, 4, 1, head_dim, 1e-6, mode=mode)
+    torch.testing.assert_close(
+        qkv[:, : 4 * head_dim], q_norm.reference(q.reshape(-1, head_dim)).view(5, -1), **TOL
+    )
+    torch.testing.assert_close(qkv[:, 4 * head_dim : 5 * head_dim], k_norm.reference(k), **TOL)
+    torch.testing.assert_close(qkv[:, 5 * head_dim :], v)
+
+
 def test_layers_dispatch_to_the_fused_path_only_for_float32_cpu_rows() -> None:
     torch.manual_seed(0)
     x = torch.randn(3, 2 * 16)
-    act = SiluAndMul()
-    torch.testing.assert_close(act(x), act.reference(x), **TOL)
-    # bfloat16 takes the torch path (the kernels are float32 only) and still computes SwiGLU.
-    xb = x.bfloat16()
-    assert not fused_cpu.supports(xb)
-    torch.testing.assert_close(act(xb).float(), act.reference(x), atol=5e-2, rtol=5e-2)
+    for act in (SiluAndMul(), GeluAndMul()):
+        torch.testing.assert_close(act(x), act.reference(x.clone()), **TOL)
+        # bfloat16 takes the torch path (the kernels are float32 only) and still computes the activation.
+        xb = x.bfloat16()
+        assert not fused_cpu.supports(xb)
+        torch.testing.assert_close(act(xb).float(), act.reference(x.clone()), atol=5e-2, rtol=5e-2)
     rotary = build_rotary(None, head_dim=8, theta=10000.0, scaling=None, max_positions=16)
     cs = rotary.cos_sin(torch.tensor([3, 4, 5]))
     qkv = torch.randn(3, (2 + 2 * 1) * 8)

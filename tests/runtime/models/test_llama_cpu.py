@@ -1,19 +1,27 @@
 """The one-call C++ decoder stack (models/llama_cpu.py): bit-identical to the Python layer loop it
 replaces, on a workload that reaches every kernel path it chains (prefill chunks, cached prefixes,
 decode batches below and above the quantized GEMM's panel threshold), float32 and quantized, with each
-layer's own attention parameters (sliding windows, soft-caps), and used only where it can serve. On
-the CPU whatever the test device: it runs the C++ CPU kernels."""
+layer's own attention parameters (sliding windows, soft-caps), on every family that declares it
+(Llama, Qwen2, Qwen3's q/k norms, Gemma 2/3's sandwich norms, GeGLU and per-layer rotary tables),
+greedy-equal to transformers, and used only where it can serve. On the CPU whatever the test device:
+it runs the C++ CPU kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from family_models import build_family_dir
 
 import radixlm_runtime as rt
 from radixlm_runtime.attention.base import AttentionLayer
 from radixlm_runtime.layers.linear_kernels import PANEL_GEMM_MIN_ROWS
+from radixlm_runtime.models import llama_cpu
 from radixlm_runtime.models.llama import LlamaForCausalLM
+from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
+from radixlm_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from radixlm_runtime.utils import cpu
 
 # Shared prefixes (radix-cache hits), a prompt longer than a prefill chunk, and more requests than the
@@ -21,6 +29,22 @@ from radixlm_runtime.utils import cpu
 PREFIX = "The council of the harbour town met every spring to discuss the fishing season. "
 PROMPTS = [PREFIX * 6 + f"Question {i}: what did they decide?" for i in range(PANEL_GEMM_MIN_ROWS + 2)]
 PROMPTS += ["short", "hello world " * 40]
+
+
+# Families beyond the Llama-shaped fixtures of conftest, built from family_models' configs: Gemma 3 with
+# windows of 16 keys on two of its three layers (the prompts are hundreds of tokens) and two rotary
+# tables, Gemma 2 with attention and final soft-caps.
+BUILT_FAMILIES = ("gemma2", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(
+    tiny_llama_dir: Path, tiny_qwen2_dir: Path, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Path]]:
+    dirs = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "qwen3": tiny_qwen3_dir}
+    for family in BUILT_FAMILIES:
+        dirs[family] = build_family_dir(tmp_path_factory.mktemp(family), family)
+    yield dirs
 
 
 def _outputs(
@@ -62,13 +86,14 @@ def _outputs(
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_matches_the_python_layers_bit_for_bit(
-    arch: str, quantization: str, tiny_llama_dir: Path, tiny_qwen2_dir: Path
+    arch: str, quantization: str, model_dirs: dict[str, Path]
 ) -> None:
-    """Same tokens and the same prompt and output logprobs to the last bit (qwen2: with q/k/v biases);
-    `none`: float32 panels."""
-    model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
+    """Same tokens and the same prompt and output logprobs to the last bit (qwen2: with q/k/v biases;
+    qwen3: per-head q/k norms; gemma: four norms a layer, GeGLU, scaled embeddings, windowed and global
+    layers on their own rotary tables); `none`: float32 panels."""
+    model_dir = model_dirs[arch]
     native = _outputs(model_dir, quantization, native=True)
     python = _outputs(model_dir, quantization, native=False)
     assert len(native) == 3 + len(PROMPTS)
@@ -121,6 +146,80 @@ def test_serves_only_kernel_layers_on_the_cpu_attention(
     engine = rt.Engine(str(tiny_llama_dir), device="cpu", dtype="float32", max_total_tokens=512, **flags)
     try:
         assert engine.runner.model.cpu_decoder is None
+        out = engine.generate("hello", {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
+        assert len(out["output_ids"]) == 3
+    finally:
+        engine.shutdown()
+
+
+@torch.inference_mode()
+def _hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    """transformers' argmax over n steps, each a full forward over the sequence."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids) :]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_greedy_matches_transformers(arch: str, model_dirs: dict[str, Path]) -> None:
+    """The families with ops beyond Llama's, served by the one-call decoder: greedy tokens equal
+    transformers' on prompts several windows long (and cached prefixes: the second call)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_dirs[arch]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    engine = rt.Engine(
+        str(model_dir), device="cpu", dtype="float32", max_total_tokens=8192, log_level="warning"
+    )
+    try:
+        assert engine.runner.model.cpu_decoder is not None
+        prompts = [engine.tokenizer.encode(p)[:80] for p in PROMPTS[:3] + PROMPTS[-1:]]
+        params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        outs += engine.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        engine.shutdown()
+    want = [_hf_greedy(hf, ids, 8) for ids in prompts]
+    assert [o["output_ids"] for o in outs] == want + want
+
+
+def _logged(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """llama_cpu's info lines, recorded at its logger: the runtime's loggers do not propagate to
+    pytest's handler once an engine in an earlier test has configured logging."""
+    lines: list[str] = []
+    monkeypatch.setattr(llama_cpu.logger, "info", lambda msg, *args: lines.append(msg % args))
+    return lines
+
+
+def test_refuses_a_layer_whose_ops_it_lacks(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k normalized over the whole projection (OLMoE's) is not the C++ loop's per-head norm: `build`
+    refuses the model, saying why, so the Python path runs it unchanged."""
+    engine = rt.Engine(str(model_dirs["gemma3"]), device="cpu", dtype="float32", max_total_tokens=512)
+    try:
+        model, attn = engine.runner.model, engine.runner.attn_backend
+        assert LlamaCpuDecoder.build(model, attn) is not None
+        model.layers[1].self_attn.qk_norm = "full"
+        lines = _logged(monkeypatch)
+        assert LlamaCpuDecoder.build(model, attn) is None
+        assert any("layer 1 normalizes q/k over 'full'" in line for line in lines)
+    finally:
+        engine.shutdown()
+
+
+def test_refuses_a_family_whose_mlp_it_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family that declared the decoder but routes its MLP through experts (Qwen3-MoE) keeps the Python
+    layer loop, with the reason logged, and still generates."""
+    monkeypatch.setattr(Qwen3MoeForCausalLM, "supports_cpu_decoder", True)
+    lines = _logged(monkeypatch)
+    engine = rt.Engine(
+        str(build_family_dir(tmp_path, "qwen3_moe")), device="cpu", dtype="float32", max_total_tokens=512
+    )
+    try:
+        assert engine.runner.model.cpu_decoder is None
+        assert any("MLP is not a gated MLP" in line for line in lines)
         out = engine.generate("hello", {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True})
         assert len(out["output_ids"]) == 3
     finally:
