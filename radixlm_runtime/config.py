@@ -72,6 +72,14 @@ class EngineConfig:
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
     )
+    kv_host_tokens: int = flag(
+        0,
+        "Size in tokens of the host KV tier under the radix cache (0: none). Cached prefixes evicted "
+        "from the KV pool are copied there instead of dropped, and a later request whose prefix is "
+        "there loads it back before its forward instead of recomputing it; the least recently used "
+        "go when it is full. It lives in host memory (pinned on CUDA), as many bytes per token as "
+        "the pool.",
+    )
     mem_fraction_static: float | None = flag(
         None,
         "Fraction of available memory after the weights are loaded given to the KV cache pool when "
@@ -117,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.kv_host_tokens < 0:
+            raise ValueError(f"kv_host_tokens must be >= 0, got {self.kv_host_tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)

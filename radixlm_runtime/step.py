@@ -27,6 +27,7 @@ class RunnerInfo:
     max_total_tokens: int  # KV pool slots (1..max_total_tokens)
     max_reqs: int  # rows of the request-to-token table
     eos_token_ids: tuple[int, ...]
+    host_kv_tokens: int = 0  # slots of the host KV tier (1..host_kv_tokens); 0: no host tier
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
     # the next step meanwhile (overlap scheduling).
     async_launch: bool = False
@@ -101,9 +102,23 @@ class ForwardItem:
         return [] if self.sample is None else [self.sample, *self.draft_samples]
 
 
+@dataclass(slots=True)
+class KVCopy:
+    """A batch of KV moves between the device pool and the host tier, every layer's K and V:
+    `to_host`: host[dst[i]] = device[src[i]]; else device[dst[i]] = host[src[i]]. A batch never
+    writes one slot twice, so it can run as one gather and one scatter."""
+
+    to_host: bool
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+
+
 @dataclass
 class StepPlan:
     items: list[ForwardItem]
+    # Run in order before the forward: KV demoted to the host tier by the evictions that made room
+    # for this step, and cached prefixes brought back from it (radix_cache.py).
+    copies: list[KVCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)

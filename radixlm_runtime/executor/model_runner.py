@@ -22,7 +22,7 @@ from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
-from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult
+from radixlm_runtime.step import KVCopy, RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 from radixlm_runtime.utils.transfer import to_device
@@ -80,6 +80,7 @@ class ModelRunner:
             config, self.config, self.dtype, self.device, limits, self.open_scratch
         )
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
+        self.host_pool = self._new_host_pool(config.kv_host_tokens)
         self.req_to_token = ReqToTokenTable(
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
@@ -92,6 +93,7 @@ class ModelRunner:
             max_total_tokens=self.max_total_tokens,
             max_reqs=config.max_running_requests,
             eos_token_ids=tuple(self.config.eos_token_ids),
+            host_kv_tokens=config.kv_host_tokens,
             async_launch=self.device.type == "cuda",
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
@@ -107,6 +109,26 @@ class ModelRunner:
     def _new_kv_pool(self, size: int) -> KVPool:
         c = self.config
         return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def _new_host_pool(self, size: int) -> KVPool | None:
+        """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""
+        if size == 0:
+            return None
+        c = self.config
+        pool = KVPool(
+            size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, "cpu", self.device.type == "cuda"
+        )
+        logger.info("host KV tier: %d tokens (%.2f GiB)", size, size * pool.bytes_per_token() / 2**30)
+        return pool
+
+    def _copy_kv(self, copies: list[KVCopy]) -> None:
+        """Runs a step's tier copies, in order, before its forward."""
+        assert self.host_pool is not None, "KV copies planned without a host tier"
+        for c in copies:
+            if c.to_host:
+                self.host_pool.copy_from(self.kv_pool, c.src, c.dst)
+            else:
+                self.kv_pool.copy_from(self.host_pool, c.src, c.dst)
 
     def open_scratch(self, shape: ScratchShape) -> Scratch:
         """Steps on a KV pool and table of their own, for measuring the largest steps before the real
@@ -169,6 +191,8 @@ class ModelRunner:
         """Queues one step on the device: the plan's table entries, the forward, sampling, logprobs
         and the copy of their results to the host. Nothing here waits for the device; the returned
         outputs are read by `collect`."""
+        if plan.copies:
+            self._copy_kv(plan.copies)
         batch, writes = build_batch(plan, self.device)
         if writes is not None:
             self.req_to_token.write(*writes)

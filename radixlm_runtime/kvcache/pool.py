@@ -27,6 +27,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        pin_memory: bool = False,
     ) -> None:
         if size <= 0 or num_layers <= 0 or num_kv_heads <= 0 or head_dim <= 0:
             raise ValueError(
@@ -45,8 +46,8 @@ class KVPool:
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
         for _ in range(num_layers):
-            k = torch.empty(shape, dtype=dtype, device=self.device)
-            v = torch.empty(shape, dtype=dtype, device=self.device)
+            k = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+            v = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
             k[0].zero_()
             v[0].zero_()
             self.k_buffers.append(k)
@@ -62,6 +63,17 @@ class KVPool:
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
+
+    def copy_from(self, other: KVPool, src: list[int], dst: list[int]) -> None:
+        """Every layer's K and V of other's slots `src` into this pool's slots `dst` (between the
+        device pool and the host tier, either way; `dst` holds no slot twice)."""
+        src_idx = torch.tensor(src, dtype=torch.int64, device=other.device)
+        dst_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        pairs = zip(self.k_buffers + self.v_buffers, other.k_buffers + other.v_buffers, strict=True)
+        # Into the GPU asynchronously; out of it synchronously, since the host scatter reads the data.
+        non_blocking = self.device.type == "cuda"
+        for mine, theirs in pairs:
+            mine[dst_idx] = theirs[src_idx].to(self.device, non_blocking=non_blocking)
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

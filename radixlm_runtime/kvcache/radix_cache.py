@@ -4,6 +4,14 @@ Ownership model: a slot inside the tree belongs to the tree and is freed only by
 Callers lock the node their prefix ends in while a request runs, which pins the whole path. Slots
 are host integers: matching, inserting and evicting never touch the device.
 
+Tiers: with a host allocator, eviction from the device pool demotes a node to the host tier (its
+KV copied to host slots) instead of dropping it, and a match that runs into host-resident nodes
+can `load` them back into fresh device slots. The copies are recorded here as plain data and run
+by the executor before the next forward (`take_copies`, step.KVCopy), in the order recorded, so a
+slot freed and reused within one step is read before it is overwritten. The device-resident nodes
+always form a prefix-closed subtree: a node on the device has every ancestor on the device, so a
+path is some device nodes, then host-only ones. The size counters count device tokens only.
+
 Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
 computed by a request that asked for them: a token's logprob depends only on the tokens before it,
 so a later request that wants prompt logprobs can take them from the tree instead of recomputing
@@ -16,9 +24,13 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
-from radixlm_runtime.step import TopLogprobs
+from radixlm_runtime.step import KVCopy, TopLogprobs
+
+# (access time, node id, node): heap entries of eviction candidates, least recently used first.
+_Entry = tuple[float, int, "TreeNode"]
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -31,13 +43,15 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
 
 
 class TreeNode:
-    """One edge of the tree: `key` tokens and the KV slots (`value`) holding them."""
+    """One edge of the tree: `key` tokens and where their KV is: device pool slots (`value`), host
+    tier slots (`host_value`), or both; None where not in that tier."""
 
     __slots__ = (
         "children",
         "parent",
         "key",
         "value",
+        "host_value",
         "lock_ref",
         "last_access_time",
         "id",
@@ -52,7 +66,7 @@ class TreeNode:
     def __init__(
         self,
         key: list[int],
-        value: list[int],
+        value: list[int] | None,
         parent: TreeNode | None,
         last_access_time: float,
         lock_ref: int = 0,
@@ -61,6 +75,7 @@ class TreeNode:
         self.parent = parent
         self.key = key
         self.value = value
+        self.host_value: list[int] | None = None
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.id = next(TreeNode._ids)
@@ -73,31 +88,50 @@ class TreeNode:
         self.hits = 0
         self.accessed_at = time.monotonic()
 
+    @property
+    def on_device(self) -> bool:
+        return self.value is not None
+
+    @property
+    def tier(self) -> str:
+        """'device', 'host' or 'device+host' (the dashboard shows it)."""
+        if self.host_value is None:
+            return "device"
+        return "device+host" if self.value is not None else "host"
+
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, tier={self.tier})"
 
 
 class RadixCache:
-    """Prefix cache with LRU eviction of unlocked leaves and O(1) size accounting.
+    """Prefix cache with LRU eviction of unlocked leaves, O(1) size accounting and an optional host tier.
 
-    Eviction candidates sit in a heap of (access time, id, node): least recently used first, creation
-    order breaking ties. An entry is pushed
-    whenever a node may have become an unlocked leaf or was touched (a new access time), and checked
-    when popped: entries of nodes since detached, locked, given children or touched again are
-    dropped then. So evict costs O(k log n) for the k nodes it takes, not a walk of every leaf, and
-    the heap is rebuilt from the tree when stale entries outnumber the nodes."""
+    Eviction candidates sit in heaps of (access time, id, node), least recently used first,
+    creation order breaking ties: device candidates are unlocked nodes with no child on the device,
+    host candidates are nodes with a host copy that is not the only copy of a locked or inner node.
+    An entry is pushed whenever a node may have become a candidate or was touched, and checked when
+    popped: entries of nodes since detached, locked or given children are dropped, those of nodes
+    touched since are queued again at their new time. So evicting costs O(k log n) for the k nodes
+    taken, not a walk of every leaf, and a heap is rebuilt when stale entries outnumber the nodes."""
 
-    def __init__(self, allocator: TokenAllocator) -> None:
+    def __init__(self, allocator: TokenAllocator, host_allocator: TokenAllocator | None = None) -> None:
         self.allocator = allocator
+        self.host_allocator = host_allocator
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
         self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
         # Every node in the tree by id, the root's included: the dashboard looks nodes up by id, and a
         # walk would cost the scheduler time in proportion to the tree.
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
-        self._lru: list[tuple[float, int, TreeNode]] = []
+        self._lru: list[_Entry] = []
+        self._host_lru: list[_Entry] = []
+        self._copies: list[KVCopy] = []
+        self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
         self._protected_size = 0
+        self._host_size = 0
+        # Tokens moved since start: demoted to the host tier, loaded back, dropped from it.
+        self.stored_tokens = self.loaded_tokens = self.host_evicted_tokens = 0
 
     def _tick(self) -> float:
         return float(next(self._clock))
@@ -109,14 +143,17 @@ class RadixCache:
     def num_nodes(self) -> int:
         return len(self._nodes)
 
+    # -- matching and inserting --------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> tuple[list[int], TreeNode]:
-        """Longest cached prefix of key: its KV slots and the node the match ends in."""
+        """Longest prefix of key cached on the device: its KV slots and the node the match ends in."""
         length, node = self.match_node(key)
-        return self.path_slots(node) if length else [], node
+        host_len, node = self.host_suffix(node)
+        return self.path_slots(node) if length > host_len else [], node
 
     def match_node(self, key: list[int]) -> tuple[int, TreeNode]:
-        """Length of key's longest cached prefix and the node it ends in, without gathering slots
-        (the scheduler re-matches every waiting request each step but needs slots only at admission).
+        """Length of key's longest cached prefix in any tier and the node it ends in, without
+        gathering slots (the scheduler re-matches every waiting request each step but needs slots
+        only at admission). `host_suffix` tells how much of it is on the host only.
 
         A match ending inside an edge splits it, so the returned node can be locked to pin exactly
         the matched tokens.
@@ -140,10 +177,21 @@ class RadixCache:
         self._candidate(node)
         return pos, node
 
+    def host_suffix(self, node: TreeNode) -> tuple[int, TreeNode]:
+        """Tokens at the end of node's path that are on the host only, and the deepest node of the
+        path on the device (the root when none is)."""
+        n = 0
+        while not node.on_device:
+            n += len(node.key)
+            assert node.parent is not None, "host_suffix on a node detached from the tree"
+            node = node.parent
+        return n, node
+
     def path_slots(self, node: TreeNode) -> list[int]:
-        """KV slots of every token from the root down to node, in order."""
+        """Device KV slots of every token from the root down to node (on the device), in order."""
         parts: list[list[int]] = []
         while node is not self.root_node:
+            assert node.value is not None, "path_slots past the device tier: load the path first"
             parts.append(node.value)
             assert node.parent is not None, "path_slots on a node detached from the tree"
             node = node.parent
@@ -156,10 +204,12 @@ class RadixCache:
         logprobs: list[float] | None = None,
         top: list[TopLogprobs | None] | None = None,
     ) -> int:
-        """Inserts key with its KV indices; returns how many leading tokens were already cached.
+        """Inserts key with its device KV slots; returns how many leading tokens the tree already
+        held on the device.
 
         The tree keeps its own slots for that prefix, so the caller must free its copies of them
-        (value[caller_prefix_len:returned_len]) unless they are the very same slots. Known token
+        (value[caller_prefix_len:returned_len]) unless they are the very same slots. Past it the tree
+        takes the caller's slots, for host-only nodes too (which are then on both tiers). Known token
         logprobs (`logprobs`, NaN where unknown; `top`, None where unknown), aligned with key, fill
         in what the tree does not know yet.
         """
@@ -170,6 +220,7 @@ class RadixCache:
         wall = time.monotonic()
         node.last_access_time = now
         pos = 0
+        on_device = 0
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:
@@ -179,17 +230,21 @@ class RadixCache:
                 self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
                 self._candidate(leaf)
-                return pos
+                return on_device
             n = _common_prefix_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
+            if child.on_device:
+                on_device = pos + n
+            else:
+                self._give_device_slots(child, value[pos : pos + n])
             child.last_access_time = now
             child.accessed_at = wall
             _learn_logprobs(child, logprobs, top, pos)
             node = child
             pos += n
         self._candidate(node)
-        return pos
+        return on_device
 
     def path_logprobs(self, node: TreeNode) -> tuple[list[float], list[TopLogprobs | None]]:
         """Known logprobs (NaN: unknown) and top alternatives (None: unknown) of every token from
@@ -210,25 +265,32 @@ class RadixCache:
         """Cuts child's edge after n tokens and returns the new upper node.
 
         The upper node inherits lock_ref because every lock on child also pinned these tokens; the
-        token counters need no change since each token stays in a node of the same lock state.
+        token counters need no change since each token stays in a node of the same lock state and tier.
         """
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
-        upper = TreeNode(child.key[:n], child.value[:n], parent, child.last_access_time, child.lock_ref)
+        upper_value = None if child.value is None else child.value[:n]
+        upper = TreeNode(child.key[:n], upper_value, parent, child.last_access_time, child.lock_ref)
         # Every hit on child passed through these tokens.
         upper.hits, upper.accessed_at = child.hits, child.accessed_at
         if child.logprobs is not None:
             upper.logprobs, child.logprobs = child.logprobs[:n], child.logprobs[n:]
         if child.top is not None:
             upper.top, child.top = child.top[:n], child.top[n:]
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
+            self._host_candidate(upper)
         child.key = child.key[n:]
-        child.value = child.value[n:]
+        if child.value is not None:
+            child.value = child.value[n:]
         child.parent = upper
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
         self._nodes[upper.id] = upper
+        self._candidate(upper)
         return upper
 
+    # -- hits and locks ----------------------------------------------------------------------
     def record_hit(self, node: TreeNode) -> None:
         """Counts one request admitted with the cached prefix ending in node on every node of that
         path (the dashboard's per-node hit count)."""
@@ -238,9 +300,10 @@ class RadixCache:
             node = node.parent
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        """Pins node and all its ancestors so eviction cannot take the prefix from a running request."""
+        """Pins node and all its ancestors so eviction cannot take the prefix from a running request
+        (nor, from the host tier, a path being loaded)."""
         while node is not self.root_node:
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and node.on_device:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
             node.lock_ref += 1
@@ -254,16 +317,19 @@ class RadixCache:
         while node is not self.root_node:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
+                if node.on_device:
+                    self._evictable_size += len(node.key)
+                    self._protected_size -= len(node.key)
                 self._candidate(node)
+                self._host_candidate(node)
             assert node.parent is not None, "dec_lock_ref on a node detached from the tree"
             node = node.parent
 
+    # -- the device tier ---------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
-        """Frees at least num_tokens slots if possible, taking unlocked leaves least recently used first.
-
-        Returns the number of slots freed, which is less than asked when too little is evictable.
+        """Frees at least num_tokens device slots if possible, taking unlocked leaves of the device
+        tier least recently used first: demoted to the host tier when there is one and it has room,
+        else dropped. Returns the number of slots freed, less than asked when too little is evictable.
         """
         if num_tokens <= 0:
             return 0
@@ -271,46 +337,187 @@ class RadixCache:
         num_freed = 0
         while num_freed < num_tokens and self._lru:
             touched, _, node = heapq.heappop(self._lru)
-            if not self._is_candidate(node, touched):
+            if not self._is_device_candidate(node):
                 continue
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.key[0]]
-            del self._nodes[node.id]
-            node.parent = None
+            if node.last_access_time != touched:
+                self._candidate(node)  # touched since: queued again at its new time
+                continue
+            assert node.value is not None and node.parent is not None
             freed.extend(node.value)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
+            parent = node.parent
+            if not self._demote(node):
+                self._drop(node)
             self._candidate(parent)
         self.allocator.free(freed)
         return num_freed
 
     def _candidate(self, node: TreeNode) -> None:
-        """Queues node for eviction if it is an unlocked leaf now, at its current access time."""
-        if node.lock_ref == 0 and not node.children and node is not self.root_node:
+        """Queues node for device eviction if it is a candidate now, at its current access time."""
+        if self._is_device_candidate(node):
             heapq.heappush(self._lru, (node.last_access_time, node.id, node))
             if len(self._lru) > 2 * len(self._nodes) + 64:
-                self._rebuild_lru()
+                self._lru = self._rebuilt(self._is_device_candidate)
 
-    @staticmethod
-    def _is_candidate(node: TreeNode, touched: float) -> bool:
-        """Whether an entry queued at access time `touched` still stands: node in the tree, an
-        unlocked leaf, not touched since (touching queued a newer entry)."""
+    def _is_device_candidate(self, node: TreeNode) -> bool:
+        """An unlocked node on the device, in the tree, with no child on the device."""
         return (
-            node.parent is not None
+            node.on_device
             and node.lock_ref == 0
-            and not node.children
-            and node.last_access_time == touched
+            and node.parent is not None
+            and not any(c.on_device for c in node.children.values())
         )
 
-    def _rebuild_lru(self) -> None:
-        self._lru = [
-            (n.last_access_time, n.id, n)
-            for n in self._nodes.values()
-            if n is not self.root_node and n.lock_ref == 0 and not n.children
-        ]
-        heapq.heapify(self._lru)
+    def _give_device_slots(self, node: TreeNode, slots: list[int]) -> None:
+        """Puts a host-only node back on the device in `slots` (loaded, or recomputed by a caller)."""
+        node.value = slots
+        if node.lock_ref:
+            self._protected_size += len(slots)
+        else:
+            self._evictable_size += len(slots)
+        self._candidate(node)
+        self._host_candidate(node)  # its host copy is now a spare one
 
+    # -- the host tier -----------------------------------------------------------------------
+    def load(self, node: TreeNode) -> int:
+        """Brings the host-only nodes of node's path back onto the device, in fresh slots that the
+        next step's copies fill before its forward. Returns how many tokens it loaded; 0 with the
+        path unchanged when the device has no room for them."""
+        n, _ = self.host_suffix(node)
+        if n == 0:
+            return 0
+        # Locked while making room: the eviction that follows must take neither this path's device
+        # part nor, from the host tier, its host part.
+        self.inc_lock_ref(node)
+        try:
+            short = n - self.allocator.available_size()
+            if short > 0:
+                self.evict(short)
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                return 0
+            path: list[TreeNode] = []
+            walk = node
+            while not walk.on_device:
+                path.append(walk)
+                assert walk.parent is not None
+                walk = walk.parent
+            offset = 0
+            for host_node in reversed(path):
+                assert host_node.host_value is not None
+                part = slots[offset : offset + len(host_node.key)]
+                offset += len(part)
+                self._record(False, host_node.host_value, part)
+                self._give_device_slots(host_node, part)
+            self.loaded_tokens += n
+            return n
+        finally:
+            self.dec_lock_ref(node)
+
+    def _demote(self, node: TreeNode) -> bool:
+        """Keeps node's KV in the host tier as it leaves the device (copied there unless a copy is
+        there already); False when there is no host tier or no room in it."""
+        if node.host_value is None:
+            host = self._alloc_host(len(node.key))
+            if host is None:
+                return False
+            assert node.value is not None
+            self._record(True, node.value, host)
+            node.host_value = host
+            self._host_size += len(host)
+            self.stored_tokens += len(host)
+        node.value = None
+        self._host_candidate(node)
+        return True
+
+    def _alloc_host(self, n: int) -> list[int] | None:
+        if self.host_allocator is None or n > self.host_allocator.size:
+            return None
+        short = n - self.host_allocator.available_size()
+        if short > 0:
+            self._evict_host(short)
+        return self.host_allocator.alloc(n)
+
+    def _evict_host(self, num_tokens: int) -> None:
+        """Frees host slots, least recently used first: spare copies of nodes on the device, and
+        host-only leaves, which leave the tree."""
+        freed = 0
+        while freed < num_tokens and self._host_lru:
+            touched, _, node = heapq.heappop(self._host_lru)
+            if not self._is_host_candidate(node):
+                continue
+            if node.last_access_time != touched:
+                self._host_candidate(node)
+                continue
+            assert node.host_value is not None
+            freed += len(node.host_value)
+            self.host_evicted_tokens += len(node.host_value)
+            if node.on_device:
+                self._free_host(node)
+            else:
+                parent = node.parent
+                assert parent is not None
+                self._drop(node)
+                self._host_candidate(parent)
+
+    def _host_candidate(self, node: TreeNode) -> None:
+        if self._is_host_candidate(node):
+            heapq.heappush(self._host_lru, (node.last_access_time, node.id, node))
+            if len(self._host_lru) > 2 * len(self._nodes) + 64:
+                self._host_lru = self._rebuilt(self._is_host_candidate)
+
+    @staticmethod
+    def _is_host_candidate(node: TreeNode) -> bool:
+        """A node in the tree with a host copy that is spare (the node is on the device too), or
+        the only copy of an unlocked host-only leaf."""
+        if node.host_value is None or node.parent is None:
+            return False
+        return node.on_device or (node.lock_ref == 0 and not node.children)
+
+    def _free_host(self, node: TreeNode) -> None:
+        assert node.host_value is not None and self.host_allocator is not None
+        self.host_allocator.free(node.host_value)
+        self._host_size -= len(node.host_value)
+        node.host_value = None
+
+    def _drop(self, node: TreeNode) -> None:
+        """Takes node (its device slots already freed by the caller, if it had any) and everything
+        below it, host-only by the tiers' invariant, out of the tree."""
+        assert node.parent is not None
+        del node.parent.children[node.key[0]]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n is node or not n.on_device, "a device node below one leaving the device"
+            if n.host_value is not None:
+                self._free_host(n)
+            del self._nodes[n.id]
+            n.parent = None
+            stack.extend(n.children.values())
+
+    def _record(self, to_host: bool, src: list[int], dst: list[int]) -> None:
+        """Appends a copy to the pending ones; a new batch where this one would write a slot twice."""
+        last = self._copies[-1] if self._copies else None
+        if last is None or last.to_host != to_host or not self._copy_dsts.isdisjoint(dst):
+            last = KVCopy(to_host)
+            self._copies.append(last)
+            self._copy_dsts = set()
+        last.src.extend(src)
+        last.dst.extend(dst)
+        self._copy_dsts.update(dst)
+
+    def take_copies(self) -> list[KVCopy]:
+        """The copies recorded since the last call, for the next step to run before its forward."""
+        copies, self._copies, self._copy_dsts = self._copies, [], set()
+        return copies
+
+    def _rebuilt(self, is_candidate: Callable[[TreeNode], bool]) -> list[_Entry]:
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes.values() if is_candidate(n)]
+        heapq.heapify(heap)
+        return heap
+
+    # -- sizes -------------------------------------------------------------------------------
     def evictable_size(self) -> int:
         return self._evictable_size
 
@@ -318,29 +525,40 @@ class RadixCache:
         return self._protected_size
 
     def total_size(self) -> int:
+        """Tokens the tree holds on the device."""
         return self._evictable_size + self._protected_size
 
+    def host_size(self) -> int:
+        """Host tier slots the tree holds."""
+        return self._host_size
+
     def reset(self) -> None:
-        """Returns every cached slot to the allocator; refuses while a request still pins a path."""
+        """Returns every cached slot of both tiers to its allocator; refuses while a request still
+        pins a path."""
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} tokens still locked")
         values: list[int] = []
+        host: list[int] = []
         stack = list(self.root_node.children.values())
         while stack:
             node = stack.pop()
-            values.extend(node.value)
+            values.extend(node.value or ())
+            host.extend(node.host_value or ())
             stack.extend(node.children.values())
             node.parent = None
         self.allocator.free(values)
+        if self.host_allocator is not None:
+            self.host_allocator.free(host)
         self.root_node.children = {}
         self._nodes = {self.root_node.id: self.root_node}
-        self._lru = []
-        self._evictable_size = 0
+        self._lru, self._host_lru = [], []
+        self.take_copies()
+        self._evictable_size = self._host_size = 0
 
     def pretty_print(self) -> str:
         lines = [
             f"RadixCache total={self.total_size()} evictable={self._evictable_size} "
-            f"protected={self._protected_size}"
+            f"protected={self._protected_size} host={self._host_size}"
         ]
         stack: list[tuple[TreeNode, int]] = [
             (c, 1) for c in sorted(self.root_node.children.values(), key=lambda c: c.key[0], reverse=True)
@@ -348,8 +566,8 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             lines.append(
-                f"{'  ' * depth}key={node.key} value={node.value} lock_ref={node.lock_ref} "
-                f"t={node.last_access_time:g}"
+                f"{'  ' * depth}key={node.key} value={node.value} host={node.host_value} "
+                f"lock_ref={node.lock_ref} t={node.last_access_time:g}"
             )
             children = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)
             stack.extend((c, depth + 1) for c in children)

@@ -168,7 +168,8 @@ class Admission:
             ext = min(total - prefix_len, budget)
             if chunked is not None and ext < total - prefix_len:
                 continue
-            need = total - prefix_len + int(req.remaining_new_tokens() * self.new_token_ratio)
+            # Host-tier tokens of the prefix take device slots when they are loaded back.
+            need = total - prefix_len + req.load_len + int(req.remaining_new_tokens() * self.new_token_ratio)
             if not self._fits(need + reserved, req, busy=bool(scheduled or chunked or items)):
                 break
             if not self.cache.admit(req):
@@ -202,6 +203,7 @@ class Admission:
         node = req.last_node
         pinned = 0
         while node is not None and node.lock_ref == 0:
-            pinned += len(node.key)
+            if node.on_device:
+                pinned += len(node.key)
             node = node.parent
         return pinned

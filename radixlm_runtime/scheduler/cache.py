@@ -1,7 +1,8 @@
 """Glue between requests and the KV memory's bookkeeping: the radix tree, the slot and table-row
-free lists and the program sessions pinning KV. Every slot a request touches is accounted for
-here, so that when a request finishes, is retracted or is aborted its slots either join the tree
-or return to the free list. All of it is host data: the executor owns the tensors."""
+free lists (the device pool's and the host tier's) and the program sessions pinning KV. Every slot
+a request touches is accounted for here, so that when a request finishes, is retracted or is
+aborted its slots either join the tree or return to the free list. All of it is host data: the
+executor owns the tensors."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
+from radixlm_runtime.step import KVCopy
 
 
 class CacheManager:
@@ -21,10 +23,13 @@ class CacheManager:
         disable_radix_cache: bool,
         session_timeout_s: float = 60.0,
         session_pin_fraction: float = 0.5,
+        host_allocator: TokenAllocator | None = None,
     ) -> None:
         self.allocator = allocator
         self.rows = rows
-        self.tree = None if disable_radix_cache else RadixCache(allocator)
+        self.tree = None if disable_radix_cache else RadixCache(allocator, host_allocator)
+        # Prompt tokens admitted from the device pool and loaded back from the host tier.
+        self.device_hit_tokens = self.host_hit_tokens = 0
         self.sessions = SessionTable(self.tree, session_timeout_s, int(session_pin_fraction * allocator.size))
 
     # -- capacity -----------------------------------------------------------------------------
@@ -39,13 +44,32 @@ class CacheManager:
             self.tree.evict(short)
         return self.allocator.alloc(n)
 
+    def take_copies(self) -> list[KVCopy]:
+        """Host-tier copies the tree recorded since the last step, for the next one to run first."""
+        return self.tree.take_copies() if self.tree is not None else []
+
     # -- request lifecycle --------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
-        """Gives req a table row and its matched prefix's slots, and pins that prefix."""
+        """Gives req a table row and its matched prefix's slots, and pins that prefix. A part of the
+        prefix found on the host tier is loaded back, or, where the device has no room for it,
+        left out of the prefix (recomputed)."""
         idx = self.rows.alloc()
         if idx is None:
             return False
         req.req_pool_idx = idx
+        if self.tree is not None and req.last_node is not None:
+            if self.tree.host_allocator is not None:
+                # Loading an earlier request's prefix this step may have demoted or dropped part of
+                # the match found while waiting: find it again.
+                req.prefix_len, req.last_node = self.tree.match_node(req.token_ids[: req.prefix_len])
+            host_len, device_node = self.tree.host_suffix(req.last_node)
+            if host_len and not self.tree.load(req.last_node):
+                req.last_node, req.prefix_len = device_node, req.prefix_len - host_len
+                host_len = 0
+            if req.cached_tokens < 0:
+                self.host_hit_tokens += min(host_len, req.prompt_len)
+                self.device_hit_tokens += min(req.prefix_len - host_len, req.prompt_len)
+            req.load_len = 0
         has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
         req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []
         req.prefix_len = req.kv_len = len(req.kv_slots)

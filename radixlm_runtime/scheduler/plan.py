@@ -47,7 +47,7 @@ def build_plan(
         req.table_synced = end
         # Counted as computed from now on: whatever runs after this step on the device sees its KV.
         req.kv_len = end
-    return StepPlan(forward)
+    return StepPlan(forward, cache.take_copies())
 
 
 def _row(req: Req) -> int:

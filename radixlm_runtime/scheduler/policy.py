@@ -13,6 +13,9 @@ from radixlm_runtime.scheduler.req import Req
 # Matching every waiting request against the tree each step costs O(total prompt length); past
 # this queue length LPM falls back to arrival order, as the gain no longer pays for the walk.
 LPM_MAX_QUEUE = 256
+# What a prefix token on the host tier is worth in LPM order, a device token being worth 1: loading
+# it back is a copy, far cheaper than recomputing it, but dearer than a hit in the pool.
+HOST_HIT_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,13 @@ class SchedulePolicy:
             if limit < matched:
                 matched, node = self.tree.match_node(key[:limit])
         req.prefix_len, req.last_node = matched, node
+        req.load_len = self.tree.host_suffix(node)[0]
 
     def _policy_order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
             return list(waiting)
         if self.policy == "lpm":
-            return sorted(waiting, key=lambda r: -r.prefix_len)
+            return sorted(waiting, key=lambda r: -(r.prefix_len - (1 - HOST_HIT_WEIGHT) * r.load_len))
         return self._dfs_weight(waiting)
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:

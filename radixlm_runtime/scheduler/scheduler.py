@@ -58,6 +58,7 @@ class Scheduler:
             config.disable_radix_cache,
             config.session_timeout_s,
             config.session_pin_fraction,
+            TokenAllocator(self.runner_info.host_kv_tokens) if self.runner_info.host_kv_tokens else None,
         )
         self.drafter = (
             Drafter(
@@ -146,7 +147,21 @@ class Scheduler:
             "num_waiting": len(a.waiting) + len(self.constraints) + (a.chunked is not None),
             "num_sessions": len(self.cache.sessions),
             "pinned_tokens": self.cache.sessions.pinned_tokens(),
+            **self._tier_info(),
             **vars(self.stats),
+        }
+
+    def _tier_info(self) -> dict[str, int]:
+        """The host KV tier: its size and use, and the tokens moved through it since start."""
+        tree = self.cache.tree
+        return {
+            "host_tier_tokens": self.runner_info.host_kv_tokens,
+            "cached_tokens_on_host": tree.host_size() if tree is not None else 0,
+            "device_hit_tokens": self.cache.device_hit_tokens,
+            "host_hit_tokens": self.cache.host_hit_tokens,
+            "host_stored_tokens": tree.stored_tokens if tree is not None else 0,
+            "host_loaded_tokens": tree.loaded_tokens if tree is not None else 0,
+            "host_evicted_tokens": tree.host_evicted_tokens if tree is not None else 0,
         }
 
     # -- the loop -----------------------------------------------------------------------------

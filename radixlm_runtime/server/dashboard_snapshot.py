@@ -164,6 +164,8 @@ def tree_snapshot(
         "evictable_tokens": tree.evictable_size(),
         "protected_tokens": tree.protected_size(),
         "max_total_tokens": scheduler.runner_info.max_total_tokens,
+        "host_tokens": tree.host_size(),
+        "host_tier_tokens": scheduler.runner_info.host_kv_tokens,
     }
 
 
@@ -173,7 +175,7 @@ class NodeColumns:
     it into rows). The root has parent -1; "ids" are each node's first text_tokens tokens."""
 
     FIELDS = ("id", "parent", "depth", "tokens", "prefix_tokens", "hits", "age_s", "lock_ref")
-    FIELDS += ("children", "omitted_children", "ids")
+    FIELDS += ("children", "omitted_children", "tier", "ids")
 
     def __init__(self, text_tokens: int) -> None:
         self.text_tokens = text_tokens
@@ -197,6 +199,7 @@ class NodeColumns:
                 0 if parent is None else node.lock_ref,
                 len(node.children),
                 omitted,
+                node.tier,
                 node.key[: self.text_tokens],
             )
         )

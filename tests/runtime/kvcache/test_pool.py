@@ -346,3 +346,22 @@ def test_req_to_token_table_write_of_nothing_is_a_noop() -> None:
     empty = torch.empty(0, dtype=torch.int64)
     table.write(empty, empty, empty)
     assert torch.all(table.req_to_token == 0)
+
+
+def test_copy_from_moves_every_layer_between_pools(test_device: torch.device) -> None:
+    """The host tier's copies: the device pool's slots into host slots and back, K and V of every
+    layer, bit for bit; the other slots untouched."""
+    device = KVPool(8, 3, 2, 4, torch.float32, test_device)
+    host = KVPool(6, 3, 2, 4, torch.float32, "cpu")
+    for buf in device.k_buffers + device.v_buffers + host.k_buffers + host.v_buffers:
+        buf.copy_(torch.randn(buf.shape))
+    before = [b.clone() for b in host.k_buffers + host.v_buffers]
+    host.copy_from(device, [3, 7, 1], [6, 2, 4])
+    for mine, theirs, old in zip(
+        host.k_buffers + host.v_buffers, device.k_buffers + device.v_buffers, before
+    ):
+        assert torch.equal(mine[[6, 2, 4]], theirs[[3, 7, 1]].cpu())
+        assert torch.equal(mine[[1, 3, 5]], old[[1, 3, 5]])
+    device.copy_from(host, [6, 2], [5, 8])
+    for mine, theirs in zip(device.k_buffers + device.v_buffers, host.k_buffers + host.v_buffers):
+        assert torch.equal(mine[[5, 8]].cpu(), theirs[[6, 2]])

@@ -26,8 +26,8 @@ FEEDS = ["overview", "tree", "requests", "programs", "metrics", "node/1", "reque
 
 
 # -- the radix tree's hit counter and the snapshots, without a server -----------------------------
-def make_tree(keys: list[list[int]]) -> RadixCache:
-    tree = RadixCache(TokenAllocator(10_000))
+def make_tree(keys: list[list[int]], host_tokens: int = 0) -> RadixCache:
+    tree = RadixCache(TokenAllocator(10_000), TokenAllocator(host_tokens) if host_tokens else None)
     for key in keys:
         slots = tree.allocator.alloc(len(key))
         assert slots is not None
@@ -39,7 +39,10 @@ def fake_scheduler(tree: RadixCache | None) -> Any:
     sessions = SimpleNamespace(pinned_ids=lambda: frozenset({"prog-0123456789abcdef"}))
     return SimpleNamespace(
         cache=SimpleNamespace(tree=tree, sessions=sessions),
-        runner_info=SimpleNamespace(max_total_tokens=10_000),
+        runner_info=SimpleNamespace(
+            max_total_tokens=10_000,
+            host_kv_tokens=tree.host_allocator.size if tree and tree.host_allocator else 0,
+        ),
         constraints=[],
     )
 
@@ -76,6 +79,22 @@ def test_tree_snapshot_is_bounded_in_nodes_and_depth() -> None:
     assert full["total_tokens"] == 300 * 3 + 2
     redacted = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree", text_tokens=0))
     assert all(ids == [] for ids in redacted["nodes"]["ids"])
+
+
+def test_tree_shows_each_nodes_tier() -> None:
+    """A node evicted from the pool into the host tier shows as "host", one loaded back as both."""
+    tree = make_tree([[1, 2, 3], [1, 2, 4]], host_tokens=100)
+    _, older = tree.match_node([1, 2, 3])
+    tree.match_node([1, 2, 4])  # [1, 2, 3] is now the least recently used leaf
+    assert tree.evict(1) == 1
+    sched, log = fake_scheduler(tree), dashboard_snapshot.RequestLog()
+    snap = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree"))
+    tiers = dict(zip(snap["nodes"]["id"], snap["nodes"]["tier"], strict=True))
+    assert tiers[older.id] == "host" and list(tiers.values()).count("device") == 3  # root, [1 2], [4]
+    assert snap["host_tokens"] == 1 and snap["host_tier_tokens"] == 100
+    assert tree.load(older) == 1
+    node = dashboard_snapshot.answer(sched, log, DashboardReq(0, "node", node_id=older.id))["node"]
+    assert node["tier"] == "device+host"
 
 
 def test_lock_holders_and_node_users() -> None:

@@ -70,7 +70,8 @@ export class CacheView {
     if (root) walk(root);
     const matches = this.query ? snap.nodes.filter((n) => n.match).length : null;
     fill($("tree-summary"),
-      `${snap.total_tokens} tokens cached of ${snap.max_total_tokens} (${snap.evictable_tokens} evictable, ${snap.protected_tokens} protected)`,
+      `${snap.total_tokens} tokens cached of ${snap.max_total_tokens} (${snap.evictable_tokens} evictable, ${snap.protected_tokens} protected)` +
+        (snap.host_tier_tokens ? `; host tier ${snap.host_tokens} of ${snap.host_tier_tokens}` : ""),
       ` · ${snap.nodes.length} nodes${snap.truncated ? " (truncated: raise the node limit)" : ""}`,
       ` · snapshot ${age(Math.max(0, Date.now() / 1000 - snap.taken_at))}`,
       matches === null ? "" : ` · ${matches} nodes match "${this.query}"`,
@@ -94,6 +95,8 @@ export class CacheView {
     el("span", { class: "badge" }, isRoot ? "root" : `${node.tokens} tok`),
     el("span", { class: "badge hits", title: "requests admitted with a cached prefix through this node" }, `${node.hits} hits`),
     lock,
+    isRoot || node.tier === "device" ? null
+      : el("span", { class: "badge", title: "where its KV is: the device pool, the host tier or both" }, node.tier),
     el("span", { class: "text" }, isRoot ? "" : oneLine(node.text)),
     el("span", { class: "muted" }, isRoot ? "" : age(node.age_s)),
     small ? el("span", { class: "muted" }, `+${small} small (${smallTokens} tok)`) : null,
@@ -122,6 +125,7 @@ export class CacheView {
           ["last access", age(node.age_s)],
           ["lock refs", node.lock_ref ? `${node.lock_ref}: ${node.locked_by.join(", ") || "—"}${node.other_locks ? ` + ${node.other_locks} session pin(s) or unnamed` : ""}` : "0"],
           ["state", node.evictable ? "evictable (LRU)" : "protected (pinned)"],
+          ["tier", node.tier],
         ]),
         el("div", { class: "prompt" },
           node.prefix_text === null ? "[redacted]" : el("span", { class: "muted" }, node.prefix_text ? `…${node.prefix_text.slice(-300)}` : ""),
