@@ -217,6 +217,19 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
     assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
 
 
+def test_kv_tiers(out_dir: Path) -> None:
+    """Both servers get every request; only the one with a host tier loads prefixes back from it, and
+    the hit rates are shares of the prompt tokens."""
+    result = run_tiny("bench_kv_tiers.py", out_dir, "kv_tiers")
+    off, on = result["servers"]["host_off"], result["servers"]["host_on"]
+    assert off["requests"] == on["requests"] == 12 and off["prompt_tokens"] == on["prompt_tokens"]
+    assert result["pool_tokens"] < result["working_set_tokens"]
+    assert off["host_hit_rate"] == 0 and off["host_loaded_tokens"] == 0
+    assert on["host_loaded_tokens"] > 0 and 0 < on["host_hit_rate"] <= 1
+    for r in (off, on):
+        assert 0 <= r["device_hit_rate"] + r["host_hit_rate"] <= 1 and r["request_throughput"] > 0
+
+
 def test_invariance(out_dir: Path) -> None:
     """Every variant against the alone-uncached reference, in both modes; under --deterministic each
     is bit-identical on the CPU (the default mode's counts are reported, not held to anything)."""

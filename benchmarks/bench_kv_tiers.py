@@ -1,0 +1,212 @@
+"""KV tiers: a multi-tenant workload whose prefixes do not fit in the KV pool, with the host tier off and on.
+
+Tenants each own a few-shot GSM8K prefix of their own (different solved examples), and as many
+multi-turn chats with a system prompt of their own; requests go round the tenants, so by the time a
+tenant comes back its prefix has left a pool sized to a fraction of the working set (--pool-fraction).
+Without a host tier those prefixes are recomputed; with one (--kv-host-tokens as large as the working
+set) they are copied back. Requests stream from the native /generate (greedy, ignore_eos) from
+--concurrency clients in a closed loop, the same requests in the same order for every server. Per
+server: throughput, TTFT P50/P99, and the share of prompt tokens served from the pool and from the
+host tier (the server's /server_info counters).
+
+    python benchmarks/bench_kv_tiers.py
+    python benchmarks/bench_kv_tiers.py --tenants 16 --pool-fraction 0.125
+    python benchmarks/bench_kv_tiers.py --tiny
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_serving import NATIVE, Outcome, Request, send
+from common import (
+    Size,
+    Table,
+    bench_parser,
+    fmt,
+    parse_sizes,
+    percentiles,
+    pyplot,
+    save_figure,
+    save_result,
+)
+from local_server import running_server
+
+from radixlm.eval.data import gsm8k_question_suffix, load_gsm8k
+from radixlm_runtime.io.tokenizer import load_tokenizer
+from radixlm_runtime.models.loader import resolve_model_path
+
+NAME = "kv_tiers"
+SIZES = {
+    "tenants": Size(12, 3, "tenants, each with its own few-shot prefix and chat system prompt"),
+    "rounds": Size(4, 4, "requests per tenant, alternating few-shot questions and chat turns", scales=False),
+    "num_shots": Size(4, 1, "solved examples in each tenant's few-shot prefix", scales=False),
+    "max_new_tokens": Size(16, 4, "tokens decoded per request", scales=False),
+    "concurrency": Size(4, 2, "clients sending requests back to back", scales=False),
+}
+SERVERS = {"host_off": "radixlm, no host tier", "host_on": "radixlm, host tier"}
+
+
+def tenant_requests(tokenizer: Any, tenants: int, rounds: int, num_shots: int) -> list[Request]:
+    """Round-robin over tenants: round r of tenant t is its few-shot prefix with a test question when
+    r is even, its chat's turn r // 2 (the history so far in the prompt) when odd."""
+    train = load_gsm8k("train", tenants * (num_shots + rounds))
+    test = load_gsm8k("test", tenants * rounds)
+    reqs: list[Request] = []
+    for r in range(rounds):
+        for t in range(tenants):
+            base = t * (num_shots + rounds)
+            if r % 2 == 0:
+                shots = train[base : base + num_shots]
+                prefix = f"Tenant {t}.\n\n" + "".join(
+                    f"Question: {s.question}\nAnswer: {s.answer}\n\n" for s in shots
+                )
+                reqs.append(Request("fewshot", prefix + gsm8k_question_suffix(test[t * rounds + r].question)))
+            else:
+                history = train[base + num_shots : base + num_shots + r // 2 + 1]
+                messages = [{"role": "system", "content": f"You are tenant {t}'s maths tutor. Be brief."}]
+                for i, item in enumerate(history):
+                    messages.append({"role": "user", "content": item.question})
+                    if i < len(history) - 1:
+                        messages.append({"role": "assistant", "content": item.answer})
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                reqs.append(Request("chat", text))
+    return reqs
+
+
+async def closed_loop(url: str, reqs: list[Request], concurrency: int, max_new_tokens: int) -> list[Outcome]:
+    """`concurrency` clients, each sending the next request in order as soon as its last one ended."""
+    queue = list(reversed(reqs))
+    outs: list[Outcome] = []
+    async with httpx.AsyncClient(timeout=None) as client:
+
+        async def worker() -> None:
+            while queue:
+                outs.append(await send(client, url, NATIVE, queue.pop(), max_new_tokens))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return outs
+
+
+def summarize(
+    outs: list[Outcome], wall: float, before: dict[str, int], after: dict[str, int]
+) -> dict[str, Any]:
+    prompt = sum(o.prompt_tokens for o in outs)
+    device = after["device_hit_tokens"] - before["device_hit_tokens"]
+    host = after["host_hit_tokens"] - before["host_hit_tokens"]
+    return {
+        "requests": len(outs),
+        "wall_s": wall,
+        "request_throughput": len(outs) / wall,
+        "ttft_ms": {
+            k: None if v is None else 1000 * v for k, v in percentiles([o.ttft for o in outs]).items()
+        },
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(o.cached_tokens for o in outs),
+        "device_hit_rate": device / prompt,
+        "host_hit_rate": host / prompt,
+        "host_loaded_tokens": after["host_loaded_tokens"] - before["host_loaded_tokens"],
+        "host_stored_tokens": after["host_stored_tokens"] - before["host_stored_tokens"],
+    }
+
+
+def plot(path: Path, results: dict[str, dict[str, Any]]) -> None:
+    plt = pyplot()
+    fig, (ax_ttft, ax_rps) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [SERVERS[k] for k in results]
+    for i, q in enumerate(("p50", "p99")):
+        xs = [j + 0.4 * i for j in range(len(results))]
+        ax_ttft.bar(xs, [r["ttft_ms"][q] or 0 for r in results.values()], width=0.4, label=f"TTFT {q}")
+    ax_ttft.set_xticks([j + 0.2 for j in range(len(results))], names, fontsize=8)
+    ax_ttft.set_ylabel("ms")
+    ax_ttft.legend(fontsize=8)
+    ax_rps.bar(names, [r["request_throughput"] for r in results.values()], color="tab:green")
+    ax_rps.set_ylabel("requests/s")
+    ax_rps.tick_params(axis="x", labelsize=8)
+    fig.suptitle("Multi-tenant prefixes beyond the KV pool: host tier off and on")
+    save_figure(fig, path)
+
+
+def server_info(url: str) -> dict[str, int]:
+    return httpx.get(f"{url}/server_info", timeout=30).json()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = bench_parser(__doc__, SIZES)
+    ap.add_argument(
+        "--pool-fraction",
+        type=float,
+        default=0.2,
+        help="KV pool size as a fraction of the workload's prompt tokens (the issue asks 1/8 to 1/4).",
+    )
+    args, sizes = parse_sizes(ap, argv, SIZES)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])
+    working_set = sum(len(tokenizer.encode(r.text)) for r in reqs)
+    pool = max(int(working_set * args.pool_fraction), 64 + max(len(tokenizer.encode(r.text)) for r in reqs))
+    flags = {
+        "host_off": ["--max-total-tokens", str(pool)],
+        "host_on": ["--max-total-tokens", str(pool), "--kv-host-tokens", str(working_set)],
+    }
+    print(f"{len(reqs)} requests, {working_set} prompt tokens in all, KV pool {pool} tokens")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        for name, extra in flags.items():
+            with running_server(extra, Path(logs) / f"{name}.log") as url:
+                asyncio.run(closed_loop(url, [Request("warm", "Hello")], 1, 2))
+                before = server_info(url)
+                t0 = time.perf_counter()
+                outs = asyncio.run(closed_loop(url, reqs, sizes["concurrency"], sizes["max_new_tokens"]))
+                results[name] = summarize(outs, time.perf_counter() - t0, before, server_info(url))
+                r = results[name]
+                print(
+                    f"{name}: {r['request_throughput']:.2f} req/s, TTFT P50 {r['ttft_ms']['p50']:.0f} ms, "
+                    f"hits: pool {r['device_hit_rate']:.0%}, host {r['host_hit_rate']:.0%}"
+                )
+    table = Table(
+        f"Multi-tenant: {sizes['tenants']} tenants x {sizes['rounds']} requests, {working_set} prompt "
+        f"tokens, KV pool {pool} tokens ({working_set / pool:.1f}x smaller), "
+        f"concurrency {sizes['concurrency']}",
+        ["server", "req/s", "TTFT P50 ms", "TTFT P99 ms", "hit: pool", "hit: host", "tokens loaded"],
+        [
+            [
+                SERVERS[k],
+                fmt(r["request_throughput"]),
+                fmt(r["ttft_ms"]["p50"], ".0f"),
+                fmt(r["ttft_ms"]["p99"], ".0f"),
+                f"{r['device_hit_rate']:.0%}",
+                f"{r['host_hit_rate']:.0%}",
+                str(r["host_loaded_tokens"]),
+            ]
+            for k, r in results.items()
+        ],
+    )
+    off, on = results["host_off"], results["host_on"]
+    notes = [
+        f"host tier: {on['request_throughput'] / off['request_throughput']:.2f}x the throughput, TTFT P50 "
+        f"{off['ttft_ms']['p50'] / on['ttft_ms']['p50']:.2f}x lower (targets: 2x and 3x)"
+    ]
+    figure = f"{NAME}.png"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    plot(args.out_dir / figure, results)
+    save_result(
+        args.out_dir,
+        NAME,
+        {"working_set_tokens": working_set, "pool_tokens": pool, "servers": results},
+        [table],
+        notes,
+        [figure],
+        sizes,
+    )
+
+
+if __name__ == "__main__":
+    main()
