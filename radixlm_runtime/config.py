@@ -179,6 +179,14 @@ class SchedulerConfig:
         10.0, "Seconds of waiting that raise a request's effective priority by one level."
     )
     disable_radix_cache: bool = flag(False, "Do not reuse KV across requests (for ablations and baselines).")
+    kv_host_write_policy: str = flag(
+        "write_back",
+        "With --kv-host-tokens, when a cached prefix's KV is copied to the host tier: 'write_back' when "
+        "it is evicted from the KV pool (only what leaves the pool is copied, at the step that evicts "
+        "it), 'write_through' as soon as it is cached (every computed prefix is copied, and evicting "
+        "it later costs no copy).",
+        ("write_back", "write_through"),
+    )
     disable_overlap_schedule: bool = flag(
         False,
         "Plan each step only after the previous one's tokens are read back. By default, where steps "

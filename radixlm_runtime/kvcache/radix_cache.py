@@ -114,9 +114,16 @@ class RadixCache:
     touched since are queued again at their new time. So evicting costs O(k log n) for the k nodes
     taken, not a walk of every leaf, and a heap is rebuilt when stale entries outnumber the nodes."""
 
-    def __init__(self, allocator: TokenAllocator, host_allocator: TokenAllocator | None = None) -> None:
+    def __init__(
+        self,
+        allocator: TokenAllocator,
+        host_allocator: TokenAllocator | None = None,
+        write_through: bool = False,
+    ) -> None:
         self.allocator = allocator
         self.host_allocator = host_allocator
+        # Copy a node's KV to the host tier when it is cached, not when it leaves the device.
+        self.write_through = write_through and host_allocator is not None
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
         self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
@@ -230,6 +237,8 @@ class RadixCache:
                 self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
                 self._candidate(leaf)
+                if self.write_through:
+                    self._back_up(leaf)
                 return on_device
             n = _common_prefix_len(child.key, key, pos)
             if n < len(child.key):
@@ -418,16 +427,22 @@ class RadixCache:
     def _demote(self, node: TreeNode) -> bool:
         """Keeps node's KV in the host tier as it leaves the device (copied there unless a copy is
         there already); False when there is no host tier or no room in it."""
-        if node.host_value is None:
-            host = self._alloc_host(len(node.key))
-            if host is None:
-                return False
-            assert node.value is not None
-            self._record(True, node.value, host)
-            node.host_value = host
-            self._host_size += len(host)
-            self.stored_tokens += len(host)
+        if node.host_value is None and not self._back_up(node):
+            return False
         node.value = None
+        self._host_candidate(node)
+        return True
+
+    def _back_up(self, node: TreeNode) -> bool:
+        """Copies a device node's KV to fresh host slots; False when the host tier has no room."""
+        assert node.value is not None and node.host_value is None
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        self._record(True, node.value, host)
+        node.host_value = host
+        self._host_size += len(host)
+        self.stored_tokens += len(host)
         self._host_candidate(node)
         return True
 

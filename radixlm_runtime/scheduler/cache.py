@@ -24,10 +24,11 @@ class CacheManager:
         session_timeout_s: float = 60.0,
         session_pin_fraction: float = 0.5,
         host_allocator: TokenAllocator | None = None,
+        write_through: bool = False,
     ) -> None:
         self.allocator = allocator
         self.rows = rows
-        self.tree = None if disable_radix_cache else RadixCache(allocator, host_allocator)
+        self.tree = None if disable_radix_cache else RadixCache(allocator, host_allocator, write_through)
         # Prompt tokens admitted from the device pool and loaded back from the host tier.
         self.device_hit_tokens = self.host_hit_tokens = 0
         self.sessions = SessionTable(self.tree, session_timeout_s, int(session_pin_fraction * allocator.size))

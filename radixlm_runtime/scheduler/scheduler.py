@@ -59,6 +59,7 @@ class Scheduler:
             config.session_timeout_s,
             config.session_pin_fraction,
             TokenAllocator(self.runner_info.host_kv_tokens) if self.runner_info.host_kv_tokens else None,
+            config.kv_host_write_policy == "write_through",
         )
         self.drafter = (
             Drafter(

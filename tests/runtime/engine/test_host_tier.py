@@ -29,10 +29,11 @@ def reference(tiny_llama_dir: Path) -> list[dict]:
     return engine.generate(PROMPTS, GREEDY, return_logprob=True)
 
 
-def _engine(model_dir: Path, host_tokens: int) -> rt.Engine:
+def _engine(model_dir: Path, host_tokens: int, policy: str = "write_back") -> rt.Engine:
     return rt.Engine(
         str(model_dir),
         deterministic=True,
+        kv_host_write_policy=policy,
         dtype="float32",
         max_total_tokens=POOL,
         kv_host_tokens=host_tokens,
@@ -48,8 +49,11 @@ def _twice(engine: rt.Engine) -> list[dict]:
     return [engine.generate(p, GREEDY, return_logprob=True) for p in PROMPTS]
 
 
-def test_evicted_prefixes_come_back_from_the_host_tier(tiny_llama_dir: Path, reference: list[dict]) -> None:
-    engine = _engine(tiny_llama_dir, 4096)
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_evicted_prefixes_come_back_from_the_host_tier(
+    tiny_llama_dir: Path, reference: list[dict], policy: str
+) -> None:
+    engine = _engine(tiny_llama_dir, 4096, policy)
     outs = _twice(engine)
     for got, want in zip(outs, reference, strict=True):
         assert got["output_ids"] == want["output_ids"]
@@ -63,6 +67,8 @@ def test_evicted_prefixes_come_back_from_the_host_tier(tiny_llama_dir: Path, ref
     assert info["host_loaded_tokens"] >= info["host_hit_tokens"]
     assert 0 < info["cached_tokens_on_host"] <= info["host_tier_tokens"] == 4096
     assert info["free_tokens"] + info["cached_tokens_in_tree"] == info["max_total_tokens"] == POOL
+    if policy == "write_through":  # everything cached was copied when cached, the pool's too
+        assert info["host_stored_tokens"] >= info["cached_tokens_on_host"] >= info["cached_tokens_in_tree"]
 
 
 def test_without_the_host_tier_the_pool_alone_serves_few_hits(
@@ -87,6 +93,8 @@ def test_a_host_tier_smaller_than_the_working_set_keeps_the_newest(
     assert info["free_tokens"] + info["cached_tokens_in_tree"] == POOL
 
 
-def test_kv_host_tokens_is_validated() -> None:
+def test_host_tier_flags_are_validated() -> None:
     with pytest.raises(ValueError, match="kv_host_tokens"):
         rt.Engine(kv_host_tokens=-1)
+    with pytest.raises(ValueError, match="kv_host_write_policy"):
+        rt.Engine(kv_host_write_policy="sometimes")

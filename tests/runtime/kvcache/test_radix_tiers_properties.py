@@ -37,11 +37,13 @@ def _nodes(cache: RadixCache) -> list[tuple[TreeNode, Prefix]]:
 
 
 class TieredCacheMachine(RuleBasedStateMachine):
-    @initialize(size=st.sampled_from([12, 24]), host=st.sampled_from([8, 16, 48]))
-    def setup(self, size: int, host: int) -> None:
+    @initialize(
+        size=st.sampled_from([12, 24]), host=st.sampled_from([8, 16, 48]), write_through=st.booleans()
+    )
+    def setup(self, size: int, host: int, write_through: bool) -> None:
         self.alloc = TokenAllocator(size)
         self.host_alloc = TokenAllocator(host)
-        self.cache = RadixCache(self.alloc, self.host_alloc)
+        self.cache = RadixCache(self.alloc, self.host_alloc, write_through)
         self.device: list[Prefix | None] = [None] * (size + 1)
         self.host: list[Prefix | None] = [None] * (host + 1)
         self.loaded = 0
