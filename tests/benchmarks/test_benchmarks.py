@@ -218,16 +218,21 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
 
 
 def test_kv_tiers(out_dir: Path) -> None:
-    """Both servers get every request; only the one with a host tier loads prefixes back from it, and
+    """Every server gets every request; only those with a host tier load prefixes back from it, and
     the hit rates are shares of the prompt tokens."""
     result = run_tiny("bench_kv_tiers.py", out_dir, "kv_tiers")
-    off, on = result["servers"]["host_off"], result["servers"]["host_on"]
-    assert off["requests"] == on["requests"] == 12 and off["prompt_tokens"] == on["prompt_tokens"]
+    servers = result["servers"]
+    off = servers["host_off"]
+    assert list(servers) == ["host_off", "write_back", "write_through"]
     assert result["pool_tokens"] < result["working_set_tokens"]
-    assert off["host_hit_rate"] == 0 and off["host_loaded_tokens"] == 0
-    assert on["host_loaded_tokens"] > 0 and 0 < on["host_hit_rate"] <= 1
-    for r in (off, on):
+    assert off["host_hit_rate"] == 0 and off["host_loaded_tokens"] == 0 == off["host_stored_tokens"]
+    for name, r in servers.items():
+        assert r["requests"] == 12 and r["prompt_tokens"] == off["prompt_tokens"]
         assert 0 <= r["device_hit_rate"] + r["host_hit_rate"] <= 1 and r["request_throughput"] > 0
+        if name != "host_off":
+            assert r["host_loaded_tokens"] > 0 and 0 < r["host_hit_rate"] <= 1
+    # Write-through copies everything it caches; write-back only what the pool evicts.
+    assert servers["write_through"]["host_stored_tokens"] >= servers["write_back"]["host_stored_tokens"]
 
 
 def test_invariance(out_dir: Path) -> None:
