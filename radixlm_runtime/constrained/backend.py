@@ -70,8 +70,10 @@ class Guide(Protocol):
 class GrammarBackend(Protocol):
     """A grammar library bound to one tokenizer; compile runs on worker threads."""
 
-    def compile(self, constraint: Constraint) -> Any:
-        """The compiled grammar; ValueError naming the constraint's field when it is refused."""
+    def compile(self, constraint: Constraint, grammar: str | None = None) -> Any:
+        """The compiled grammar; ValueError naming the constraint's field when it is refused.
+        `grammar` is the constraint's grammar as `check_constraint` returned it: compiled without
+        parsing and checking the constraint again (None: checked here)."""
         ...
 
     def guide(self, compiled: Any) -> Guide:
@@ -96,10 +98,12 @@ def make_backend(name: str, tokenizer: Any, eos_ids: frozenset[int], vocab_size:
     return load_backend_module(name).Backend(tokenizer, eos_ids, vocab_size)
 
 
-def check_constraint(name: str, constraint: Constraint) -> None:
-    """Refuses (ValueError naming the field) a constraint the backend would refuse to compile,
+def check_constraint(name: str, constraint: Constraint) -> str:
+    """The constraint's grammar on this backend, parsed and checked once, as text: what a request
+    carries to the scheduler (io/messages.py GenerateReq.grammar), whose compile then skips the
+    parse. Refuses (ValueError naming the field) a constraint the backend would refuse to compile,
     without a tokenizer: cheap enough to run before a request is queued."""
-    load_backend_module(name).check(constraint)
+    return load_backend_module(name).check(constraint)
 
 
 def bit_allowed(bits: np.ndarray, token_id: int) -> bool:

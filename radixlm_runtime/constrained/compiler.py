@@ -45,27 +45,28 @@ class GrammarCompiler:
                 self._backend = self._make_backend()
             return self._backend
 
-    def compile(self, constraint: Constraint) -> Any:
-        """Cached synchronous compile; ValueError naming the constraint's field when it is refused."""
+    def compile(self, constraint: Constraint, grammar: str | None = None) -> Any:
+        """Cached synchronous compile; ValueError naming the constraint's field when it is refused.
+        `grammar`: the constraint's grammar as the front end checked it (None: checked here)."""
         with self._lock:
             compiled = self._entries.get(constraint)
             if compiled is not None:
                 self._entries.move_to_end(constraint)
                 return compiled
-        compiled = self.backend.compile(constraint)
+        compiled = self.backend.compile(constraint, grammar)
         with self._lock:
             self._entries[constraint] = compiled
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
         return compiled
 
-    def submit(self, constraint: Constraint) -> Future[Any]:
+    def submit(self, constraint: Constraint, grammar: str | None = None) -> Future[Any]:
         """Compiles in the pool; concurrent submissions of one constraint share a single future."""
         with self._lock:
             future = self._inflight.get(constraint)
             if future is not None:
                 return future
-            future = self._pool.submit(self.compile, constraint)
+            future = self._pool.submit(self.compile, constraint, grammar)
             self._inflight[constraint] = future
         # Outside the lock: a future that is already done runs the callback right here.
         future.add_done_callback(lambda _f: self._forget(constraint))

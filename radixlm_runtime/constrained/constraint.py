@@ -76,6 +76,11 @@ SUPPORTED_FORMATS = frozenset(
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
+# Deepest nesting of objects and arrays a JSON value may have: a request body (the body itself is
+# level 1, server/http_utils.py) or a JSON schema. The JSON decoder, schema validation and the grammar
+# compilers all recurse on nesting, and a few hundred levels exhaust Python's stack: deeper is refused.
+MAX_JSON_DEPTH = 64
+_CONTAINERS = (dict, list)
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,27 @@ class Constraint:
         return ValueError(message if message.startswith(self.kind) else f"{self.kind}: {message}")
 
 
+class SchemaTooDeep(ValueError):
+    """A schema nested past MAX_JSON_DEPTH (the HTTP layers answer it with code json_too_deep)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"json_schema: JSON nested deeper than the limit of {MAX_JSON_DEPTH} levels of objects and arrays"
+        )
+
+
 def parse_schema(text: str) -> dict[str, Any] | bool:
     """The schema, refused (ValueError naming json_schema and the keyword) when it is not valid JSON,
-    not a valid JSON Schema, or uses a keyword the backends would not enforce."""
+    nested past MAX_JSON_DEPTH, not a valid JSON Schema, or uses a keyword the backends would not
+    enforce. The depth is checked right after decoding, before anything recurses on the schema."""
     try:
         schema = json.loads(text)
+    except RecursionError:  # the decoder's own bound, far past MAX_JSON_DEPTH
+        raise SchemaTooDeep() from None
     except ValueError as e:
         raise ValueError(f"json_schema: not valid JSON: {e}") from None
+    if nesting_exceeds(schema, MAX_JSON_DEPTH):
+        raise SchemaTooDeep()
     if not isinstance(schema, (dict, bool)):
         raise ValueError("json_schema: must be a JSON object")
     if schema is False:
@@ -117,6 +136,21 @@ def parse_schema(text: str) -> dict[str, Any] | bool:
     _check_keywords(schema)
     _check_finite(schema)
     return schema
+
+
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels deep in a decoded JSON value;
+    walked level by level, without recursion."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    for _ in range(limit):
+        level = [c for v in level for c in _children(v) if isinstance(c, _CONTAINERS)]
+        if not level:
+            return False
+    return bool(level)
+
+
+def _children(value: dict[str, Any] | list[Any]) -> Any:
+    return value.values() if isinstance(value, dict) else value
 
 
 def subschemas(schema: Any, path: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:

@@ -44,19 +44,15 @@ def grammar_of(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(lark)
 
 
-def checked_grammar(constraint: Constraint) -> str:
-    """The constraint's grammar, parsed and validated once: ValueError naming its field when
-    llguidance refuses it or would not enforce part of it."""
+def check(constraint: Constraint) -> str:
+    """The constraint's grammar (llguidance's JSON grammar text), parsed and validated once:
+    ValueError naming its field when llguidance refuses it or would not enforce part of it."""
     grammar = grammar_of(constraint)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error or messages:
         # Warnings name what llguidance would not enforce (e.g. unimplemented keys): refused too.
         raise constraint.error("; ".join(m.strip() for m in messages))
     return grammar
-
-
-def check(constraint: Constraint) -> None:
-    checked_grammar(constraint)
 
 
 class Backend:
@@ -66,8 +62,8 @@ class Backend:
             tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=sorted(eos_ids)
         )
 
-    def compile(self, constraint: Constraint) -> LLMatcher:
-        matcher = LLMatcher(self.tokenizer, checked_grammar(constraint), log_level=0)
+    def compile(self, constraint: Constraint, grammar: str | None = None) -> LLMatcher:
+        matcher = LLMatcher(self.tokenizer, grammar or check(constraint), log_level=0)
         if matcher.is_error():
             raise constraint.error(matcher.get_error())
         return matcher

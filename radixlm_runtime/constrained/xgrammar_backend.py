@@ -30,8 +30,10 @@ def grammar_of(constraint: Constraint) -> xgr.Grammar:
         raise constraint.error(str(e).strip()) from None
 
 
-def check(constraint: Constraint) -> None:
-    grammar_of(constraint)
+def check(constraint: Constraint) -> str:
+    """The constraint's grammar, parsed and validated once, as xgrammar's serialized JSON (it
+    crosses to the scheduler process); ValueError naming its field when refused."""
+    return grammar_of(constraint).serialize_json()
 
 
 def _check_xgrammar_schema(schema: Any) -> None:
@@ -56,10 +58,10 @@ class Backend:
         self.eos_mask = self.eos_mask.view(np.int32)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        grammar = grammar_of(constraint)
+    def compile(self, constraint: Constraint, grammar: str | None = None) -> xgr.CompiledGrammar:
+        parsed = xgr.Grammar.deserialize_json(grammar) if grammar else grammar_of(constraint)
         try:
-            return self.compiler.compile_grammar(grammar)
+            return self.compiler.compile_grammar(parsed)
         except RuntimeError as e:
             raise constraint.error(str(e).strip()) from None
 

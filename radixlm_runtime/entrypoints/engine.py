@@ -7,21 +7,18 @@ the two entry points accept, run and answer requests identically.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm_runtime.constrained.backend import check_constraint
+from radixlm_runtime.constrained.checker import GrammarChecker
 from radixlm_runtime.entrypoints.runtime import build_scheduler
-from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
 from radixlm_runtime.io.limits import RequestLimits
-from radixlm_runtime.io.messages import GenerateReq, sample_request
+from radixlm_runtime.io.messages import GenerateReq
 from radixlm_runtime.io.outputs import OutputState, native_output
-from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, load_tokenizer
+from radixlm_runtime.io.request_builder import RequestPolicy, build_requests, native_prompts
+from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids, load_tokenizer
 from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.models.loader import resolve_model_path
-from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger, setup_logging
 
@@ -47,7 +44,12 @@ class Engine:
         self.scheduler = build_scheduler(self.model_dir, self.server_args, self.tokenizer)
         self.runner = self.scheduler.runner
         info = self.scheduler.runner_info
-        self.limits = RequestLimits(info.vocab_size, info.context_len, info.max_total_tokens)
+        limits = RequestLimits(info.vocab_size, info.context_len, info.max_total_tokens)
+        # The server's checks, bounds included (io/request_builder.py): the same input gets the
+        # same answer offline and over HTTP.
+        eos = eos_token_ids(self.tokenizer, [])
+        self.policy = RequestPolicy.of(limits, eos, self.sampling_defaults, self.server_args.server)
+        self.grammars = GrammarChecker(self.server_args.scheduler.grammar_backend)
         logger.info("engine ready in %.2fs (model %s)", time.perf_counter() - t0, self.model_dir)
 
     # -- public API ---------------------------------------------------------------------------
@@ -84,12 +86,7 @@ class Engine:
             priority,
         )
         states = self._submit(messages)
-        pending = set(states)
-        while pending:
-            for rid_ in self._step(states):
-                if states[rid_].finished:
-                    pending.discard(rid_)
-        self._drain()
+        self._run(states)
         outs = [self._output(states[m.rid], return_text_in_logprobs) for m in messages]
         return outs[0] if single and len(outs) == 1 else outs
 
@@ -114,6 +111,7 @@ class Engine:
             if state.req.rid in self._step(states):
                 if state.finished:
                     self._drain()
+                    _raise_if_refused(state)
                 yield self._output(state, False)
 
     def flush_cache(self) -> bool:
@@ -159,6 +157,24 @@ class Engine:
                 progressed.add(out.rid)
         return progressed
 
+    def _run(self, states: dict[str, OutputState]) -> None:
+        """Steps until every request finished; a request the scheduler refused (a field at fault)
+        raises its error, as the server answers it with a 400, after the others are aborted."""
+        pending = set(states)
+        refused: OutputState | None = None
+        while pending:
+            for rid in self._step(states):
+                if not states[rid].finished:
+                    continue
+                pending.discard(rid)
+                if refused is None and _refusal(states[rid]) is not None:
+                    refused = states[rid]
+                    for other in pending:
+                        self.scheduler.abort(other)
+        self._drain()
+        if refused is not None:
+            _raise_if_refused(refused)
+
     def _drain(self) -> None:
         """Under overlap scheduling the step launched last can serve no live request (its requests
         finished in the step before it): reads it back, so the engine is idle between calls, its
@@ -178,47 +194,23 @@ class Engine:
         session_id: str | None,
         priority: int | list[int] | None = None,
     ) -> tuple[list[GenerateReq], bool]:
-        if session_id is not None:
-            check_session_id(session_id)
+        """The scheduler messages of a generate call, n per prompt in order (io/request_builder.py)."""
         tokenize = lambda t: encode_prompt(self.tokenizer, t)
-        id_lists, single, _ = prompt_ids(prompt, input_ids, tokenize, "prompt")
-        n = len(id_lists)
-        params_list = per_prompt(sampling_params, n, "sampling_params")
-        rids = per_prompt(rid, n, "rid")
-        priorities = [check_priority(p) for p in per_prompt(priority, n, "priority")]
-        logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
-
-        messages: list[GenerateReq] = []
-        for ids, raw, base_rid, lp, prio in zip(id_lists, params_list, rids, logprobs, priorities):
-            sp = SamplingParams.from_dict(raw, self.scheduler.runner_info.vocab_size, self.sampling_defaults)
-            constraint = sp.constraint
-            if constraint is not None:
-                try:
-                    check_constraint(self.server_args.scheduler.grammar_backend, constraint)
-                except ValueError as e:
-                    raise ValueError(f"sampling_params.{e}") from None
-            self.limits.check(ids, sp, lp.logprob_start_len)
-            base = base_rid or uuid.uuid4().hex
-            for i in range(sp.n):
-                messages.append(
-                    sample_request(
-                        base,
-                        i,
-                        ids,
-                        sp,
-                        lp.return_logprob,
-                        lp.logprob_start_len,
-                        lp.top_logprobs_num,
-                        session_id,
-                        prio,
-                    )
-                )
-        seen: set[str] = set()
-        for m in messages:
-            if m.rid in seen:
-                raise ValueError(f"rid: {m.rid!r} is given to more than one request")
-            seen.add(m.rid)
-        return messages, single
+        prompts, single = native_prompts(
+            prompt,
+            input_ids,
+            sampling_params,
+            rid,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            priority,
+            session_id,
+            tokenize,
+            "prompt",
+        )
+        built = build_requests(prompts, self.policy, self.grammars.check)
+        return [m for p in built for m in p.samples], single
 
     def _output(self, state: OutputState, text_in_logprobs: bool) -> dict[str, Any]:
         sp = state.req.sampling_params
@@ -226,3 +218,13 @@ class Engine:
             self.tokenizer, state.output_ids, state.finished_reason, sp.skip_special_tokens, sp.no_stop_trim
         )
         return native_output(state, text, self.tokenizer, text_in_logprobs)
+
+
+def _refusal(state: OutputState) -> ValueError | None:
+    return state.finished_reason.refusal() if state.finished_reason is not None else None
+
+
+def _raise_if_refused(state: OutputState) -> None:
+    error = _refusal(state)
+    if error is not None:
+        raise error

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixlm_runtime.io.limits import InvalidRequest
+
 # constraint_error: the grammar engine gave up on the request's constraint mid-generation (a resource
 # limit such as llguidance's ParserTooComplex, a token its own mask allowed and then refused): the
 # output so far is not a match, so the request fails with the engine's message, never ends as a stop.
@@ -39,6 +41,14 @@ class FinishReason:
     def constraint_error(cls, message: str, param: str) -> FinishReason:
         """The grammar engine failed on the constraint carried by `param` after generation began."""
         return cls("constraint_error", message=message, param=param)
+
+    def refusal(self) -> InvalidRequest | None:
+        """An abort the scheduler blames on a request field (a max_new_tokens below the shortest
+        output its constraint admits, a regex no token sequence of this vocabulary spells) is the
+        request's error, raised by every entry point: None for any other finish."""
+        if self.kind != "abort" or self.param is None:
+            return None
+        return InvalidRequest(self.message or f"{self.param}: refused", self.param)
 
     def to_json(self) -> dict[str, Any]:
         """SGLang's meta_info `finish_reason` object."""

@@ -93,3 +93,19 @@ def check_priority(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not -PRIORITY_LIMIT <= value < PRIORITY_LIMIT:
         raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {value!r}")
     return value
+
+
+MAX_SESSION_ID_LEN = 256
+
+
+def check_session_id(session_id: object) -> None:
+    """Raises ValueError naming the field unless session_id is a short printable string."""
+    if (
+        not isinstance(session_id, str)
+        or not 1 <= len(session_id) <= MAX_SESSION_ID_LEN
+        or not session_id.isprintable()
+    ):
+        raise ValueError(
+            f"session_id must be a printable string of 1 to {MAX_SESSION_ID_LEN} characters, "
+            f"got {session_id!r:.80}"
+        )

@@ -9,11 +9,13 @@ from radixlm_runtime.sampling.params import SamplingParams
 
 
 class InvalidRequest(ValueError):
-    """A ValueError that also names the offending field (`param`), for HTTP error bodies."""
+    """A ValueError that also names the offending field (`param`) and, where a client may branch on
+    it, an error code (`code`), for HTTP error bodies."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)

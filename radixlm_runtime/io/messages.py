@@ -30,6 +30,10 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     top_logprobs_num: int = 0
     session_id: str | None = None
     priority: int = 0  # used with --enable-priority-scheduling
+    # The constraint's grammar as the request builder checked it (constrained/backend.py
+    # check_constraint): text, so it crosses the socket as data, and the scheduler compiles it
+    # without parsing the constraint again. None: unconstrained, or sent unchecked (checked there).
+    grammar: str | None = None
 
 
 def sample_request(
@@ -42,6 +46,7 @@ def sample_request(
     top_logprobs_num: int = 0,
     session_id: str | None = None,
     priority: int = 0,
+    grammar: str | None = None,
 ) -> GenerateReq:
     """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
     when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
@@ -57,6 +62,7 @@ def sample_request(
         top_logprobs_num=top_logprobs_num,
         session_id=session_id,
         priority=priority,
+        grammar=grammar,
     )
 
 

@@ -31,7 +31,7 @@ class ConstraintQueue:
     def submit(self, req: Req) -> None:
         constraint = req.sampling_params.constraint
         assert constraint is not None, "only constrained requests wait for a compile"
-        self.compiling.append((req, self.compiler.submit(constraint)))
+        self.compiling.append((req, self.compiler.submit(constraint, req.grammar)))
 
     def __len__(self) -> int:
         return len(self.compiling)

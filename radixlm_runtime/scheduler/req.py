@@ -27,6 +27,8 @@ class Req:
     # Program session whose pin this request's whole sequence becomes when it ends (session.py).
     session_id: str | None = None
     priority: int = 0
+    # The constraint's grammar as the front end checked it (GenerateReq.grammar), for the compile.
+    grammar: str | None = None
 
     # The prompt followed by every output token, appended in place (never rebuilt per step).
     token_ids: list[int] = field(default_factory=list)
@@ -92,6 +94,7 @@ class Req:
             top_logprobs_num=m.top_logprobs_num,
             session_id=m.session_id,
             priority=m.priority,
+            grammar=m.grammar,
         )
 
     @property

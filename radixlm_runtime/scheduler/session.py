@@ -16,22 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 
+# The id check is the request builder's (io/inputs.py); re-exported for the scheduler's close_session.
+from radixlm_runtime.io.inputs import MAX_SESSION_ID_LEN as MAX_SESSION_ID_LEN
+from radixlm_runtime.io.inputs import check_session_id as check_session_id
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
-
-MAX_SESSION_ID_LEN = 256
-
-
-def check_session_id(session_id: object) -> None:
-    """Raises ValueError naming the field unless session_id is a short printable string."""
-    if (
-        not isinstance(session_id, str)
-        or not 1 <= len(session_id) <= MAX_SESSION_ID_LEN
-        or not session_id.isprintable()
-    ):
-        raise ValueError(
-            f"session_id must be a printable string of 1 to {MAX_SESSION_ID_LEN} characters, "
-            f"got {session_id!r:.80}"
-        )
 
 
 @dataclass(eq=False)

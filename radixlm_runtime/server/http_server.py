@@ -16,8 +16,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixlm_runtime.io import outputs
-from radixlm_runtime.io.inputs import check_priority, logprob_args, per_prompt, prompt_ids
-from radixlm_runtime.scheduler.session import check_session_id
+from radixlm_runtime.io.inputs import check_session_id
+from radixlm_runtime.io.messages import GenerateReq
+from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest, native_prompts
 from radixlm_runtime.server import dashboard
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server.drain import Drain, DrainGate
@@ -26,7 +27,6 @@ from radixlm_runtime.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from radixlm_runtime.server.openai_api import build_openai_router
 from radixlm_runtime.server.tokenize_api import build_tokenize_router
 from radixlm_runtime.server.tokenizer_manager import (
-    GenerateInput,
     RequestState,
     TokenizerManager,
     gather_cancelling,
@@ -134,9 +134,9 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        params = await tm.make_params({"max_new_tokens": 1})
-        inp = GenerateInput(tm.tokenize("Hi"), params, f"health-{new_rid()}")
-        state = await tm.run(inp, 0)
+        probe = PromptArgs(tm.tokenize("Hi"), {"max_new_tokens": 1}, rid=f"health-{new_rid()}")
+        (built,) = await tm.run_cpu(tm.build, [probe])
+        state = await tm.run(built.samples[0])
         if state.finished_reason is not None and state.finished_reason.kind == "abort":
             raise RequestError("health generation was aborted", status=503)
         return Response(status_code=200)
@@ -188,14 +188,15 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await hu.parse_body(request, args.max_request_bytes, GenerateRequest)
-        inputs, single = await _build_inputs(tm, body)
-        tm.check_capacity(sum(inp.params.n for inp in inputs))
-        jobs = [(inp, i) for inp in inputs for i in range(inp.params.n)]
+        built, single = await _build(tm, body)
+        jobs = [(prompt.rid, req) for prompt in built for req in prompt.samples]
+        tm.check_capacity(len(jobs))
         single = single and len(jobs) == 1
         fmt = lambda st: native_output(tm, st, body.return_text_in_logprobs)
         if body.stream:
             return await hu.sse_stream(request, _native_stream(tm, jobs, single, fmt))
-        states = await hu.unless_disconnected(request, gather_cancelling([tm.run(inp, i) for inp, i in jobs]))
+        runs = gather_cancelling([tm.run(req, base) for base, req in jobs])
+        states = await hu.unless_disconnected(request, runs)
         outs = [fmt(st) for st in states]
         return JSONResponse(outs[0] if single else outs)
 
@@ -212,46 +213,38 @@ def _check_session_id(session_id: str) -> None:
         raise RequestError(str(e), param="session_id") from None
 
 
-async def _build_inputs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[GenerateInput], bool]:
-    """Validates and tokenizes every prompt of a /generate body before anything is sent."""
-    if body.session_id is not None:
-        _check_session_id(body.session_id)
-    try:
-        tokenize = partial(tm.tokenize, field="text")
-        id_lists, single, param = await tm.run_cpu(prompt_ids, body.text, body.input_ids, tokenize, "text")
-        n = len(id_lists)
-        params_list = per_prompt(body.sampling_params, n, "sampling_params")
-        rids = per_prompt(body.rid, n, "rid")
-        priorities = [check_priority(p) for p in per_prompt(body.priority, n, "priority")]
-        logprobs = logprob_args(body.return_logprob, body.logprob_start_len, body.top_logprobs_num, n)
-    except ValueError as e:
-        raise RequestError.from_value_error(e) from None
-    inputs = []
-    for ids, raw, rid, lp, priority in zip(id_lists, params_list, rids, logprobs, priorities):
-        tm.check_logprobs(lp.top_logprobs_num, "top_logprobs_num")
-        sp = await tm.make_params(raw)
-        tm.check_lengths(ids, sp, lp.logprob_start_len, param)
-        inputs.append(
-            GenerateInput(
-                ids,
-                sp,
-                rid or new_rid(),
-                lp.return_logprob,
-                lp.logprob_start_len,
-                lp.top_logprobs_num,
-                body.session_id,
-                priority,
-            )
+async def _build(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[PromptRequest], bool]:
+    """Tokenizes and checks every prompt of a /generate body (io/request_builder.py) before anything
+    is sent, on the tokenizer threads."""
+
+    def build() -> tuple[list[PromptRequest], bool]:
+        prompts, single = native_prompts(
+            body.text,
+            body.input_ids,
+            body.sampling_params,
+            body.rid,
+            body.return_logprob,
+            body.logprob_start_len,
+            body.top_logprobs_num,
+            body.priority,
+            body.session_id,
+            partial(tm.tokenize, field="text"),
+            "text",
         )
-    return inputs, single
+        return tm.build(prompts), single
+
+    try:
+        return await tm.run_cpu(build)
+    except ValueError as e:
+        raise hu.invalid(e) from None
 
 
 async def _native_stream(
-    tm: TokenizerManager, jobs: list[tuple[GenerateInput, int]], single: bool, fmt: Any
+    tm: TokenizerManager, jobs: list[tuple[str, GenerateReq]], single: bool, fmt: Any
 ) -> AsyncIterator[bytes]:
     """SSE chunks with the cumulative text of one request (plus "index" when several run)."""
     done: set[int] = set()
-    streams = [tm.generate(inp, i, stream=True) for inp, i in jobs]
+    streams = [tm.generate(req, True, base) for base, req in jobs]
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         async for idx, st in merged:
             if idx in done:

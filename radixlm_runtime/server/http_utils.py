@@ -12,6 +12,8 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from radixlm_runtime.constrained.constraint import MAX_JSON_DEPTH, nesting_exceeds
+from radixlm_runtime.io.limits import InvalidRequest
 from radixlm_runtime.server.errors import RequestError
 
 T = TypeVar("T")
@@ -20,13 +22,8 @@ _AT_FIELD = re.compile(r"at `\$\.?([\w.\[\]]*)`")
 _NAMED_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
 # How often a non-streaming handler checks whether its client went away.
 DISCONNECT_POLL_S = 0.5
-# Deepest nesting of objects and arrays a request body may have (the body itself is level 1), and a
-# JSON schema given as a string. The JSON decoder, schema validation and the grammar compilers
-# all recurse on nesting, and a few hundred levels exhaust Python's stack: deeper input is a 400.
-MAX_JSON_DEPTH = 64
 # Bodies larger than this are decoded on a worker thread, so the event loop keeps serving.
 INLINE_DECODE_BYTES = 256 * 1024
-_CONTAINERS = (dict, list)
 # A JSON string (optionally a key, with its colon) or a bracket: the tokens that matter for nesting.
 _JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"\s*:?|[\[\]{}]')
 
@@ -104,17 +101,12 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise RequestError(f"invalid request: {text}", param=param) from None
 
 
-def check_json_text_depth(text: str, param: str) -> None:
-    """Refuses (400) JSON given as a string (a json_schema) nested deeper than MAX_JSON_DEPTH;
-    text that is not JSON is left to the check that parses it."""
-    try:
-        value = msgspec.json.decode(text)
-    except RecursionError:
-        raise too_deep(param) from None
-    except msgspec.DecodeError:
-        return
-    if nesting_exceeds(value, MAX_JSON_DEPTH):
-        raise too_deep(param)
+def invalid(err: ValueError) -> RequestError:
+    """A request builder's ValueError (io/request_builder.py) as the 400 the HTTP layers answer:
+    an InvalidRequest names its field and code, any other names the field its message starts with."""
+    if isinstance(err, InvalidRequest):
+        return RequestError(str(err), param=err.param, code=err.code)
+    return RequestError.from_value_error(err)
 
 
 def too_deep(param: str | None) -> RequestError:
@@ -124,21 +116,6 @@ def too_deep(param: str | None) -> RequestError:
         param=param,
         code="json_too_deep",
     )
-
-
-def nesting_exceeds(value: Any, limit: int) -> bool:
-    """Whether objects and arrays nest more than `limit` levels deep in a decoded JSON value;
-    walked level by level, without recursion."""
-    level = [value] if isinstance(value, _CONTAINERS) else []
-    for _ in range(limit):
-        level = [c for v in level for c in _children(v) if isinstance(c, _CONTAINERS)]
-        if not level:
-            return False
-    return bool(level)
-
-
-def _children(value: dict[str, Any] | list[Any]) -> Any:
-    return value.values() if isinstance(value, dict) else value
 
 
 def _key_too_deep(body: bytes) -> str | None:

@@ -1,13 +1,14 @@
 """OpenAI-compatible endpoints (/v1/models, /v1/completions, /v1/chat/completions).
 
-Requests are mapped onto the same GenerateInput the native API uses; only the request and
-response shapes differ, so both APIs validate and schedule identically.
+Requests are mapped onto SGLang's names (messages through the chat template, max_tokens as
+max_new_tokens, response_format as a json_schema, ...) and built by the same request builder as
+the native API (io/request_builder.py); only the request and response shapes differ, so both APIs
+validate and schedule identically. Errors name the OpenAI request's fields (`_openai_names`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import itertools
@@ -23,8 +24,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixlm_runtime.constrained.constraint import Constraint
-from radixlm_runtime.io.inputs import check_priority
+from radixlm_runtime.io.inputs import LogprobArgs
+from radixlm_runtime.io.messages import GenerateReq
 from radixlm_runtime.io.outputs import json_logprob
+from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.server import http_utils as hu
 from radixlm_runtime.server import tool_calls as tc
@@ -32,7 +35,6 @@ from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.reasoning import ReasoningParser, split_reasoning
 from radixlm_runtime.server.tokenizer_manager import (
     DRAIN_ABORT,
-    GenerateInput,
     RequestState,
     TokenizerManager,
     gather_cancelling,
@@ -177,9 +179,11 @@ class ChatRequest(_SamplingFields):
 
 @dataclass
 class _Job:
-    """One choice: sample `index` of the prompt `inp`; `choice` is its index in the response."""
+    """One choice: sample `index` of a prompt (`req`, sent under the prompt's `base_rid`); `choice`
+    is its index in the response."""
 
-    inp: GenerateInput
+    req: GenerateReq
+    base_rid: str
     index: int
     choice: int
     prompt_text: str = ""
@@ -229,19 +233,21 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         _check_common(body)
         check_model(body.model)
         _check_unsupported_completion_fields(body)
-        if body.logprobs is not None:
-            tm.check_logprobs(body.logprobs, "logprobs")
         id_lists = await tm.run_cpu(_completion_prompts, tm, body.prompt)
         want_lp = body.logprobs is not None
+        # echo with logprobs scores the prompt too: its logprobs from the first token on.
+        lp = LogprobArgs(want_lp, 0 if body.echo and want_lp else -1, body.logprobs or 0)
+        raw = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+        prompts = [PromptArgs(ids, raw, logprob=lp, priority=body.priority) for ids in id_lists]
+        built = await _build(tm, prompts, "logprobs")
+        tm.check_capacity(sum(len(p.samples) for p in built))
         jobs: list[_Job] = []
-        for ids in id_lists:
-            max_tokens = 16 if body.max_tokens is None else body.max_tokens
-            inp = await _make_input(
-                tm, body, ids, max_tokens, want_lp, body.logprobs or 0, bool(body.echo) and want_lp
+        for prompt in built:
+            prompt_text = tm.tokenizer.decode(prompt.samples[0].input_ids) if body.echo else ""
+            first = len(jobs)
+            jobs.extend(
+                _Job(req, prompt.rid, i, first + i, prompt_text) for i, req in enumerate(prompt.samples)
             )
-            prompt_text = tm.tokenizer.decode(ids) if body.echo else ""
-            tm.check_capacity(len(jobs) + inp.params.n)
-            jobs.extend(_Job(inp, i, len(jobs), prompt_text) for i in range(inp.params.n))
         resp_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": resp_id, "object": "text_completion", "created": created, "model": model_name}
         fmt_lp = lambda job, st, start: _completion_logprobs(tm, job, st, start)
@@ -280,23 +286,21 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             render_chat_prompt, tm, body.messages, plan, template_kwargs=body.chat_template_kwargs
         )
         want_lp = bool(body.logprobs)
-        if body.top_logprobs is not None:
-            if not want_lp:
-                raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-            tm.check_logprobs(body.top_logprobs, "top_logprobs")
-        json_schema = await _response_format_schema(tm, body.response_format)
+        if body.top_logprobs is not None and not want_lp:
+            raise RequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: until end of sequence or the context fills up
             max_tokens = max(_max_total(tm) - len(ids), 0)
-        inp = await _make_input(
-            tm, body, ids, max_tokens, want_lp, body.top_logprobs or 0, False, "messages", json_schema
-        )
-        tm.check_capacity(inp.params.n)
+        raw = _sampling_params(body, max_tokens, _response_format_schema(body.response_format))
+        lp = LogprobArgs(want_lp, -1, body.top_logprobs or 0)
+        prompt = PromptArgs(ids, raw, logprob=lp, priority=body.priority, prompt_field="messages")
+        (built,) = await _build(tm, [prompt], "top_logprobs")
+        tm.check_capacity(len(built.samples))
         resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": resp_id, "object": "chat.completion", "created": created, "model": model_name}
         if plan is not None and plan.calls:
             await _check_call_schemas(tm, plan)
-            loops = [_tool_loop(tm, plan, inp, i) for i in range(inp.params.n)]
+            loops = [_tool_loop(tm, plan, req) for req in built.samples]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             if body.stream:
                 chunk_base = base | {"object": "chat.completion.chunk"}
@@ -307,7 +311,7 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
                 for i, out in enumerate(outs)
             ]
             return JSONResponse(base | {"choices": choices, "usage": _tool_usage(outs)})
-        jobs = [_Job(inp, i, i) for i in range(inp.params.n)]
+        jobs = [_Job(req, built.rid, i, i) for i, req in enumerate(built.samples)]
         fmt_lp = lambda st, start: _chat_logprobs(tm, st, start)
         reasoning = tm.args.server.reasoning_parser
         if body.stream:
@@ -361,17 +365,10 @@ def _completion_prompts(tm: TokenizerManager, prompt: str | list[Any]) -> list[l
     return lists
 
 
-async def _make_input(
-    tm: TokenizerManager,
-    body: _SamplingFields,
-    ids: list[int],
-    max_tokens: int,
-    return_logprob: bool,
-    top_logprobs: int,
-    prompt_logprobs: bool,
-    prompt_param: str = "prompt",
-    json_schema: str | None = None,
-) -> GenerateInput:
+def _sampling_params(
+    body: _SamplingFields, max_tokens: int, json_schema: str | None = None
+) -> dict[str, Any]:
+    """The request's sampling fields under SGLang's names, for the request builder."""
     raw: dict[str, Any] = {"max_new_tokens": max_tokens}
     for src, dst in _PASSTHROUGH.items():
         value = getattr(body, src)
@@ -379,29 +376,36 @@ async def _make_input(
             raw[dst] = value
     if json_schema is not None:
         raw["json_schema"] = json_schema
+    return raw
+
+
+async def _build(tm: TokenizerManager, prompts: list[PromptArgs], logprobs_field: str) -> list[PromptRequest]:
+    """The prompts' scheduler messages (io/request_builder.py); a refusal names the OpenAI field,
+    `logprobs_field` the one that carried top_logprobs_num."""
     try:
-        priority = check_priority(body.priority)
+        return await tm.run_cpu(tm.build, prompts)
     except ValueError as e:
-        raise RequestError(str(e), param="priority") from None
-    try:
-        sp = await tm.make_params(raw)
-        tm.check_lengths(ids, sp, 0 if prompt_logprobs else -1, prompt_param)
-    except RequestError as e:
-        raise _openai_names(e) from None
-    start = 0 if prompt_logprobs else -1
-    return GenerateInput(ids, sp, uuid.uuid4().hex, return_logprob, start, top_logprobs, priority=priority)
+        raise _openai_names(hu.invalid(e), logprobs_field=logprobs_field) from None
 
 
-def _openai_names(err: RequestError, schema_field: str = "response_format") -> RequestError:
+def _openai_names(
+    err: RequestError, schema_field: str = "response_format", logprobs_field: str = "logprobs"
+) -> RequestError:
     """Rewrites the native field names in a validation error into the OpenAI request's names; a
-    refused json_schema is the `schema_field` that carried it (a tool call's: tools)."""
-    param = (err.param or "").removeprefix("sampling_params.")
-    param = _RENAMED.get(param, param)
-    message = err.message.replace("sampling_params.", "")
-    for native, openai in _RENAMED.items():
+    refused json_schema is the `schema_field` that carried it (a tool call's: tools), and
+    top_logprobs_num the `logprobs_field` (completions' logprobs, chat's top_logprobs)."""
+    renamed = _RENAMED | {"top_logprobs_num": logprobs_field}
+    # OpenAI's sampling fields are top-level: an error about the native sampling_params as a whole
+    # (e.g. two constraints) names no field.
+    param = (err.param or "").removeprefix("sampling_params").removeprefix(".")
+    param = renamed.get(param, param)
+    message = err.message.removeprefix("sampling_params: ").replace("sampling_params.", "")
+    for native, openai in renamed.items():
         message = message.replace(native, openai)
     if param == "json_schema":
-        param, message = schema_field, f"{schema_field}: {message.removeprefix('json_schema: ')}"
+        # response_format carries the schema in its json_schema; a tool's is its parameters.
+        where = "response_format.json_schema" if schema_field == "response_format" else schema_field
+        param, message = schema_field, f"{where}: {message.removeprefix('json_schema: ')}"
     return RequestError(message, err.status, param or None, err.code, err.headers)
 
 
@@ -521,9 +525,9 @@ def _text_content(content: str | list[dict[str, Any]] | None, where: str) -> str
     return "".join(texts)
 
 
-async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | None) -> str | None:
-    """The json_schema constraint that response_format asks for (None for plain text), checked here
-    so that errors name response_format."""
+def _response_format_schema(fmt: ResponseFormat | None) -> str | None:
+    """The json_schema constraint that response_format asks for (None for plain text); the request
+    builder checks it, and its errors name response_format (`_openai_names`)."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -533,15 +537,13 @@ async def _response_format_schema(tm: TokenizerManager, fmt: ResponseFormat | No
         raise RequestError(
             "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
         )
-    schema = json.dumps(spec["schema"])
-    await tm.check_constraint(Constraint("json_schema", schema), prefix="response_format.")
-    return schema
+    return json.dumps(spec["schema"])
 
 
 # -- running ----------------------------------------------------------------------------------
 async def _run_all(request: Request, tm: TokenizerManager, jobs: list[_Job]) -> list[RequestState]:
     try:
-        runs = gather_cancelling([tm.run(j.inp, j.index) for j in jobs])
+        runs = gather_cancelling([tm.run(j.req, j.base_rid) for j in jobs])
         return await hu.unless_disconnected(request, runs)
     except RequestError as e:  # refused by the scheduler, e.g. a budget below the schema's shortest output
         raise _openai_names(e) from None
@@ -558,7 +560,7 @@ async def _stream(
     sent_tokens = [0] * len(jobs)
     finals: dict[int, RequestState] = {}
     usage_field = {"usage": None} if include_usage else {}
-    streams = [tm.generate(j.inp, j.index, stream=True) for j in jobs]
+    streams = [tm.generate(j.req, True, j.base_rid) for j in jobs]
     async with contextlib.aclosing(merge_streams(streams)) as merged:
         try:
             async for i, st in merged:
@@ -630,19 +632,24 @@ async def _check_call_schemas(tm: TokenizerManager, plan: tc.ToolPlan) -> None:
         checks.append((tc.call_schema(plan.callable), "tools"))
     for schema, param in checks:
         try:
-            await tm.constraints.check(Constraint("json_schema", json.dumps(schema)))
+            await tm.run_cpu(tm.constraints.check, Constraint("json_schema", json.dumps(schema)))
         except ValueError as e:
             raise RequestError(f"{param}: {e}", param=param) from None
 
 
-def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, index: int) -> tc.ToolCallLoop:
-    """Choice `index` of a tool-calling turn; its phases run as sample `index` of the prompt (same
-    seed offset as an ordinary choice)."""
+def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, req: GenerateReq) -> tc.ToolCallLoop:
+    """One choice of a tool-calling turn (the sample `req`); its phases run with the sample's seed,
+    as an ordinary choice would. A phase's call schema was checked by `_check_call_schemas`: its
+    checked grammar comes from the checker's memory, so the scheduler does not parse it again."""
 
     async def run_phase(ids: list[int], params: SamplingParams) -> AsyncIterator[RequestState]:
-        phase = dataclasses.replace(inp, input_ids=ids, params=params, rid=uuid.uuid4().hex)
+        constraint = params.constraint
+        grammar = None if constraint is None else await tm.run_cpu(tm.constraints.check, constraint)
+        phase = msgspec.structs.replace(
+            req, rid=uuid.uuid4().hex, input_ids=ids, sampling_params=params, grammar=grammar
+        )
         try:
-            async with contextlib.aclosing(tm.generate(phase, index, stream=True)) as states:
+            async with contextlib.aclosing(tm.generate(phase, True)) as states:
                 async for st in states:
                     _finish_reason(
                         st, drained=None, schema_field="tools"
@@ -653,7 +660,13 @@ def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, inp: GenerateInput, inde
 
     encode = lambda text: tm.tokenizer.encode(text, add_special_tokens=False)
     return tc.ToolCallLoop(
-        plan, inp.input_ids, inp.params, encode, run_phase, _max_total(tm), tm.args.server.max_tool_calls
+        plan,
+        req.input_ids,
+        req.sampling_params,
+        encode,
+        run_phase,
+        _max_total(tm),
+        tm.args.server.max_tool_calls,
     )
 
 
@@ -754,8 +767,8 @@ def _completion_logprobs(tm: TokenizerManager, job: _Job, st: RequestState, star
     for output tokens from `start` on, preceded by the prompt's when echoing."""
     entries: list[tuple[int, float | None, list[tuple[float, int]] | None]] = []
     if job.prompt_text:
-        tops = st.input_top_logprobs or [None] * len(job.inp.input_ids)
-        entries.extend(zip(job.inp.input_ids, st.input_token_logprobs, tops))
+        tops = st.input_top_logprobs or [None] * len(job.req.input_ids)
+        entries.extend(zip(job.req.input_ids, st.input_token_logprobs, tops))
     first = len(entries) + start if start else 0
     out_tops = st.output_top_logprobs or [None] * len(st.output_ids)
     entries.extend(zip(st.output_ids, st.output_token_logprobs, out_tops))

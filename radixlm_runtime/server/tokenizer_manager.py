@@ -24,18 +24,16 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from radixlm_runtime.constrained.constraint import Constraint
+from radixlm_runtime.constrained.checker import GrammarChecker
 from radixlm_runtime.io import messages as msg
 from radixlm_runtime.io.finish import FinishReason
-from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
+from radixlm_runtime.io.limits import RequestLimits
 from radixlm_runtime.io.outputs import OutputState
+from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest, RequestPolicy, build_requests
 from radixlm_runtime.io.stop_holdback import StopHoldback
 from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids
 from radixlm_runtime.models.config import generation_sampling_defaults
-from radixlm_runtime.sampling.params import SamplingParams
-from radixlm_runtime.server.constraint_checks import ConstraintChecker
 from radixlm_runtime.server.errors import RequestError
-from radixlm_runtime.server.http_utils import check_json_text_depth
 from radixlm_runtime.server.metrics import ServerMetrics
 from radixlm_runtime.server.scheduler_process import run_scheduler_process
 from radixlm_runtime.server_args import ServerArgs
@@ -61,26 +59,15 @@ TOKENIZER_THREADS = 8
 # the context, and is refused before it is tokenized. The factor covers normalizers (NFC, NFKC) that
 # merge a few characters into one before tokenizing.
 PROMPT_CHARS_SLACK = 4
+# Threads that check new constraints: they bound the CPU a burst of bad constraints can take from
+# serving (constrained/checker.py).
+CONSTRAINT_CHECK_THREADS = 2
 # How the drain (server/drain.py) ends the requests still running at --shutdown-timeout.
 DRAIN_ABORT = FinishReason.abort("the server is shutting down (--shutdown-timeout passed)")
 
 
 class SchedulerDied(RuntimeError):
     pass
-
-
-@dataclass
-class GenerateInput:
-    """One validated prompt; n samples of it become n scheduler requests."""
-
-    input_ids: list[int]
-    params: SamplingParams
-    rid: str
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    session_id: str | None = None
-    priority: int = 0
 
 
 class IncrementalDetokenizer:
@@ -110,8 +97,7 @@ class IncrementalDetokenizer:
 class RequestState(OutputState):
     """A request's accumulated outputs, updated by the receive loop, read by its handler."""
 
-    base_rid: str
-    inp: GenerateInput
+    base_rid: str  # the rid its n samples share (/abort_request takes either)
     stream: bool
     detok: IncrementalDetokenizer
     holdback: StopHoldback
@@ -141,7 +127,9 @@ class TokenizerManager:
         self._chars_per_token = PROMPT_CHARS_SLACK * max(map(len, tokenizer.get_vocab()), default=1)
         # When the scheduler last showed progress (a step's outputs, or work sent to an idle loop).
         self.last_progress = time.monotonic()
-        self.constraints = ConstraintChecker(server_args.scheduler.grammar_backend)
+        self.constraints = GrammarChecker(server_args.scheduler.grammar_backend, CONSTRAINT_CHECK_THREADS)
+        # What requests are checked against (io/request_builder.py), once the scheduler is ready.
+        self.policy: RequestPolicy | None = None
         self._calls: dict[int, asyncio.Future[msg.CallResult]] = {}
         self._call_ids = itertools.count()
         self._ipc_dir = tempfile.mkdtemp(prefix="radixlm-")
@@ -176,6 +164,9 @@ class TokenizerManager:
                 if not isinstance(ready, msg.Ready):
                     raise RuntimeError(f"scheduler sent {type(ready).__name__} before Ready")
                 self.ready = ready
+                limits = RequestLimits(ready.vocab_size, ready.context_length, ready.max_total_tokens)
+                eos = eos_token_ids(self.tokenizer, [])
+                self.policy = RequestPolicy.of(limits, eos, self.sampling_defaults, self.args.server)
                 return ready
             if not self.proc.is_alive():
                 raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} while loading")
@@ -316,69 +307,11 @@ class TokenizerManager:
         self.check_prompt_chars(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def make_params(self, raw: dict[str, Any] | None) -> SamplingParams:
-        """SamplingParams from a user dict; every error names its field."""
-        assert self.ready is not None
-        raw = _drop_empty_stop_regex(raw)
-        try:
-            sp = SamplingParams.from_dict(raw, self.ready.vocab_size, self.sampling_defaults)
-            sp.check_min_new_tokens(self.ready.vocab_size, eos_token_ids(self.tokenizer, []))
-        except ValueError as e:
-            raise RequestError.from_value_error(e) from None
-        self._check_server_bounds(sp)
-        await self.check_constraint(sp.constraint)
-        return sp
-
-    def _check_server_bounds(self, sp: SamplingParams) -> None:
-        """The operator's bounds on what one request may cost (--max-n, --max-stop-*), checked
-        before any per-sample or per-token work is done for it."""
-        args = self.args.server
-        if sp.n > args.max_n:
-            raise RequestError(
-                f"sampling_params.n must be in [1, {args.max_n}] (--max-n), got {sp.n}",
-                param="sampling_params.n",
-            )
-        if len(sp.stop) > args.max_stop_strings:
-            raise RequestError(
-                f"sampling_params.stop: at most {args.max_stop_strings} stop strings (--max-stop-strings), "
-                f"got {len(sp.stop)}",
-                param="sampling_params.stop",
-            )
-        longest = max(map(len, sp.stop), default=0)
-        if longest > args.max_stop_length:
-            raise RequestError(
-                f"sampling_params.stop: stop strings may be at most {args.max_stop_length} characters "
-                f"(--max-stop-length), got one of {longest}",
-                param="sampling_params.stop",
-            )
-
-    def check_logprobs(self, num: int, param: str) -> None:
-        """Top logprobs cost response bytes for every sampled and prompt position: bounded by
-        --max-logprobs."""
-        bound = self.args.server.max_logprobs
-        if not 0 <= num <= bound:
-            raise RequestError(f"{param} must be in [0, {bound}] (--max-logprobs), got {num}", param=param)
-
-    async def check_constraint(self, constraint: Constraint | None, prefix: str = "sampling_params.") -> None:
-        """Refuses (400, naming the field) a regex / JSON schema / EBNF the engine could not
-        compile, with the engine's own check, before the request reaches the scheduler."""
-        if constraint is None:
-            return
-        if constraint.kind == "json_schema":
-            check_json_text_depth(constraint.text, constraint.kind)
-        try:
-            await self.constraints.check(constraint)
-        except ValueError as e:
-            raise RequestError(f"{prefix}{e}", param=constraint.kind) from None
-
-    def check_lengths(self, ids: list[int], sp: SamplingParams, logprob_start_len: int, param: str) -> None:
-        """The engine's own limits, so the server refuses exactly what the engine refuses."""
-        assert self.ready is not None
-        limits = RequestLimits(self.ready.vocab_size, self.ready.context_length, self.ready.max_total_tokens)
-        try:
-            limits.check(ids, sp, logprob_start_len, field=param)
-        except InvalidRequest as e:
-            raise RequestError(str(e), param=e.param) from None
+    def build(self, prompts: list[PromptArgs]) -> list[PromptRequest]:
+        """The prompts' scheduler messages, every check applied (io/request_builder.py). Runs on
+        the tokenizer threads (run_cpu): it may wait for a constraint check."""
+        assert self.policy is not None
+        return build_requests(prompts, self.policy, self.constraints.check)
 
     def check_capacity(self, num_requests: int) -> None:
         if self.dead:
@@ -395,28 +328,21 @@ class TokenizerManager:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
 
-    async def generate(self, inp: GenerateInput, index: int, stream: bool) -> AsyncIterator[RequestState]:
-        """Runs sample `index` of inp. When streaming, yields the state whenever new text is out
-        (state.text is cumulative); always yields the finished state last. Leaving the iteration
-        early (client gone, cancellation) aborts the request so its KV is freed."""
-        sp = inp.params
-        req = msg.sample_request(
-            inp.rid,
-            index,
-            inp.input_ids,
-            sp,
-            inp.return_logprob,
-            inp.logprob_start_len,
-            inp.top_logprobs_num,
-            inp.session_id,
-            inp.priority,
-        )
+    async def generate(
+        self, req: msg.GenerateReq, stream: bool, base_rid: str | None = None
+    ) -> AsyncIterator[RequestState]:
+        """Runs one sample (a message of io/request_builder.py; base_rid: the rid its prompt's
+        samples share). When streaming, yields the state whenever new text is out (state.text is
+        cumulative); always yields the finished state last. Leaving the iteration early (client
+        gone, cancellation) aborts the request so its KV is freed."""
+        sp = req.sampling_params
         rid = req.rid
         if rid in self.states:
             raise RequestError(f"rid {rid!r} is already in flight", param="rid")
         self.check_capacity(1)
         detok = IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-        state = RequestState(inp.rid, inp, stream, detok, StopHoldback(sp.stop if stream else []), req=req)
+        holdback = StopHoldback(sp.stop if stream else [])
+        state = RequestState(base_rid or rid, stream, detok, holdback, req=req)
         if not self.states:
             self.last_progress = time.monotonic()
         self.states[rid] = state
@@ -463,9 +389,9 @@ class TokenizerManager:
             elapsed = time.monotonic() - state.arrival
             self.metrics.request_ended("abort", prompt, state.cached_tokens, elapsed)
 
-    async def run(self, inp: GenerateInput, index: int) -> RequestState:
+    async def run(self, req: msg.GenerateReq, base_rid: str | None = None) -> RequestState:
         """Runs one sample to completion."""
-        async with contextlib.aclosing(self.generate(inp, index, stream=False)) as states:
+        async with contextlib.aclosing(self.generate(req, False, base_rid)) as states:
             async for state in states:
                 return state
         raise AssertionError("generate ended without a final state")
@@ -530,26 +456,12 @@ class TokenizerManager:
         return (await self.call(lambda i: msg.CloseSessionReq(i, session_id))).ok
 
 
-def _drop_empty_stop_regex(raw: dict[str, Any] | None) -> dict[str, Any] | None:
-    """SGLang's stop_regex is not implemented here. SGLang's frontend client sends it, empty, with
-    every call, so an empty one is accepted (it asks for nothing); a set one is refused rather than
-    silently ignored."""
-    if not isinstance(raw, dict) or "stop_regex" not in raw:
-        return raw
-    if raw["stop_regex"]:
-        raise RequestError(
-            "sampling_params.stop_regex is not supported by this server; use stop strings or a regex "
-            "constraint",
-            param="sampling_params.stop_regex",
-        )
-    return {k: v for k, v in raw.items() if k != "stop_regex"}
-
-
 def _raise_if_refused(reason: FinishReason | None) -> None:
     """An abort the scheduler blames on a request field (e.g. a regex that no token sequence of this
     tokenizer can spell) is the request's error: a 400 naming the field, not an empty answer."""
-    if reason is not None and reason.kind == "abort" and reason.param is not None:
-        raise RequestError(reason.message or f"{reason.param}: refused", param=reason.param)
+    error = reason.refusal() if reason is not None else None
+    if error is not None:
+        raise RequestError(str(error), param=error.param)
 
 
 async def gather_cancelling(awaitables: list[Awaitable[Any]]) -> list[Any]:

@@ -61,13 +61,13 @@ SCHEMAS = st.recursive(leaf(), extend, max_leaves=5).map(
 
 def shortest(engine: rt.Engine, params: dict[str, Any]) -> int:
     """The shortest output the engine admits for the constraint, from its refusal of a 1-token budget."""
-    out = engine.generate(PROMPT, params | {"max_new_tokens": 1})
-    reason = out["meta_info"]["finish_reason"]
-    if reason["type"] != "abort":
-        return 1
-    found = re.search(r"fewer than the (\d+) tokens", reason["message"])
-    assert found, reason
-    return int(found.group(1))
+    try:
+        engine.generate(PROMPT, params | {"max_new_tokens": 1})
+    except ValueError as e:
+        found = re.search(r"fewer than the (\d+) tokens", str(e))
+        assert found, e
+        return int(found.group(1))
+    return 1
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -92,8 +92,9 @@ def test_ebnf_parses_at_every_budget(engine: rt.Engine, seed: int) -> None:
 
 
 def test_budget_below_the_shortest_output_is_refused(engine: rt.Engine) -> None:
+    """A ValueError naming max_new_tokens, as the server's 400 (io/finish.py FinishReason.refusal)."""
     schema = {"type": "object", "properties": {"first_name": {"type": "string"}}, "required": ["first_name"]}
-    out = engine.generate(PROMPT, {"json_schema": json.dumps(schema), "max_new_tokens": 2})
-    reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["message"].startswith("max_new_tokens: 2 is fewer than the")
-    assert out["output_ids"] == []
+    with pytest.raises(ValueError, match=r"^max_new_tokens: 2 is fewer than the") as e:
+        engine.generate(PROMPT, {"json_schema": json.dumps(schema), "max_new_tokens": 2})
+    assert getattr(e.value, "param", None) == "max_new_tokens"
+    assert not engine.scheduler.has_work()

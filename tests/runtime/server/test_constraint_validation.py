@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-import radixlm_runtime.server.constraint_checks as constraint_checks
+import radixlm_runtime.constrained.checker as constraint_checks
 from radixlm_runtime.constrained.constraint import Constraint
 from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.server.http_server import create_app
@@ -30,12 +30,12 @@ def test_slow_constraint_check_does_not_block_other_requests(
     started, release = threading.Event(), threading.Event()
     real_check = constraint_checks.check_constraint
 
-    def held_check(backend: str, constraint: Constraint) -> None:
+    def held_check(backend: str, constraint: Constraint) -> str:
         """Blocks the checking thread itself, as a slow native check would."""
         if constraint.text == SLOW_REGEX:
             started.set()
             release.wait(HOLD_S)
-        real_check(backend, constraint)
+        return real_check(backend, constraint)
 
     monkeypatch.setattr(constraint_checks, "check_constraint", held_check)
     args = ServerArgs.from_kwargs(model_path=str(tiny_llama_dir), max_total_tokens=2048, log_level="warning")
