@@ -17,9 +17,10 @@ import pytest
 from runtime.server.server_harness import API_KEY, HEADERS, Server, assert_no_leak, launch_server, wait_idle
 
 import radixlm_runtime as rt
-from radixlm_runtime.constrained.constraint import MAX_JSON_DEPTH
-
-pytestmark = pytest.mark.slow
+from radixlm_runtime.constrained.constraint import MAX_JSON_DEPTH, Constraint
+from radixlm_runtime.io.inputs import LogprobArgs
+from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
+from radixlm_runtime.io.request_builder import PromptArgs, RequestPolicy, build_requests, native_prompts
 
 PROMPT = "the theater then an answer"
 CONTEXT_LEN = 256
@@ -171,6 +172,7 @@ def openai_error(client: openai.OpenAI, case: Case) -> dict[str, Any]:
     return e.value.body  # type: ignore[return-value]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_same_bad_input_same_error_everywhere(
     engine: rt.Engine, server: Server, client: openai.OpenAI, case: Case
@@ -197,6 +199,7 @@ def test_same_bad_input_same_error_everywhere(
     assert native["type"] == v1["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow
 def test_nothing_leaks_after_the_bad_inputs(engine: rt.Engine, server: Server) -> None:
     """Refused requests leave both runtimes whole and serving."""
     ok = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -204,3 +207,61 @@ def test_nothing_leaks_after_the_bad_inputs(engine: rt.Engine, server: Server) -
     r = httpx.post(f"{server.url}/generate", json={"text": PROMPT, "sampling_params": ok}, headers=HEADERS)
     assert r.status_code == 200 and r.json()["output_ids"] == engine.generate(PROMPT, ok)["output_ids"]
     assert_no_leak(wait_idle(server))
+
+
+# -- the builder alone --------------------------------------------------------------------------
+POLICY = RequestPolicy(RequestLimits(VOCAB, CONTEXT_LEN, 4096), eos_ids=(0,))
+
+
+def grammar_of(constraint: Constraint) -> str:
+    return f"checked {constraint.kind}"
+
+
+def test_samples_share_the_prompt_and_differ_in_rid_and_seed() -> None:
+    """n samples: rid `rid-i` and seed + i (so a seeded request gives the same n outputs from every
+    entry point), each with n == 1, the prompt's checked grammar and its logprob arguments."""
+    lp = LogprobArgs(True, 1, 2)
+    params = {"n": 3, "seed": 7, "regex": "[ab]+", "max_new_tokens": 8}
+    (built,) = build_requests([PromptArgs([1, 2, 3], params, "r", lp, 5, "s1")], POLICY, grammar_of)
+    assert built.rid == "r" and built.params.n == 3
+    assert [m.rid for m in built.samples] == ["r-0", "r-1", "r-2"]
+    assert [m.seed for m in built.samples] == [7, 8, 9]
+    for m in built.samples:
+        assert m.sampling_params.n == 1 and m.grammar == "checked regex" and m.input_ids == [1, 2, 3]
+        assert (m.return_logprob, m.logprob_start_len, m.top_logprobs_num) == (True, 1, 2)
+        assert (m.priority, m.session_id) == (5, "s1")
+    (one,) = build_requests([PromptArgs([1], {"max_new_tokens": 1}, "x")], POLICY, grammar_of)
+    assert [m.rid for m in one.samples] == ["x"] and one.samples[0].grammar is None
+
+
+def test_one_bad_prompt_refuses_the_batch_and_checks_nothing_twice() -> None:
+    checked: list[Constraint] = []
+
+    def spy(constraint: Constraint) -> str:
+        checked.append(constraint)
+        return grammar_of(constraint)
+
+    prompts, single = native_prompts(
+        ["a", "b"], None, [{"regex": "a"}, {"temperature": -1}], None, False, None, None, None, None,
+        lambda t: [ord(t)], "text",
+    )  # fmt: skip
+    assert not single and [p.input_ids for p in prompts] == [[97], [98]]
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        build_requests(prompts, POLICY, spy)
+    assert checked == [Constraint("regex", "a")]
+
+
+def test_a_rid_given_twice_is_refused() -> None:
+    prompts = [PromptArgs([1], None, "same"), PromptArgs([2], None, "same")]
+    with pytest.raises(InvalidRequest, match="rid: 'same' is given to more than one request") as e:
+        build_requests(prompts, POLICY, grammar_of)
+    assert e.value.param == "rid"
+
+
+def test_a_refused_constraint_names_its_field() -> None:
+    def refuse(constraint: Constraint) -> str:
+        raise constraint.error("nope")
+
+    with pytest.raises(InvalidRequest, match=r"^sampling_params\.ebnf: nope$") as e:
+        build_requests([PromptArgs([1], {"ebnf": "root ::= x"})], POLICY, refuse)
+    assert e.value.param == "ebnf"
