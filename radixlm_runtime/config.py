@@ -357,3 +357,71 @@ class ServerConfig:
                 f"reasoning_parser (--reasoning-parser) must be one of {list(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
+
+
+# --router-policy names (radixlm_runtime/router/policy.py), as SGLang's router calls them.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """The data-parallel router (radixlm-router / python -m radixlm_runtime.router) in front of
+    running radixlm or SGLang servers."""
+
+    worker_urls: tuple[str, ...] = flag(
+        (), "Base URLs of the replicas to route to, e.g. http://127.0.0.1:30001."
+    )
+    host: str = flag("127.0.0.1", "Address the router binds to. Use 0.0.0.0 to serve other machines.")
+    port: int = flag(30000, "Port the router listens on.")
+    router_policy: str = flag(
+        "cache_aware",
+        "How a request's replica is chosen. 'cache_aware': the replica whose approximate prefix tree "
+        "(the texts it was sent) shares the longest prefix with the request, unless the replicas' loads "
+        "differ by more than --balance-abs-threshold requests and --balance-rel-threshold times, or the "
+        "best match covers less than --cache-threshold of the request: then the least loaded one. "
+        "'round_robin': in turn. 'least_load': fewest requests in flight. Whatever the policy, requests "
+        "with a session_id stick to the replica of the session's first request.",
+        ROUTER_POLICIES,
+    )
+    cache_threshold: float = flag(
+        0.5, "cache_aware: the share of a request's text the best replica must match to win on its cache."
+    )
+    balance_abs_threshold: int = flag(
+        8,
+        "cache_aware: requests in flight by which the busiest replica must lead the idlest to override "
+        "the cache.",
+    )
+    balance_rel_threshold: float = flag(
+        1.5, "cache_aware: and the factor by which its load must exceed the idlest's."
+    )
+    tree_chars: int = flag(
+        1 << 22,
+        "cache_aware: characters of request text remembered per replica; the least recently matched "
+        "go first.",
+    )
+    health_check_interval_s: float = flag(
+        2.0, "Seconds between health checks of each replica; a replica that fails one is routed around."
+    )
+    max_request_bytes: int = flag(
+        8 * 1024 * 1024, "Largest request body the router forwards, in bytes; larger ones get HTTP 413."
+    )
+    api_key: str | None = flag(
+        None,
+        "When set, every endpoint except /health requires 'Authorization: Bearer <api-key>'; the header "
+        "is passed on to the replicas, which may check it too.",
+    )
+    log_level: str = flag("info", "Logging level.", ("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        if not self.worker_urls:
+            raise ValueError("worker_urls: give at least one replica URL")
+        bad = [u for u in self.worker_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"worker_urls must be http(s) URLs, got {bad}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if self.tree_chars < 1 or self.health_check_interval_s <= 0 or self.max_request_bytes < 1:
+            raise ValueError("tree_chars, health_check_interval_s and max_request_bytes must be positive")

@@ -43,23 +43,7 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for config in (*_LAYERS.values(), cls):
-            hints = typing.get_type_hints(config)
-            for f in dataclasses.fields(config):
-                if f.name in _LAYERS:
-                    continue
-                flag_name = "--" + f.name.replace("_", "-")
-                help_text = f.metadata.get("help", "")
-                kind = _scalar_type(hints[f.name])
-                if kind is bool:
-                    parser.add_argument(flag_name, action="store_true", help=help_text)
-                    continue
-                parser.add_argument(
-                    flag_name,
-                    type=kind,
-                    default=f.default,
-                    choices=f.metadata.get("choices"),
-                    help=f"{help_text} (default: {f.default})",
-                )
+            add_config_args(parser, config, skip=tuple(_LAYERS))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -70,6 +54,31 @@ _LAYERS: dict[str, type] = {"engine": EngineConfig, "scheduler": SchedulerConfig
 _OWNER: dict[str, str] = {
     f.name: name for name, config in _LAYERS.items() for f in dataclasses.fields(config)
 }
+
+
+def add_config_args(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of a config dataclass, its help from the field's `flag(...)` metadata; a
+    tuple field takes one or more values."""
+    hints = typing.get_type_hints(config)
+    for f in dataclasses.fields(config):
+        if f.name in skip:
+            continue
+        flag_name = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if typing.get_origin(hints[f.name]) is tuple:
+            parser.add_argument(flag_name, nargs="+", default=list(f.default), help=help_text)
+            continue
+        kind = _scalar_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(flag_name, action="store_true", help=help_text)
+            continue
+        parser.add_argument(
+            flag_name,
+            type=kind,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=f"{help_text} (default: {f.default})",
+        )
 
 
 def _scalar_type(hint: Any) -> type:
