@@ -18,6 +18,7 @@ and the share of prompt tokens served from the pool and from the host tier (the 
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import sys
 import tempfile
@@ -60,13 +61,16 @@ SERVERS = {
 
 
 def tenant_requests(tokenizer: Any, tenants: int, rounds: int, num_shots: int) -> list[Request]:
-    """Round-robin over tenants: round r of tenant t is its few-shot prefix with a test question when
-    r is even, its chat's turn r // 2 (the history so far in the prompt) when odd."""
+    """Rounds over the tenants, each round in a (seeded) order of its own: round r of tenant t is its
+    few-shot prefix with a test question when r is even, its chat's turn r // 2 (the history so far in
+    the prompt) when odd. The order varies so that no fixed rotation (a round-robin router) happens
+    to send a tenant to the same place every time."""
     train = load_gsm8k("train", tenants * (num_shots + rounds))
     test = load_gsm8k("test", tenants * rounds)
+    rng = random.Random(0)
     reqs: list[Request] = []
     for r in range(rounds):
-        for t in range(tenants):
+        for t in rng.sample(range(tenants), tenants):
             base = t * (num_shots + rounds)
             if r % 2 == 0:
                 shots = train[base : base + num_shots]

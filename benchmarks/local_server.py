@@ -77,6 +77,16 @@ def running_server(extra: list[str], log_path: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def running_router(worker_urls: list[str], extra: list[str], log_path: Path) -> Iterator[str]:
+    """`python -m radixlm_runtime.router` in front of `worker_urls` on a free port, with `extra` flags."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixlm_runtime.router", "--port", str(port), "--log-level", "warning"]
+    cmd += ["--worker-urls", *worker_urls, *extra]
+    with _serving(cmd, child_env(), port, log_path, STARTUP_TIMEOUT_S) as url:
+        yield url
+
+
+@contextlib.contextmanager
 def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = True) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, set up as its CPU guide says (`systems.vllm_env`), fp32,
     serving `model_dir` as VLLM_MODEL_NAME; its dev routes on so that /reset_prefix_cache exists."""

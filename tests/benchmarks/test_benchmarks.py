@@ -235,6 +235,18 @@ def test_kv_tiers(out_dir: Path) -> None:
     assert servers["write_through"]["host_stored_tokens"] >= servers["write_back"]["host_stored_tokens"]
 
 
+def test_router(out_dir: Path) -> None:
+    """Every policy serves every request over both replicas; the cache-aware one keeps each tenant
+    where its prefix is cached, so its hit rate is at least round-robin's."""
+    result = run_tiny("bench_router.py", out_dir, "router")
+    policies = result["policies"]
+    assert list(policies) == ["cache_aware", "round_robin", "least_load"]
+    for r in policies.values():
+        assert r["requests"] == 16 and 0 <= r["hit_rate"] <= 1 and r["request_throughput"] > 0
+        assert sum(r["routed"]) == 17 and min(r["routed"]) > 0  # the warm-up request too
+    assert policies["cache_aware"]["hit_rate"] >= policies["round_robin"]["hit_rate"]
+
+
 def test_invariance(out_dir: Path) -> None:
     """Every variant against the alone-uncached reference, in both modes; under --deterministic each
     is bit-identical on the CPU (the default mode's counts are reported, not held to anything)."""
