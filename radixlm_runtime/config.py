@@ -14,6 +14,8 @@ from typing import Any
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar")
 # --reasoning-parser names (radixlm_runtime/server/reasoning.py), as vLLM and SGLang call them.
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+# --router-policy names (radixlm_runtime/router/policy.py), as SGLang's router calls them.
+ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -326,6 +328,18 @@ class ServerConfig:
         "Default: off (the tags stay in `content`).",
         REASONING_PARSERS,
     )
+    dp_size: int = flag(
+        1,
+        "Data parallelism: run this many replicas of the server (each its own HTTP and scheduler "
+        "process, on loopback ports of their own, the other flags as given) behind the router on "
+        "--host/--port, which routes by --router-policy (see radixlm-router --help). On CPU give each "
+        "replica its share of the cores with --num-threads.",
+    )
+    router_policy: str = flag(
+        "cache_aware",
+        "With --dp-size > 1, how the router picks a replica (see radixlm-router).",
+        ROUTER_POLICIES,
+    )
     disable_dashboard: bool = flag(
         False,
         "Turn off the live dashboard (/dashboard and its /dashboard/api/* feeds): the radix tree, "
@@ -339,8 +353,14 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(
+                f"router_policy must be one of {list(ROUTER_POLICIES)}, got {self.router_policy!r}"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_request_bytes < 1024:
@@ -357,10 +377,6 @@ class ServerConfig:
                 f"reasoning_parser (--reasoning-parser) must be one of {list(REASONING_PARSERS)}, "
                 f"got {self.reasoning_parser!r}"
             )
-
-
-# --router-policy names (radixlm_runtime/router/policy.py), as SGLang's router calls them.
-ROUTER_POLICIES = ("cache_aware", "round_robin", "least_load")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ import uvicorn
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import default_model_path, resolve_model_path
+from radixlm_runtime.router.replicas import serve_data_parallel
 from radixlm_runtime.server.http_server import create_app
 from radixlm_runtime.server.tokenizer_manager import TokenizerManager
 from radixlm_runtime.server_args import ServerArgs
@@ -134,7 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     try:
-        code = launch(args)
+        if args.server.dp_size > 1:
+            setup_logging(args.log_level)
+            signal.signal(signal.SIGTERM, _stop_on_signal)
+            signal.signal(signal.SIGINT, _stop_on_signal)
+            code = serve_data_parallel(args, sys.argv[1:] if argv is None else argv)
+        else:
+            code = launch(args)
     except SystemExit as e:  # a signal, or uvicorn failing to bind
         code = e.code if isinstance(e.code, int) else 1
     # Everything is shut down by now; skip the interpreter's final garbage collection of the
