@@ -16,7 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm_runtime.layers import fused_triton
-from radixlm_runtime.layers.linear_kernels import FloatPanels, cpu_linear, panels_available
+from radixlm_runtime.layers.linear_kernels import (
+    PANEL_GEMM_MIN_ROWS,
+    FloatPanels,
+    Int8Panels,
+    cpu_linear,
+    int8_panel_linear,
+    int8_panels_available,
+    panels_available,
+)
 from radixlm_runtime.layers.quantization import QuantizedWeight
 
 
@@ -33,6 +41,8 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None  # oneDNN's prepacked weight (the fallback)
     quantized: QuantizedWeight | None = None
     panels: FloatPanels | None = None
+    # The int8 weight also in row panels, for fewer than PANEL_GEMM_MIN_ROWS rows (see pack_row_panels).
+    row_panels: Int8Panels | None = None
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
@@ -49,8 +59,16 @@ class Linear(nn.Linear):
                 f"the layer {self.out_features}x{self.in_features}"
             )
         self.quantized = weight
-        self._packed = self.panels = None
+        self._packed = self.panels = self.row_panels = None
         self._drop_weight()
+
+    def pack_row_panels(self) -> None:
+        """Serves decode's few rows from a second copy of an int8 weight in row panels (Int8Panels),
+        where the weight fits them and the CPU runs them: for a wide layer read whole every token (a 262k
+        vocabulary's lm_head), which they multiply at the memory's speed. More rows keep the GEMM."""
+        w = self.quantized
+        if w is not None and self.bias is None and Int8Panels.fits(w) and int8_panels_available():
+            self.row_panels = Int8Panels.pack(w)
 
     @property
     def kernel_weight(self) -> QuantizedWeight | FloatPanels | None:
@@ -99,6 +117,8 @@ class Linear(nn.Linear):
         return torch.cat([self._matmul(block) for block in x.split(r)])[:n]
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_panels is not None and x.dim() == 2 and x.shape[0] < PANEL_GEMM_MIN_ROWS:
+            return int8_panel_linear(x, self.row_panels)
         weight = self.kernel_weight
         if weight is not None:
             return cpu_linear(x, weight, self.bias)

@@ -571,6 +571,160 @@ SIMD_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, 
   });
 }
 
+// ---------------------------------------------------------------- int8 row panels (AVX-512 VNNI)
+//
+// The decode GEMV of a wide int8 weight without mins (GGUF Q8_0; Gemma 3's 262144-row tied lm_head is
+// 168 MB of codes, read once per token), where the row-dot kernel above runs at half the memory's speed:
+// its cost is widening every code to a float. Here the codes stay integers. Output rows are interleaved
+// 16 at a time per pair of input columns ([N / 16][K / 2][16][2]: one 32-byte load widened once holds
+// 16 rows' pairs as int16), and x is split per 32-column chunk c into a fixed point X = x / e_c of 23
+// bits (e_c = max |x| over the chunk / (2^22 - 1)), X = 4096 Xh + Xl with Xh signed and Xl in 0..4095,
+// so vpdpwssd sums each half's 32 products of a chunk exactly in int32 (both below 2^24). The chunk's
+// value 4096 Ph + Pl is rounded once to float and accumulated times scale * e_c. The fixed point moves an
+// element by at most 2^-23 of its chunk's largest: the size of a float32 dot product's own rounding
+// over the chunk, so the logits are float32-accurate on the file's own int8 weights. The scalar and
+// AVX-512 paths run the same integer sums and the same float operations in the same order: the same
+// bits.
+
+constexpr int kFixedBits = 24;  // |X| <= 2^24 - 1
+constexpr int kLowBits = 12;    // X = Xh * 2^12 + Xl
+constexpr int64_t kPairsPerChunk = kChunk / 2;
+
+// x's rows as the panel kernels read them: per pair of columns, Xh and Xl as two int16 in one int32
+// (broadcast to every lane), and per chunk its step e_c.
+struct FixedX {
+  std::vector<int32_t> hi, lo;
+  std::vector<float> step;
+};
+
+inline int32_t pack_pair(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) | (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
+}
+
+void fix_x(const float* x, int64_t m, int64_t k, FixedX& f) {
+  const int64_t chunks = k / kChunk;
+  f.hi.resize(m * k / 2);
+  f.lo.resize(m * k / 2);
+  f.step.resize(m * chunks);
+  const float top = static_cast<float>((1 << kFixedBits) - 1);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* xc = x + r * k + c * kChunk;
+      float amax = 0.0f;
+      bool finite = true;
+      for (int64_t i = 0; i < kChunk; ++i) {
+        finite = finite && std::isfinite(xc[i]);
+        amax = std::max(amax, std::fabs(xc[i]));
+      }
+      // A NaN or infinity in x makes the chunk's step NaN, so its outputs are NaN as a float dot's are.
+      f.step[r * chunks + c] = finite ? amax / top : NAN;
+      const float inv = finite && amax > 0.0f ? top / amax : 0.0f;
+      for (int64_t i = 0; i < kChunk; i += 2) {
+        int32_t hl[2][2];
+        for (int j = 0; j < 2; ++j) {
+          const int32_t v = std::clamp(static_cast<int32_t>(std::lrint(xc[i + j] * inv)), -(1 << kFixedBits) + 1,
+                                       (1 << kFixedBits) - 1);
+          hl[0][j] = v >> kLowBits;  // arithmetic: floor, so the low part is 0..4095
+          hl[1][j] = v - (hl[0][j] << kLowBits);
+        }
+        const int64_t at = (r * k + c * kChunk + i) / 2;
+        f.hi[at] = pack_pair(hl[0][0], hl[0][1]);
+        f.lo[at] = pack_pair(hl[1][0], hl[1][1]);
+      }
+    }
+  }
+}
+
+// Panel p's outputs (16 rows) for one row of x, in plain C++.
+void panel8_scalar(const int8_t* panels, const float* scales, const FixedX& f, int64_t r, int64_t k, int64_t p,
+                   float out[kPanel]) {
+  const int64_t pairs = k / 2, chunks = k / kChunk;
+  const int8_t* w = panels + p * pairs * 2 * kPanel;
+  const float* s = scales + p * chunks * kPanel;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t hi = 0, lo = 0;
+      for (int64_t t = c * kPairsPerChunk; t < (c + 1) * kPairsPerChunk; ++t) {
+        const int8_t* wt = w + (t * kPanel + j) * 2;
+        const int32_t h = f.hi[r * pairs + t], l = f.lo[r * pairs + t];
+        hi += wt[0] * static_cast<int16_t>(h) + wt[1] * static_cast<int16_t>(h >> 16);
+        lo += wt[0] * static_cast<int16_t>(l) + wt[1] * static_cast<int16_t>(l >> 16);
+      }
+      const float v = std::fma(static_cast<float>(hi), 4096.0f, static_cast<float>(lo));
+      acc = std::fma(v, s[c * kPanel + j] * f.step[r * chunks + c], acc);
+    }
+    out[j] = acc;
+  }
+}
+
+#define SIMD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return simd::cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+// Panel p's outputs for ROWS (1..4) rows of x from r0; each chunk's pairs alternate between two
+// accumulators per half, so the vpdpwssd chains do not wait on their own latency.
+template <int ROWS>
+SIMD_VNNI void panel8_avx512(const int8_t* panels, const float* scales, const FixedX& f, int64_t r0, int64_t k,
+                             int64_t p, __m512 out[ROWS]) {
+  const int64_t pairs = k / 2, chunks = k / kChunk;
+  const int8_t* w = panels + p * pairs * 2 * kPanel;
+  const float* s = scales + p * chunks * kPanel;
+  const int32_t* hi = f.hi.data() + r0 * pairs;
+  const int32_t* lo = f.lo.data() + r0 * pairs;
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i h0[ROWS], h1[ROWS], l0[ROWS], l1[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) h0[r] = h1[r] = l0[r] = l1[r] = _mm512_setzero_si512();
+    for (int64_t t = c * kPairsPerChunk; t < (c + 1) * kPairsPerChunk; t += 2) {
+      const __m512i wa = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * 32)));
+      const __m512i wb = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * 32 + 32)));
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        h0[r] = _mm512_dpwssd_epi32(h0[r], wa, _mm512_set1_epi32(hi[r * pairs + t]));
+        l0[r] = _mm512_dpwssd_epi32(l0[r], wa, _mm512_set1_epi32(lo[r * pairs + t]));
+        h1[r] = _mm512_dpwssd_epi32(h1[r], wb, _mm512_set1_epi32(hi[r * pairs + t + 1]));
+        l1[r] = _mm512_dpwssd_epi32(l1[r], wb, _mm512_set1_epi32(lo[r * pairs + t + 1]));
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(s + c * kPanel);
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(h0[r], h1[r])), _mm512_set1_ps(4096.0f),
+                                       _mm512_cvtepi32_ps(_mm512_add_epi32(l0[r], l1[r])));
+      const __m512 scale = _mm512_mul_ps(sc, _mm512_set1_ps(f.step[(r0 + r) * chunks + c]));
+      out[r] = _mm512_fmadd_ps(v, scale, out[r]);
+    }
+  }
+}
+
+template <int ROWS>
+SIMD_VNNI void panel8_rows(const int8_t* panels, const float* scales, const FixedX& f, int64_t r0, int64_t k,
+                           int64_t n, int64_t p, float* y) {
+  __m512 out[ROWS];
+  panel8_avx512<ROWS>(panels, scales, f, r0, k, p, out);
+  const int64_t valid = std::min(kPanel, n - p * kPanel);
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_mask_storeu_ps(y + (r0 + r) * n + p * kPanel, static_cast<__mmask16>((1u << valid) - 1), out[r]);
+  }
+}
+
+SIMD_VNNI void panel8_dispatch(const int8_t* panels, const float* scales, const FixedX& f, int64_t r0,
+                               int64_t rows, int64_t k, int64_t n, int64_t p, float* y) {
+  switch (rows) {
+    case 1: panel8_rows<1>(panels, scales, f, r0, k, n, p, y); break;
+    case 2: panel8_rows<2>(panels, scales, f, r0, k, n, p, y); break;
+    case 3: panel8_rows<3>(panels, scales, f, r0, k, n, p, y); break;
+    default: panel8_rows<4>(panels, scales, f, r0, k, n, p, y); break;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -578,6 +732,33 @@ extern "C" {
 int rq_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
 int rq_has_avx512(void) { return simd::cpu_has_avx512(); }
+
+int rq_has_avx512_vnni(void) { return cpu_has_avx512_vnni(); }
+
+// y[M, N] = x[M, K] @ W^T for an int8 weight without mins in row panels (see "int8 row panels" above):
+// panels int8 [ceil(N / 16)][K / 2][16][2], scales float32 [ceil(N / 16)][K / 32][16] (rows past N
+// zero). mode 0: the portable loop; otherwise AVX-512 VNNI where the CPU has it.
+void rq_panel8_linear(const float* x, int64_t m, int64_t k, const int8_t* panels, const float* scales, int64_t n,
+                      float* y, int mode, int threads) {
+  static const bool vnni = cpu_has_avx512_vnni();
+  static thread_local FixedX fixed;
+  FixedX& f = fixed;  // the calling thread's, shared with the pool below
+  fix_x(x, m, k, f);
+  const int64_t count = (n + kPanel - 1) / kPanel;
+  const bool vec = mode != 0 && vnni;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t p = 0; p < count; ++p) {
+    if (vec) {
+      for (int64_t r = 0; r < m; r += 4) panel8_dispatch(panels, scales, f, r, std::min<int64_t>(4, m - r), k, n, p, y);
+      continue;
+    }
+    float out[kPanel];
+    for (int64_t r = 0; r < m; ++r) {
+      panel8_scalar(panels, scales, f, r, k, p, out);
+      for (int64_t j = 0; j < std::min(kPanel, n - p * kPanel); ++j) y[r * n + p * kPanel + j] = out[j];
+    }
+  }
+}
 
 // mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot. The caller
 // picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always

@@ -1,5 +1,5 @@
 """Loads and calls the CPU matmul of linear_cpu.cpp (built by kernels/native.py): float32 weights in its
-panel layout, or weight-only quantized int8/int4."""
+panel layout, weight-only quantized int8/int4, and int8 weights in row panels for decode's few rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
-from radixlm_runtime.layers.quantization import QuantizedWeight
+from radixlm_runtime.layers.quantization import CHUNK, QuantizedWeight
 from radixlm_runtime.utils import cpu
 
 _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
@@ -97,6 +97,9 @@ def _library() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.rq_linear.restype = None
+    lib.rq_has_avx512_vnni.restype = ctypes.c_int
+    lib.rq_panel8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
+    lib.rq_panel8_linear.restype = None
     return lib
 
 
@@ -152,3 +155,79 @@ def cpu_linear(
     if bias is not None:
         out += bias
     return out if flat else out.view(*x.shape[:-1], n)
+
+
+@dataclass
+class Int8Panels:
+    """An int8 weight without mins (GGUF Q8_0) as rq_panel8_linear's row panels: codes
+    [ceil(N / 16), K / 2, 16, 2] (16 output rows side by side per pair of input columns, rows past N
+    zero) and one scale per row and 32 columns, [ceil(N / 16), K / 32, 16]. Decode's few rows multiply
+    them with integer dot products at the memory's speed, where widening every code to a float
+    (cpu_linear's row-dot kernel) takes twice the time; the numbers are the weight's own (see
+    linear_cpu.cpp, "int8 row panels")."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+
+    @staticmethod
+    def fits(weight: QuantizedWeight) -> bool:
+        """Whether weight has this layout's numbers: int8 codes times a scale per whole 32 columns."""
+        return (
+            weight.bits == 8
+            and weight.mins is None
+            and weight.input_order is None
+            and weight.group_size % CHUNK == 0
+        )
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> Int8Panels:
+        if not cls.fits(weight):
+            raise ValueError("row panels hold int8 weights without mins or input order, in groups of 32k")
+        n, k = weight.out_features, weight.in_features
+        rows = -(-n // PANEL) * PANEL
+        codes = torch.zeros(rows, k, dtype=torch.int8)
+        codes[:n] = weight.qweight
+        scales = torch.zeros(rows, k // CHUNK)
+        scales[:n] = weight.scales.repeat_interleave(weight.group_size // CHUNK, dim=1)
+        return cls(
+            codes.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous(),
+            scales.view(-1, PANEL, k // CHUNK).transpose(1, 2).contiguous(),
+            n,
+        )
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * 2
+
+
+def int8_panels_available() -> bool:
+    """Whether row panels run their SIMD path here (AVX-512 VNNI, asked of the CPU); elsewhere the
+    row-dot kernel is the faster one."""
+    try:
+        return bool(_library().rq_has_avx512_vnni())
+    except LinearKernelError:
+        return False
+
+
+def int8_panel_linear(x: torch.Tensor, weight: Int8Panels, mode: int | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T for float32 CPU x; `mode` SCALAR forces the portable loop (tests)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError(f"row panels take 2-D float32 CPU rows, got {x.dtype} {tuple(x.shape)}, {x.device}")
+    if x.shape[1] != weight.in_features:
+        raise ValueError(f"input has {x.shape[1]} features, the weight expects {weight.in_features}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    if x.shape[0]:
+        _library().rq_panel8_linear(
+            x.data_ptr(),
+            x.shape[0],
+            weight.in_features,
+            weight.codes.data_ptr(),
+            weight.scales.data_ptr(),
+            weight.out_features,
+            out.data_ptr(),
+            ROW_DOT_512 if mode is None else mode,
+            torch.get_num_threads(),
+        )
+    return out

@@ -92,6 +92,8 @@ def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> Non
         return
     for target, weight in plans:
         target.linear.set_quantized(weight)
+        if target.is_lm_head:
+            target.linear.pack_row_panels()
     bits = sorted({weight.bits for _, weight in plans})
     logger.info(
         "quantization %s: %d of %d linears int%s (lm_head %s)",

@@ -11,12 +11,14 @@ from radixlm_runtime.layers import linear_kernels
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import (
     PANEL_GEMM,
+    PANEL_GEMM_MIN_ROWS,
     ROW_DOT,
     ROW_DOT_512,
     SCALAR,
     FloatPanels,
     cpu_linear,
 )
+from radixlm_runtime.layers.quantization import QuantizedWeight, quantize_int4
 from radixlm_runtime.utils import cpu
 
 # Every mode: the scalar loop, AVX2 (1; 2 also picks the widest path), AVX-512 (AVX2 on a CPU without it).
@@ -93,3 +95,56 @@ def test_linear_falls_back_to_onednn_without_a_simd_path(monkeypatch: pytest.Mon
     assert linear.panels is None and linear.kernel_weight is None and not linear.batch_invariant
     x = torch.randn(3, 64)
     torch.testing.assert_close(linear(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def _int8_weight(rows: int, cols: int, group: int, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (rows, cols), generator=gen, dtype=torch.int8)
+    return QuantizedWeight(8, codes, torch.rand(rows, cols // group, generator=gen) * 0.01, None, group)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "group"), [(1, 50, 32), (3, 16, 32), (5, 4099, 64), (11, 33, 32)]
+)
+def test_int8_row_panels_are_float32_accurate_and_the_same_bits_on_every_path(
+    rows: int, out_features: int, group: int
+) -> None:
+    """Against float64 on the weight's own numbers, within the row-dot kernel's float32 error (x's 24-bit
+    fixed point per 32 columns rounds no more than a float32 dot product does); heavy-tailed x, whose
+    small entries share a chunk with large ones; the portable loop gives the same bits."""
+    weight = _int8_weight(out_features, 640, group, rows)
+    panels = linear_kernels.Int8Panels.pack(weight)
+    x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(7)) ** 3 * 10
+    want = x.double() @ weight.dequantize().double().T
+    got = linear_kernels.int8_panel_linear(x, panels)
+    row_dot = cpu_linear(x, weight, mode=ROW_DOT_512)
+    bound = 4 * (row_dot.double() - want).abs().max().item() + 1e-6
+    assert (got.double() - want).abs().max().item() <= bound
+    assert torch.equal(linear_kernels.int8_panel_linear(x, panels, mode=SCALAR), got)
+    # A row's outputs do not depend on the rows beside it.
+    assert torch.equal(linear_kernels.int8_panel_linear(x[-1:], panels), got[-1:])
+
+
+def test_int8_row_panels_propagate_nan_and_infinity() -> None:
+    panels = linear_kernels.Int8Panels.pack(_int8_weight(20, 64, 32, 0))
+    x = torch.randn(2, 64)
+    x[0, 3], x[1, 40] = float("nan"), float("inf")
+    out = linear_kernels.int8_panel_linear(x, panels)
+    assert out.isnan().all()
+
+
+def test_linear_serves_few_rows_from_row_panels_and_more_from_the_gemm() -> None:
+    """pack_row_panels (the lm_head's): fewer rows than the GEMM threshold read the row panels where the
+    CPU runs them; a weight with mins does not fit them and keeps the kernels it had."""
+    linear = Linear(640, 300, bias=False)
+    linear.set_quantized(_int8_weight(300, 640, 32, 1))
+    linear.pack_row_panels()
+    assert (linear.row_panels is not None) == linear_kernels.int8_panels_available()
+    x = torch.randn(PANEL_GEMM_MIN_ROWS, 640)
+    if linear.row_panels is not None:
+        assert torch.equal(linear(x[:3]), linear_kernels.int8_panel_linear(x[:3], linear.row_panels))
+    assert torch.equal(linear(x), cpu_linear(x, linear.quantized))
+    with_mins = Linear(640, 300, bias=False)
+    with_mins.set_quantized(quantize_int4(torch.randn(300, 640)))
+    with_mins.pack_row_panels()
+    assert with_mins.row_panels is None
