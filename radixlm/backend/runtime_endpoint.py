@@ -3,6 +3,7 @@ for select, zero-token requests to warm the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -60,10 +61,17 @@ class RuntimeEndpoint(BaseBackend):
     def _get(self, path: str) -> dict[str, Any]:
         return self._request("GET", path).json()
 
-    def _session_fields(self, prompt: Prompt | None) -> dict[str, str]:
-        if prompt is not None and prompt.session_id and self.supports_sessions:
-            return {"session_id": prompt.session_id}
-        return {}
+    def _session_fields(self, prompt: Prompt | None) -> dict[str, Any]:
+        """radixlm's extensions of the native API, sent to radixlm servers only: the session pinning
+        the program's KV, and the call's place in the run's call graph (the dashboard draws it)."""
+        if prompt is None or not self.supports_sessions:
+            return {}
+        fields: dict[str, Any] = {}
+        if prompt.session_id:
+            fields["session_id"] = prompt.session_id
+        if prompt.call is not None:
+            fields["program_call"] = dataclasses.asdict(prompt.call)
+        return fields
 
     def _generate(self, body: dict[str, Any], prompt: Prompt | None = None) -> Any:
         return self._request("POST", "/generate", body | self._session_fields(prompt)).json()

@@ -15,16 +15,29 @@ from radixlm.lang.choices import ChoicesMethod
 from radixlm.lang.ir import ChoiceDecision, GenParams
 
 
+@dataclass(frozen=True)
+class ProgramCall:
+    """A call's place in its program run's call graph: the run, the call's id (`<stream>.<index>`,
+    a forked stream named `<parent stream>/<branch>`), the call it follows (None for the first) and
+    the variable or primitive it serves. A radixlm server shows the graph on its dashboard."""
+
+    run: str
+    call: str
+    parent: str | None
+    name: str
+
+
 @dataclass
 class Prompt:
     """One call's view of a program: its text so far, its finished chat turns, the role it is in
-    (with that role's text so far), and the session its KV is pinned under."""
+    (with that role's text so far), the session its KV is pinned under, and its place in the run."""
 
     text: str
     messages: list[dict[str, str]] = field(default_factory=list)
     role: str | None = None
     role_text: str = ""
     session_id: str | None = None
+    call: ProgramCall | None = None
 
 
 class BaseBackend:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.lang import ir
-from radixlm.lang.backend_api import BaseBackend, Prompt
+from radixlm.lang.backend_api import BaseBackend, ProgramCall, Prompt
 from radixlm.lang.speculative import ChatTurn, HeldText, eligible, speculative_params
 from radixlm.lang.state_base import StateGroup, StateMethods
 from radixlm_runtime.server.reasoning import ReasoningParser, Split
@@ -50,6 +50,8 @@ class ProgramRun:
     body_done: bool = False
     executors: list[StreamExecutor] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Names the run in its calls' ProgramCall, shared by its forked streams.
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def finish_body(self) -> None:
         with self.lock:
@@ -77,6 +79,11 @@ class StreamExecutor:
         self.fork_start = 0
         self.session_id = f"{run.name}-{uuid.uuid4().hex[:16]}"
         self.used_session = False
+        # This stream's place in the run's call graph: its path ("0", a fork's branch "0/1"), how
+        # many calls it made, and the id of the last call it (or, before its first, its parent) made.
+        self.stream_path = "0"
+        self.num_calls = 0
+        self.last_call: str | None = None
         self.error: ProgramError | None = None
         self.finished = False
         # API speculative execution (see speculative.py): text generated ahead, and the assistant
@@ -136,10 +143,15 @@ class StreamExecutor:
             self.variables[name] = value
             self._cond.notify_all()
 
-    def prompt(self) -> Prompt:
+    def prompt(self, name: str) -> Prompt:
+        """The program as one backend call sees it; `name` is the variable or primitive it serves."""
         self.used_session = True
         role_text = self.text_[self.cur_role_begin :] if self.cur_role else ""
-        return Prompt(self.text_, list(self.messages_), self.cur_role, role_text, self.session_id)
+        call_id = f"{self.stream_path}.{self.num_calls}"
+        call = ProgramCall(f"{self.run.name}-{self.run.run_id}", call_id, self.last_call, name)
+        self.num_calls += 1
+        self.last_call = call_id
+        return Prompt(self.text_, list(self.messages_), self.cur_role, role_text, self.session_id, call)
 
     # -- execution --------------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -197,7 +209,7 @@ class StreamExecutor:
         parser = None if expr.reasoning is None else ReasoningParser(expr.reasoning)
         text = reasoning = ""
         meta: dict[str, Any] = {}
-        for piece, piece_meta in self._gen_pieces(params):
+        for piece, piece_meta in self._gen_pieces(params, expr.name or "gen"):
             meta = piece_meta
             split = Split("", piece) if parser is None else parser.feed(piece)
             text += self._append_split(expr, split)
@@ -208,22 +220,22 @@ class StreamExecutor:
             self._record(expr.reasoning_name, reasoning + split.reasoning, meta)
         self._record(expr.name, text, meta)
 
-    def _gen_pieces(self, params: ir.GenParams) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _gen_pieces(self, params: ir.GenParams, name: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """A gen's output with its meta info: taken from text generated ahead (API speculative
         execution), streamed in pieces, or whole."""
         ahead = self.run.num_api_spec_tokens
         if ahead is not None and not self.run.stream and eligible(params):
             if not self.held.text:
                 self.held.text, self.held_meta = self.run.backend.generate(
-                    self.prompt(), speculative_params(params, ahead)
+                    self.prompt(name), speculative_params(params, ahead)
                 )
             yield self.held.take(params), self.held_meta
             return
         self.held = HeldText()
         if self.run.stream:
-            yield from self.run.backend.generate_stream(self.prompt(), params)
+            yield from self.run.backend.generate_stream(self.prompt(name), params)
         else:
-            yield self.run.backend.generate(self.prompt(), params)
+            yield self.run.backend.generate(self.prompt(name), params)
 
     def _append_split(self, expr: ir.Gen, split: Split) -> str:
         """Appends a piece of a gen's answer to the program's text; its reasoning is only streamed,
@@ -234,7 +246,9 @@ class StreamExecutor:
         return split.content
 
     def _execute_select(self, expr: ir.Select) -> None:
-        decision = self.run.backend.select(self.prompt(), expr.choices, expr.temperature, expr.choices_method)
+        decision = self.run.backend.select(
+            self.prompt(expr.name or "select"), expr.choices, expr.temperature, expr.choices_method
+        )
         self.held.fill(decision.decision)
         self._append(decision.decision, expr.name)
         self._record(expr.name, decision.decision, decision.meta_info)
@@ -273,7 +287,7 @@ class StreamExecutor:
 
     def _execute_commit_lazy(self, expr: ir.CommitLazy) -> None:
         if self.text_:
-            self.run.backend.commit_lazy(self.prompt())
+            self.run.backend.commit_lazy(self.prompt("prefix"))
 
     def _generate_chat_turn(self) -> None:
         """One chat completion for the collected assistant turn, matched term by term."""
@@ -289,7 +303,7 @@ class StreamExecutor:
                 "turn is generated in one call, so its gens cannot carry their own constraints"
             )
         message, meta = self.run.backend.generate(
-            self.prompt(), speculative_params(params[0], self.run.num_api_spec_tokens)
+            self.prompt("assistant turn"), speculative_params(params[0], self.run.num_api_spec_tokens)
         )
         for text, name in turn.match(message, params):
             self._append(text, name)
@@ -331,6 +345,8 @@ class StreamExecutor:
             branch.meta_info = dict(self.meta_info)
             branch.cur_role, branch.cur_role_begin = self.cur_role, self.cur_role_begin
             branch.fork_start = len(self.text_)
+            branch.stream_path = f"{self.stream_path}/{len(branches)}"
+            branch.last_call = self.last_call
             branches.append(branch)
         return branches
 

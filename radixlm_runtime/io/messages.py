@@ -7,7 +7,7 @@ only ever send data, not code. Requests and replies are tagged unions so one soc
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -15,8 +15,22 @@ from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.step import TopLogprobs
 
-
 # -- HTTP process -> scheduler ------------------------------------------------------------------
+ProgramId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class ProgramCall(msgspec.Struct, forbid_unknown_fields=True):
+    """Where a request sits in the call graph of the @function program run that sent it, as the
+    frontend traced it: the run, this call's id in it, the call it follows (the one before it in
+    its stream, or, first in a forked branch, the call the fork came after) and the variable or
+    primitive it serves. radixlm's extension of the native API; the dashboard draws the graph."""
+
+    run: ProgramId
+    call: ProgramId
+    parent: ProgramId | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
 class GenerateReq(msgspec.Struct, tag="generate"):
     """One tokenized, validated request (one of n samples): what both the HTTP server and the
     offline Engine send the scheduler, which builds its Req from it."""
@@ -34,6 +48,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     # check_constraint): text, so it crosses the socket as data, and the scheduler compiles it
     # without parsing the constraint again. None: unconstrained, or sent unchecked (checked there).
     grammar: str | None = None
+    program_call: ProgramCall | None = None
 
 
 def sample_request(
@@ -47,6 +62,7 @@ def sample_request(
     session_id: str | None = None,
     priority: int = 0,
     grammar: str | None = None,
+    program_call: ProgramCall | None = None,
 ) -> GenerateReq:
     """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
     when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
@@ -63,6 +79,7 @@ def sample_request(
         session_id=session_id,
         priority=priority,
         grammar=grammar,
+        program_call=program_call,
     )
 
 

@@ -30,7 +30,7 @@ from radixlm_runtime.io.inputs import (
     prompt_ids,
 )
 from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
-from radixlm_runtime.io.messages import GenerateReq, sample_request
+from radixlm_runtime.io.messages import GenerateReq, ProgramCall, sample_request
 from radixlm_runtime.sampling.params import SamplingParams
 
 # A constraint -> its checked grammar (constrained/checker.py GrammarChecker.check).
@@ -82,6 +82,7 @@ class PromptArgs:
     priority: Any = None
     session_id: str | None = None
     prompt_field: str = "prompt"
+    program_call: ProgramCall | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ def native_prompts(
     session_id: Any,
     tokenize: Callable[[str], list[int]],
     text_field: str,
+    program_call: ProgramCall | None = None,
 ) -> tuple[list[PromptArgs], bool]:
     """SGLang's GenerateReqInput (the Engine's arguments and the /generate body; the prompt is
     `prompt` in one, `text` in the other) as one PromptArgs per prompt, and whether a single prompt
@@ -117,7 +119,7 @@ def native_prompts(
     priorities = per_prompt(priority, n, "priority")
     logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
     prompts = [
-        PromptArgs(ids, sp, r, lp, prio, session_id, prompt_field)
+        PromptArgs(ids, sp, r, lp, prio, session_id, prompt_field, program_call)
         for ids, sp, r, lp, prio in zip(id_lists, params, rids, logprobs, priorities)
     ]
     return prompts, single
@@ -166,6 +168,7 @@ def _build(p: PromptArgs, policy: RequestPolicy, check_grammar: CheckGrammar) ->
             p.session_id,
             priority,
             grammar,
+            p.program_call,
         )
         for i in range(sp.n)
     ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from radixlm_runtime.constrained.backend import Guide
 from radixlm_runtime.io.finish import FinishReason
-from radixlm_runtime.io.messages import GenerateReq
+from radixlm_runtime.io.messages import GenerateReq, ProgramCall
 from radixlm_runtime.kvcache.radix_cache import TreeNode
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.step import TopLogprobs
@@ -29,6 +29,7 @@ class Req:
     priority: int = 0
     # The constraint's grammar as the front end checked it (GenerateReq.grammar), for the compile.
     grammar: str | None = None
+    program_call: ProgramCall | None = None  # for the dashboard's programs view
 
     # The prompt followed by every output token, appended in place (never rebuilt per step).
     token_ids: list[int] = field(default_factory=list)
@@ -95,6 +96,7 @@ class Req:
             session_id=m.session_id,
             priority=m.priority,
             grammar=m.grammar,
+            program_call=m.program_call,
         )
 
     @property

@@ -266,24 +266,27 @@ class Dashboard:
         return r
 
     async def programs(self) -> dict[str, Any]:
-        """Requests grouped by session_id (one run of an @function program each), calls in order."""
+        """Runs of @function programs, calls in order: by the run the frontend named (its call
+        graph: each call's parent, forks included), else by session_id (one stream of calls)."""
         snap = await self.snapshot("requests", max_recent=MAX_RECENT, text_tokens=0)
-        sessions: dict[str, dict[str, Any]] = {}
+        runs: dict[str, dict[str, Any]] = {}
         pinned = set(snap["pinned_sessions"])
         for r in sorted([*snap["live"], *snap["recent"]], key=lambda r: r["arrival"]):
-            sid = r["session_id"]
-            if sid is None:
+            call = r["program_call"]
+            key = call["run"] if call is not None else r["session_id"]
+            if key is None:
                 continue
-            s = sessions.setdefault(
-                sid, {"session_id": sid, "program": _program_name(sid), "pinned": sid in pinned, "calls": []}
-            )
-            s["calls"].append(_without(r, "prompt_ids"))
-        runs = sorted(sessions.values(), key=lambda s: -s["calls"][-1]["arrival"])[:MAX_SESSIONS]
-        for s in runs:
+            new = {"session_id": key, "program": _program_name(key), "pinned": False, "call_graph": False}
+            run = runs.setdefault(key, new | {"calls": []})
+            run["pinned"] = run["pinned"] or r["session_id"] in pinned
+            run["call_graph"] = run["call_graph"] or call is not None
+            run["calls"].append(_without(r, "prompt_ids"))
+        listed = sorted(runs.values(), key=lambda s: -s["calls"][-1]["arrival"])[:MAX_SESSIONS]
+        for s in listed:
             calls = s["calls"]
             s["prompt_tokens"] = sum(c["prompt_tokens"] for c in calls)
             s["cached_tokens"] = sum(c["cached_tokens"] for c in calls)
-        return {"sessions": runs, "call_graph": False}
+        return {"sessions": listed}
 
 
 def _node_row(values: dict[str, Any], locked_by: list[str], text: str | None) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from radixlm_runtime.io.messages import DashboardReq, ReqOutput
 from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
@@ -38,6 +40,7 @@ class RequestRecord:
 
     rid: str
     session_id: str | None
+    program_call: dict[str, Any] | None  # io/messages.ProgramCall's fields
     priority: int
     arrival: float
     prompt_tokens: int
@@ -80,6 +83,7 @@ class RequestLog:
         return RequestRecord(
             rid=req.rid,
             session_id=req.session_id,
+            program_call=None if req.program_call is None else msgspec.structs.asdict(req.program_call),
             priority=req.priority,
             arrival=self.epoch + req.arrival_time,
             prompt_tokens=req.prompt_len,
@@ -283,6 +287,7 @@ def _request_dict(
         "rid": rec.rid,
         "state": state,
         "session_id": rec.session_id,
+        "program_call": rec.program_call,
         "priority": rec.priority,
         "arrival": round(rec.arrival, 3),
         "prompt_tokens": rec.prompt_tokens,

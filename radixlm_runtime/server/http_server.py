@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixlm_runtime.io import outputs
 from radixlm_runtime.io.inputs import check_session_id
-from radixlm_runtime.io.messages import GenerateReq
+from radixlm_runtime.io.messages import GenerateReq, ProgramCall
 from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest, native_prompts
 from radixlm_runtime.server import dashboard
 from radixlm_runtime.server import http_utils as hu
@@ -61,6 +61,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     session_id: str | None = None
     # One for the batch or one per prompt; orders admission under --enable-priority-scheduling.
     priority: int | list[int] | None = None
+    # radixlm's extension: the program call graph node this request is (the dashboard's programs view).
+    program_call: ProgramCall | None = None
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -230,6 +232,7 @@ async def _build(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[Prom
             body.session_id,
             partial(tm.tokenize, field="text"),
             "text",
+            body.program_call,
         )
         return tm.build(prompts), single
 

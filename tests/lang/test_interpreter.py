@@ -3,6 +3,7 @@ batches, sessions."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 import radixlm as sgl
@@ -188,4 +189,53 @@ def test_api_speculation_is_dropped_when_the_program_diverges(runtime: sgl.Runti
     state.sync()
     assert endpoint.calls == 2
     assert state.text().endswith("Q: What is 12 plus 30?\nA:" + state["a2"])
+    endpoint.shutdown()
+
+
+class RecordingEndpoint(sgl.RuntimeEndpoint):
+    """The real endpoint, recording each call's place in the call graph."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.calls: list = []
+
+    def generate(self, prompt, params):
+        self.calls.append(prompt.call)
+        return super().generate(prompt, params)
+
+    def commit_lazy(self, prompt) -> None:
+        self.calls.append(prompt.call)
+        super().commit_lazy(prompt)
+
+
+def test_calls_carry_the_run_call_graph_to_the_server(runtime: sgl.Runtime) -> None:
+    """Each call names its run, its id and the call it follows; a fork's branches follow the fork's
+    prefix commit, the join's next call follows it too; the server's programs feed returns the graph."""
+
+    @sgl.function
+    def branchy(s):
+        s += "Radix trees share prefixes." + sgl.gen("intro", max_tokens=3)
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" Point {i}:" + sgl.gen("point", max_tokens=2)
+        forks.join()
+        s += " Done." + sgl.gen("end", max_tokens=2)
+
+    endpoint = RecordingEndpoint(runtime.url)
+    branchy.run(backend=endpoint, temperature=0).sync()
+    graph = {c.call: (c.parent, c.name) for c in endpoint.calls}
+    assert graph == {
+        "0.0": (None, "intro"),
+        "0.1": ("0.0", "prefix"),
+        "0/0.0": ("0.1", "point"),
+        "0/1.0": ("0.1", "point"),
+        "0.2": ("0.1", "end"),
+    }
+    run = {c.run for c in endpoint.calls}
+    assert len(run) == 1 and next(iter(run)).startswith("branchy-")
+    feed = httpx.get(f"{runtime.url}/dashboard/api/programs", timeout=60).json()["sessions"]
+    mine = next(s for s in feed if s["session_id"] == next(iter(run)))
+    assert mine["call_graph"] and mine["program"] == "branchy"
+    served = {c["program_call"]["call"]: c["program_call"]["parent"] for c in mine["calls"]}
+    assert served == {k: parent for k, (parent, _) in graph.items()}
     endpoint.shutdown()
