@@ -15,24 +15,25 @@
 #                radixlm side without overlap scheduling for comparison
 #   invariance   bench_invariance.py (bf16 and fp32, default and --deterministic), then the cost of
 #                --deterministic in bench_gpu.py (radixlm sides only)
-#   lease        all of the above but `slow`, cut to fit one call of a 15-minute lease (~9 min): the
-#                GPU-facing tests (kernels in parallel; engines serially: each engine sizes its KV pool
-#                from the GPU's free memory, so parallel ones starve each other), the host time, decode /
-#                busy / few-shot beside transformers eager, transformers compiled at batch 1 and 64,
-#                invariance and the cost of --deterministic; each part stops at its own limit. At the
-#                end everything but the log is packed into $out/lease.tgz (the device tool returns at
-#                most 8 files, and drops the rest)
-#
-# Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
+#   lease        for one call of a 15-minute lease (~9 min): the not-slow CUDA suite (kernels in
+#                parallel; the rest serially: each engine sizes its KV pool from the GPU's free memory,
+#                so parallel ones starve each other), then radixlm's decode at batch 1, 64 and 256 with
+#                and without --deterministic (3 runs each) and the invariance table; each part stops at
+#                its own limit. At the end everything but the log is packed into $out/lease.tgz (the
+#                device tool returns at most 8 files, and drops the rest)
+#   lease-bench  the figures against transformers for one such call: host time, decode / busy /
+#                few-shot beside transformers eager, transformers compiled at batch 1 and 64,
+#                invariance and the cost of --deterministic (measured on an H200 on 2026-11-26)
+## Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
 # stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: bash scripts/gpu_session.sh suite|slow|bench|invariance|lease}
+stage=${1:?usage: bash scripts/gpu_session.sh suite|slow|bench|invariance|lease|lease-bench}
 out=${OUT:-/tmp/gpu-out}
 limit=${STAGE_TIMEOUT:-560}
 case "$stage" in
-    suite|slow|bench|invariance|lease) ;;
-    *) echo "unknown stage $stage: suite, slow, bench, invariance or lease" >&2; exit 2 ;;
+    suite|slow|bench|invariance|lease|lease-bench) ;;
+    *) echo "unknown stage $stage: suite, slow, bench, invariance, lease or lease-bench" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 log="$out/$stage.log"
@@ -46,6 +47,11 @@ pytest_cuda() {  # [-t SECONDS] [-j JUNIT_NAME] pytest args and paths (defaults:
     [ "${1:-}" = -j ] && { j=$2; shift 2; }
     RADIXLM_TEST_DEVICE=cuda timeout "$t" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
         --junitxml="$out/$j.junit.xml" "$@" 2>&1 | tee -a "$log"
+}
+
+pack() {  # everything under $out but the log, as one archive
+    tar -czf /tmp/lease.tgz -C "$out" --exclude "$stage.log" . &&
+        find "$out" -type f ! -name "$stage.log" -delete && mv /tmp/lease.tgz "$out/"
 }
 
 case "$stage" in
@@ -74,18 +80,23 @@ case "$stage" in
     lease)
         pytest_cuda -t 75 -j kernels -m "not slow" -n 6 tests/runtime/kernels tests/runtime/layers \
             tests/runtime/attention/test_triton_kernels.py tests/runtime/attention/test_triton_window.py
-        pytest_cuda -t 90 -j engines -m "not slow" tests/runtime/attention/test_backends.py \
-            tests/runtime/executor tests/runtime/scheduler/test_overlap.py tests/benchmarks/test_bench_gpu.py \
-            tests/runtime/engine
+        pytest_cuda -t 240 -j runtime -m "not slow" tests/runtime/attention/test_backends.py \
+            tests/runtime/executor tests/runtime/scheduler tests/runtime/engine tests/runtime/sampling \
+            tests/runtime/constrained tests/runtime/kvcache tests/runtime/models tests/benchmarks/test_bench_gpu.py
+        timeout 90 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
+            --parts decode --batch-sizes 1,64,256 --repeats 3 --radixlm-variant det:deterministic=true \
+            2>&1 | tee -a "$log"
+        timeout 50 python3 benchmarks/bench_invariance.py --out-dir "$out" --prompts 8 2>&1 | tee -a "$log"
+        pack ;;
+    lease-bench)
         timeout 40 python3 benchmarks/bench_host_overhead.py --device cuda --model "$RADIXLM_GPU_MODEL" \
             --batch-sizes 8,64,256 --out-dir "$out" 2>&1 | tee -a "$log"
         timeout 135 python3 benchmarks/bench_gpu.py --out-dir "$out" --sides radixlm,hf_eager \
             --fewshot-questions 64 --radixlm-variant nooverlap:disable_overlap_schedule=true 2>&1 | tee -a "$log"
-        timeout 80 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_hf_compile --sides hf_compile \
+        timeout 80 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_hf_compile --sides radixlm,hf_compile \
             --parts decode --batch-sizes 1,64 2>&1 | tee -a "$log"
         timeout 50 python3 benchmarks/bench_invariance.py --out-dir "$out" --prompts 8 2>&1 | tee -a "$log"
         timeout 40 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
             --parts decode --batch-sizes 1,64 --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log"
-        tar -czf /tmp/lease.tgz -C "$out" --exclude lease.log . &&
-            find "$out" -type f ! -name lease.log -delete && mv /tmp/lease.tgz "$out/" ;;
+        pack ;;
 esac
