@@ -24,7 +24,8 @@
 #   lease-bench  the figures against transformers for one such call: host time, decode / busy /
 #                few-shot beside transformers eager, transformers compiled at batch 1 and 64,
 #                invariance and the cost of --deterministic (measured on an H200 on 2026-11-26)
-## Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
+#
+# Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
 # stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
