@@ -165,6 +165,10 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        # The KV figures come from the scheduler process; a scrape while it cannot answer still
+        # gets every metric this process keeps (and the KV ones as last seen).
+        with contextlib.suppress(Exception):
+            tm.metrics.kv.observe(await tm.server_info())
         return Response(tm.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.post("/flush_cache")

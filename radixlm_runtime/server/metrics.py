@@ -6,10 +6,12 @@ global default registry would refuse the second app's metric names.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
-from typing import get_args
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from radixlm_runtime.io.finish import FinishKind
 
@@ -24,9 +26,46 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.
 QUEUE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# The KV memory as the scheduler process counts it (scheduler.info()): (info key, metric, help).
+KV_GAUGES = (
+    ("cached_tokens_in_tree", "radixlm_kv_pool_cached_tokens", "Tokens the radix tree holds in the KV pool."),
+    ("free_tokens", "radixlm_kv_pool_free_tokens", "Free KV pool slots."),
+    ("host_tier_tokens", "radixlm_kv_host_tier_size_tokens", "Slots of the host KV tier (0: none)."),
+    ("cached_tokens_on_host", "radixlm_kv_host_tier_cached_tokens", "Tokens cached in the host tier."),
+)
+KV_COUNTERS = (
+    ("device_hit_tokens", "radixlm_kv_pool_hit_tokens", "Prompt tokens admitted from the KV pool."),
+    ("host_hit_tokens", "radixlm_kv_host_tier_hit_tokens", "Prompt tokens loaded back from the host tier."),
+    ("host_stored_tokens", "radixlm_kv_host_tier_stored_tokens", "Tokens copied to the host tier."),
+    ("host_loaded_tokens", "radixlm_kv_host_tier_loaded_tokens", "Tokens copied back from the host tier."),
+    ("host_evicted_tokens", "radixlm_kv_host_tier_evicted_tokens", "Tokens dropped from the host tier."),
+)
+
+
+class KVCollector:
+    """The scheduler process's KV counters, as of the last `observe` (each /metrics scrape asks the
+    scheduler for them first): they live in another process, so they are collected, not counted here."""
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] = {}
+
+    def observe(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+    def collect(self) -> Iterator[Metric]:
+        for key, name, help_text in KV_GAUGES:
+            if key in self.info:
+                yield GaugeMetricFamily(name, help_text, value=self.info[key])
+        for key, name, help_text in KV_COUNTERS:
+            if key in self.info:
+                yield CounterMetricFamily(name, help_text, value=self.info[key])
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.kv = KVCollector()
+        self.registry.register(self.kv)
         counter = partial(Counter, registry=self.registry)
         gauge = partial(Gauge, registry=self.registry)
         histogram = partial(Histogram, registry=self.registry)

@@ -152,6 +152,34 @@ def test_registry_per_instance_and_token_accounting() -> None:
     assert value(sa, "radixlm_requests_finished_total", finish_reason="length") == 1
 
 
+def test_kv_figures_come_from_the_schedulers_info() -> None:
+    """The KV pool's and the host tier's figures are the scheduler process's, as last observed."""
+    m = ServerMetrics()
+    assert "radixlm_kv_pool_free_tokens" not in m.render().decode()  # nothing observed yet
+    m.kv.observe(
+        {"free_tokens": 90, "cached_tokens_in_tree": 10, "host_tier_tokens": 500, "cached_tokens_on_host": 40}
+        | {"device_hit_tokens": 7, "host_hit_tokens": 30, "host_stored_tokens": 40}
+        | {"host_loaded_tokens": 30, "host_evicted_tokens": 0}
+    )
+    s = parse(m.render().decode())
+    assert value(s, "radixlm_kv_pool_free_tokens") == 90 and value(s, "radixlm_kv_pool_cached_tokens") == 10
+    assert value(s, "radixlm_kv_host_tier_size_tokens") == 500
+    assert value(s, "radixlm_kv_host_tier_cached_tokens") == 40
+    assert value(s, "radixlm_kv_pool_hit_tokens_total") == 7
+    assert value(s, "radixlm_kv_host_tier_hit_tokens_total") == 30
+    assert value(s, "radixlm_kv_host_tier_stored_tokens_total") == 40
+
+
+def test_a_scrape_carries_the_schedulers_kv_figures(server: Server) -> None:
+    samples = scrape(server)
+    info = server.info()
+    assert (
+        value(samples, "radixlm_kv_pool_free_tokens") + value(samples, "radixlm_kv_pool_cached_tokens")
+        == (info["max_total_tokens"])
+    )
+    assert value(samples, "radixlm_kv_host_tier_size_tokens") == 0
+
+
 def test_speculation_counters_accumulate_and_rate() -> None:
     m = ServerMetrics()
     m.speculation_ended(verify_steps=5, drafted=8, accepted=6)
