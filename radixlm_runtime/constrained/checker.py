@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from radixlm_runtime.constrained.backend import check_constraint, load_backend_module
 from radixlm_runtime.constrained.constraint import Constraint
@@ -28,6 +28,8 @@ class GrammarChecker:
         self.backend = backend
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="constraint-check") if workers else None
         self._grammars: OrderedDict[Constraint, str] = OrderedDict()
+        # Checks running on the pool: concurrent requests with one new constraint share its check.
+        self._inflight: dict[Constraint, Future[str]] = {}
         self._lock = threading.Lock()
 
     def check(self, constraint: Constraint) -> str:
@@ -41,12 +43,25 @@ class GrammarChecker:
         if self._pool is None:
             grammar = check_constraint(self.backend, constraint)
         else:
-            grammar = self._pool.submit(check_constraint, self.backend, constraint).result()
+            grammar = self._on_pool(constraint)
         with self._lock:
             self._grammars[constraint] = grammar
             if len(self._grammars) > MAX_REMEMBERED:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _on_pool(self, constraint: Constraint) -> str:
+        assert self._pool is not None
+        with self._lock:
+            future = self._inflight.get(constraint)
+            if future is None:
+                future = self._pool.submit(check_constraint, self.backend, constraint)
+                self._inflight[constraint] = future
+        try:
+            return future.result()
+        finally:
+            with self._lock:
+                self._inflight.pop(constraint, None)
 
     def warm_up(self) -> None:
         """Imports the backend's library in the background, so the first constrained request does

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from radixlm_runtime.config import ServerConfig
@@ -44,11 +44,12 @@ class RequestPolicy:
 
     limits: RequestLimits
     eos_ids: tuple[int, ...]
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    max_n: int = 128
-    max_logprobs: int = 20
-    max_stop_strings: int = 64
-    max_stop_length: int = 512
+    sampling_defaults: dict[str, Any]
+    # --max-n, --max-logprobs, --max-stop-strings, --max-stop-length (config.py ServerConfig)
+    max_n: int
+    max_logprobs: int
+    max_stop_strings: int
+    max_stop_length: int
 
     @classmethod
     def of(

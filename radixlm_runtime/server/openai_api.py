@@ -644,7 +644,10 @@ def _tool_loop(tm: TokenizerManager, plan: tc.ToolPlan, req: GenerateReq) -> tc.
 
     async def run_phase(ids: list[int], params: SamplingParams) -> AsyncIterator[RequestState]:
         constraint = params.constraint
-        grammar = None if constraint is None else await tm.run_cpu(tm.constraints.check, constraint)
+        try:
+            grammar = None if constraint is None else await tm.run_cpu(tm.constraints.check, constraint)
+        except ValueError as e:  # checked already by _check_call_schemas: remembered, not parsed
+            raise RequestError(f"tools: {e}", param="tools") from None
         phase = msgspec.structs.replace(
             req, rid=uuid.uuid4().hex, input_ids=ids, sampling_params=params, grammar=grammar
         )

@@ -5,7 +5,9 @@ to the scheduler's compile, which does not parse the schema again. A spy counts 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 import radixlm_runtime as rt
 import radixlm_runtime.constrained.llguidance_backend as llguidance_backend
 import radixlm_runtime.constrained.xgrammar_backend as xgrammar_backend
+from radixlm_runtime.config import ServerConfig
 from radixlm_runtime.constrained.checker import GrammarChecker
 from radixlm_runtime.constrained.compiler import GrammarCompiler
 from radixlm_runtime.constrained.constraint import Constraint, parse_schema
@@ -47,7 +50,8 @@ def test_checked_grammar_crosses_the_wire_and_compiles_unparsed(
     """The server's path, both halves in this process: the HTTP side's builder check, then the
     message through msgpack, then the scheduler's compile of what arrived."""
     tokenizer = load_tokenizer(tiny_llama_dir)
-    policy = RequestPolicy(RequestLimits(300, 256, 4096), tuple(eos_token_ids(tokenizer, [])))
+    limits = RequestLimits(300, 256, 4096)
+    policy = RequestPolicy.of(limits, eos_token_ids(tokenizer, []), {}, ServerConfig())
     checker = GrammarChecker(backend, workers=1)
     text = json.dumps(SCHEMA | {"title": backend})  # new to this process
     prompt = PromptArgs([5, 6, 7], {"json_schema": text, "max_new_tokens": 32})
@@ -96,3 +100,24 @@ def test_unchecked_constraint_is_checked_by_the_compile(tiny_llama_dir: Path, pa
     assert parses == [text]
     with pytest.raises(ValueError, match="unsupported keyword 'uniqueItems'"):
         backend.compile(Constraint("json_schema", json.dumps({"type": "array", "uniqueItems": True})))
+
+
+def test_concurrent_requests_with_one_new_constraint_share_its_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's checker: four requests carrying the same new schema at once wait for one check."""
+    import radixlm_runtime.constrained.checker as checker_module
+
+    calls: list[Constraint] = []
+
+    def slow_check(backend: str, constraint: Constraint) -> str:
+        calls.append(constraint)
+        time.sleep(0.3)  # long enough for the other callers to arrive meanwhile
+        return f"grammar of {constraint.text}"
+
+    monkeypatch.setattr(checker_module, "check_constraint", slow_check)
+    checker = GrammarChecker("llguidance", workers=2)
+    constraint = Constraint("json_schema", json.dumps(SCHEMA))
+    with ThreadPoolExecutor(4) as callers:
+        results = list(callers.map(lambda _: checker.check(constraint), range(4)))
+    assert results == [f"grammar of {constraint.text}"] * 4 and calls == [constraint]
+    assert checker.check(constraint) == results[0] and len(calls) == 1
+    checker.shutdown()

@@ -17,6 +17,7 @@ import pytest
 from runtime.server.server_harness import API_KEY, HEADERS, Server, assert_no_leak, launch_server, wait_idle
 
 import radixlm_runtime as rt
+from radixlm_runtime.config import ServerConfig
 from radixlm_runtime.constrained.constraint import MAX_JSON_DEPTH, Constraint
 from radixlm_runtime.io.inputs import LogprobArgs
 from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
@@ -210,7 +211,7 @@ def test_nothing_leaks_after_the_bad_inputs(engine: rt.Engine, server: Server) -
 
 
 # -- the builder alone --------------------------------------------------------------------------
-POLICY = RequestPolicy(RequestLimits(VOCAB, CONTEXT_LEN, 4096), eos_ids=(0,))
+POLICY = RequestPolicy.of(RequestLimits(VOCAB, CONTEXT_LEN, 4096), [0], {}, ServerConfig())
 
 
 def grammar_of(constraint: Constraint) -> str:
