@@ -27,7 +27,8 @@ class CausalLM(Protocol):
     its layers' attention parameters, its linears for the quantizer, and a checkpoint loader."""
 
     config: ModelConfig
-    # Whether its decoder layers are a plain Llama's (the one-call C++ decoder's contract).
+    # Whether its decoder layers are built from the ops the one-call C++ decoder runs (llama_cpu.py:
+    # Llama-style or Gemma-style norms, SwiGLU or GeGLU, per-head q/k norms, a rotary table per layer).
     supports_cpu_decoder: ClassVar[bool]
     cpu_decoder: Any
 
