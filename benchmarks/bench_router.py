@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from bench_kv_tiers import SIZES as KV_TIERS_SIZES
 from bench_kv_tiers import closed_loop, tenant_requests
 from bench_serving import Request
 from common import Size, Table, bench_parser, fmt, parse_sizes, percentiles, pyplot, save_figure, save_result
@@ -34,12 +35,9 @@ from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "router"
-SIZES = {
+# bench_kv_tiers.py's workload, with fewer tenants: two pools hold about half of them.
+SIZES = KV_TIERS_SIZES | {
     "tenants": Size(8, 4, "tenants, each with its own few-shot prefix and chat system prompt"),
-    "rounds": Size(4, 4, "requests per tenant, alternating few-shot questions and chat turns", scales=False),
-    "num_shots": Size(4, 1, "solved examples in each tenant's few-shot prefix", scales=False),
-    "max_new_tokens": Size(16, 4, "tokens decoded per request", scales=False),
-    "concurrency": Size(4, 2, "clients sending requests back to back", scales=False),
 }
 REPLICAS = 2
 

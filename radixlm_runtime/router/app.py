@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -61,30 +62,18 @@ def routing_text(path: str, body: dict[str, Any]) -> str:
 class RouterMetrics:
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry()
-        labels = ["replica"]
-        self.requests = Counter(
-            "radixlm_router_requests", "Requests routed to each replica.", labels, registry=self.registry
-        )
-        self.failed = Counter(
+        counter = partial(Counter, labelnames=["replica"], registry=self.registry)
+        gauge = partial(Gauge, labelnames=["replica"], registry=self.registry)
+        self.requests = counter("radixlm_router_requests", "Requests routed to each replica.")
+        self.failed = counter(
             "radixlm_router_failed_requests",
             "Requests that could not reach their replica (taken out until healthy).",
-            labels,
-            registry=self.registry,
         )
-        self.in_flight = Gauge(
-            "radixlm_router_in_flight", "Requests in flight at each replica.", labels, registry=self.registry
-        )
-        self.healthy = Gauge(
-            "radixlm_router_replica_healthy",
-            "1 while the replica is routed to.",
-            labels,
-            registry=self.registry,
-        )
-        self.hit_rate = Gauge(
+        self.in_flight = gauge("radixlm_router_in_flight", "Requests in flight at each replica.")
+        self.healthy = gauge("radixlm_router_replica_healthy", "1 while the replica is routed to.")
+        self.hit_rate = gauge(
             "radixlm_router_prefix_hit_rate",
             "Share of the text routed to each replica that its approximate tree already held.",
-            labels,
-            registry=self.registry,
         )
         self.router = router
 

@@ -11,7 +11,7 @@ holds, as SGLang's router does. Torch-free, like the scheduler.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixlm_runtime.config import RouterConfig
 from radixlm_runtime.kvcache.allocator import TokenAllocator
@@ -35,20 +35,21 @@ class Replica:
     failed: int = 0  # requests that could not reach it
     # Characters of the requests routed to it, and how many of those its tree already held.
     chars: int = 0
-    matched_chars: int = field(default=0)
+    matched_chars: int = 0
 
     def match(self, key: list[int]) -> int:
         """How many leading characters of key this replica was already sent."""
         return self.tree.match_node(key)[0]
 
-    def remember(self, key: list[int]) -> None:
-        """Adds key to the tree, evicting the least recently matched text to make room."""
+    def remember(self, key: list[int]) -> int:
+        """Adds key to the tree, evicting the least recently matched text to make room; returns how
+        many leading characters it already held (what `match` would have said)."""
         tree = self.tree
         key = key[: tree.allocator.size]
         matched, node = tree.match_node(key)
         need = len(key) - matched
         if need == 0:
-            return
+            return matched
         tree.inc_lock_ref(node)  # the matched part must survive the eviction below
         try:
             short = need - tree.allocator.available_size()
@@ -59,6 +60,7 @@ class Replica:
                 tree.insert(key, tree.path_slots(node) + fresh)
         finally:
             tree.dec_lock_ref(node)
+        return matched
 
 
 class Router:
@@ -87,8 +89,7 @@ class Router:
                 if len(self._sessions) > MAX_SESSIONS:
                     self._sessions.popitem(last=False)
         replica.chars += len(key)
-        replica.matched_chars += replica.match(key)
-        replica.remember(key)
+        replica.matched_chars += replica.remember(key)
         replica.in_flight += 1
         replica.routed += 1
         return replica
