@@ -47,8 +47,10 @@ class EngineConfig:
     device: str = flag("auto", "Device to run on: 'cpu', 'cuda' or 'auto' (cuda when available).")
     dtype: str = flag(
         "auto",
-        "Weight and activation dtype. 'auto' is float32 on CPU (bf16 matmul is very slow there) "
-        "and bfloat16 on CUDA.",
+        "Weight and activation dtype. 'auto' is float32 on CPU and bfloat16 on CUDA. On CPU, 'bfloat16' "
+        "runs the linear layers in bf16 (float weights stored as bf16, bf16 dot products with float32 "
+        "accumulation; quantized weights multiplied in bf16 from 12 rows on) on CPUs with AVX512-BF16, "
+        "the tensors between them staying float32; a CPU without bf16 dot products runs float32 (logged).",
         ("auto", "float32", "bfloat16", "float16"),
     )
     quantization: str = flag(

@@ -18,6 +18,7 @@ from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, k
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+from radixlm_runtime.layers.linear_kernels import BF16, FP32, bf16_available
 from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
@@ -38,10 +39,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The model's tensor dtype and the arithmetic of the CPU linear kernels. On CPU, bfloat16 is bf16
+    weights and dot products in those kernels (AVX512-BF16), with float32 accumulation and float32
+    tensors between them (norms, rotary, attention, the residual stream); a CPU without bf16 dot
+    products runs float32 instead, as the log says, rather than torch's bf16 matmul at a fraction of
+    the speed."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+        return (torch.bfloat16, FP32) if device.type == "cuda" else (torch.float32, FP32)
+    dtype = _DTYPES[name]
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return dtype, FP32
+    if bf16_available():
+        logger.info("dtype bfloat16 on CPU: bf16 weights and dot products, float32 accumulation")
+        return torch.float32, BF16
+    logger.warning(
+        "dtype bfloat16: this CPU has no bf16 dot products (AVX512-BF16), so the model runs in float32 (%s)",
+        cpu.detect().describe(),
+    )
+    return torch.float32, FP32
 
 
 class ModelRunner:
@@ -50,7 +66,7 @@ class ModelRunner:
         budget), which the memory left beside the KV pool must hold."""
         self.engine_config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype, self.compute = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             environment = cpu.runtime_environment(torch.get_num_threads())
@@ -65,7 +81,9 @@ class ModelRunner:
             )
 
         t0 = time.perf_counter()
-        self.model = build_model(model_dir, self.config, config, self.device, self.dtype, self.context_len)
+        self.model = build_model(
+            model_dir, self.config, config, self.device, self.dtype, self.context_len, self.compute
+        )
         logger.info(
             "loaded %s weights in %.2fs (%s, %s)",
             self.config.architecture,

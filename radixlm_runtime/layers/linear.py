@@ -17,7 +17,10 @@ from torch import nn
 
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear_kernels import (
+    BF16,
+    FP32,
     PANEL_GEMM_MIN_ROWS,
+    BF16Panels,
     FloatPanels,
     Int8Panels,
     cpu_linear,
@@ -40,7 +43,10 @@ def onednn_available(weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None  # oneDNN's prepacked weight (the fallback)
     quantized: QuantizedWeight | None = None
-    panels: FloatPanels | None = None
+    panels: FloatPanels | BF16Panels | None = None
+    # The CPU kernels' arithmetic (linear_kernels.FP32 or BF16): float weights are packed in its panels,
+    # quantized ones multiplied in it from PANEL_GEMM_MIN_ROWS rows on.
+    compute: str = FP32
     # The int8 weight also in row panels, for fewer than PANEL_GEMM_MIN_ROWS rows (see pack_row_panels).
     row_panels: Int8Panels | None = None
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
@@ -71,7 +77,7 @@ class Linear(nn.Linear):
             self.row_panels = Int8Panels.pack(w)
 
     @property
-    def kernel_weight(self) -> QuantizedWeight | FloatPanels | None:
+    def kernel_weight(self) -> QuantizedWeight | FloatPanels | BF16Panels | None:
         """The weight the CPU linear kernels read, if they alone serve this layer: not for a weight with
         an input order, whose activations are gathered first (so the one-call C++ decoder, which calls
         the kernels directly, leaves such a model's layers to Python)."""
@@ -89,7 +95,8 @@ class Linear(nn.Linear):
         if self.quantized is not None or not onednn_available(self.weight):
             return
         if panels_available():
-            self.panels = FloatPanels.pack(self.weight)
+            bf16 = self.compute == BF16 and self.in_features % 2 == 0
+            self.panels = (BF16Panels if bf16 else FloatPanels).pack(self.weight)
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self._drop_weight()
@@ -121,21 +128,26 @@ class Linear(nn.Linear):
             return int8_panel_linear(x, self.row_panels)
         weight = self.kernel_weight
         if weight is not None:
-            return cpu_linear(x, weight, self.bias)
+            return cpu_linear(x, weight, self.bias, compute=self.compute)
         if self.quantized is not None:
             # The weight's input columns are in another order (act-order GPTQ): gather x into it.
-            return cpu_linear(x.index_select(-1, self.quantized.input_order), self.quantized, self.bias)
+            x = x.index_select(-1, self.quantized.input_order)
+            return cpu_linear(x, self.quantized, self.bias, compute=self.compute)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def prepack_linears(module: nn.Module) -> str:
-    """Prepacks every float Linear in module; returns what serves them (for the start-up log)."""
+def prepack_linears(module: nn.Module, compute: str = FP32) -> str:
+    """Prepacks every float Linear in module for `compute` arithmetic (which quantized ones take too);
+    returns what serves them (for the start-up log)."""
     kinds = set()
     for sub in module.modules():
-        if isinstance(sub, Linear) and sub.quantized is None:
-            sub.prepack()
-            onednn = "oneDNN" if sub._packed is not None else "torch"
-            kinds.add("panel kernels" if sub.panels is not None else onednn)
+        if isinstance(sub, Linear):
+            sub.compute = compute
+            if sub.quantized is None:
+                sub.prepack()
+                onednn = "oneDNN" if sub._packed is not None else "torch"
+                kind = "bf16 panel kernels" if isinstance(sub.panels, BF16Panels) else "panel kernels"
+                kinds.add(kind if sub.panels is not None else onednn)
     return ", ".join(sorted(kinds)) or "none"

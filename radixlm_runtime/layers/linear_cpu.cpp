@@ -725,6 +725,199 @@ SIMD_VNNI void panel8_dispatch(const int8_t* panels, const float* scales, const 
   }
 }
 
+// ---------------------------------------------------------------- bf16 pair panels (AVX512-BF16)
+//
+// --dtype bfloat16 on CPUs with AVX512-BF16: weights as bf16 in pair panels, [ceil(N / 16)][K / 2][16][2]
+// (16 output rows side by side per pair of input columns, so one 64-byte load is one vdpbf16ps operand),
+// activations rounded to bf16 (nearest even) on entry, float32 accumulation. vdpbf16ps does 32
+// multiply-adds where an fp32 FMA does 16, and the weights are half the bytes: twice the fp32 panels'
+// peak, half their memory traffic. Each output is one chain of pair dot products over k in order, whatever
+// the row count or blocking: batch-invariant as the fp32 panels are. Quantized weights (bits 4/8) take the
+// same micro-kernel on large row counts, each 16-row panel dequantised to bf16 pairs first.
+//
+// The scalar path computes each pair as acc + hi product + lo product (Intel's pseudo-code: the products
+// of two bf16 are exact in float32); CPUs round inside vdpbf16ps in their own way, so it is the reference
+// for tests within a rounding, not bit for bit.
+
+#define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return simd::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// float32 -> bf16, rounding to nearest even (NaN stays a quiet NaN), as torch's .to(bfloat16).
+inline uint16_t bf16_of(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float float_bits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+const uint16_t* bf16_panels_of(const Weights& w) { return reinterpret_cast<const uint16_t*>(w.q); }
+
+// x [m, k] as bf16 into the calling thread's buffer (reused across calls).
+SIMD_BF16 void round_rows_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(out + i, reinterpret_cast<const __m512i&>(v));
+  }
+  for (; i < count; ++i) out[i] = bf16_of(x[i]);
+}
+
+const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec) {
+  static thread_local std::vector<uint16_t> buf;
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  if (vec) round_rows_bf16_avx512(x, count, buf.data());
+  else for (int64_t i = 0; i < count; ++i) buf[i] = bf16_of(x[i]);
+  return buf.data();
+}
+
+// MR rows of x (bf16) times NP consecutive pair panels (`stride` bf16 values apart).
+template <int MR, int NP>
+SIMD_BF16 void micro_bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int64_t stride, int64_t k, float* c,
+                          int64_t ldc, int64_t last_valid) {
+  static_assert(MR * NP <= 24, "accumulators must stay in registers");
+  __m512 acc[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const __m512i v = _mm512_loadu_si512(b + j * stride + p * 2 * kPanel);
+      bv[j] = reinterpret_cast<const __m512bh&>(v);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      memcpy(&pair, a + i * lda + 2 * p, 4);
+      const __m512i av = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<const __m512bh&>(av), bv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
+      _mm512_mask_storeu_ps(c + i * ldc + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), acc[i][j]);
+    }
+  }
+}
+
+template <int NP>
+SIMD_BF16 void micro_bf16_rows(int64_t rows, const uint16_t* a, int64_t lda, const uint16_t* b, int64_t stride,
+                               int64_t k, float* c, int64_t ldc, int64_t last_valid) {
+  switch (rows) {
+#define RQ_ROWS(R) \
+  case R: micro_bf16<R, NP>(a, lda, b, stride, k, c, ldc, last_valid); break;
+    RQ_ROWS(1) RQ_ROWS(2) RQ_ROWS(3) RQ_ROWS(4)
+#undef RQ_ROWS
+    default:
+      if constexpr (NP <= 3) {
+        switch (rows) {
+          case 5: micro_bf16<5, NP>(a, lda, b, stride, k, c, ldc, last_valid); break;
+          case 6: micro_bf16<6, NP>(a, lda, b, stride, k, c, ldc, last_valid); break;
+          case 7: micro_bf16<7, NP>(a, lda, b, stride, k, c, ldc, last_valid); break;
+          default: micro_bf16<8, NP>(a, lda, b, stride, k, c, ldc, last_valid); break;
+        }
+      }
+  }
+}
+
+// All m rows of xb times `count` consecutive pair panels at b, with the fp32 panels' blocking.
+SIMD_BF16 void bf16_panel_rows(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* b, int64_t count,
+                               int64_t last_valid, float* y, int64_t ldy) {
+  const int64_t mr = m <= 4 ? m : 8;
+  const int64_t stride = k * kPanel;
+  for (int64_t r = 0; r < m; r += mr) {
+    const int64_t rows = std::min(mr, m - r);
+    const uint16_t* a = xb + r * k;
+    float* c = y + r * ldy;
+    switch (count) {
+      case 1: micro_bf16_rows<1>(rows, a, k, b, stride, k, c, ldy, last_valid); break;
+      case 2: micro_bf16_rows<2>(rows, a, k, b, stride, k, c, ldy, last_valid); break;
+      case 3: micro_bf16_rows<3>(rows, a, k, b, stride, k, c, ldy, last_valid); break;
+      default: micro_bf16_rows<4>(rows, a, k, b, stride, k, c, ldy, last_valid); break;
+    }
+  }
+}
+
+SIMD_BF16 void bf16_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const int64_t np = m <= 4 ? 4 : 3;
+  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
+    bf16_panel_rows(xb, m, w.k, bf16_panels_of(w) + p * w.k * kPanel, count, valid_columns(w, p + count - 1),
+                    y + p * kPanel, w.n);
+  });
+}
+
+void bf16_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, false);
+  for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+    const uint16_t* panel = bf16_panels_of(w) + p * w.k * kPanel;
+    for (int64_t j = 0; j < valid_columns(w, p); ++j) {
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.0f;
+        // Each pair read as one uint32 (low half: the even column): GCC 12's -O3 vectorizer
+        // miscompiles the same loop over two uint16 loads.
+        for (int64_t t = 0; t < w.k / 2; ++t) {
+          uint32_t pw, px;
+          memcpy(&pw, panel + (t * kPanel + j) * 2, 4);
+          memcpy(&px, xb + r * w.k + 2 * t, 4);
+          const float hi = float_bits(px & 0xffff0000u) * float_bits(pw & 0xffff0000u);
+          acc = (acc + hi) + float_bits(px << 16) * float_bits(pw << 16);
+        }
+        y[r * w.n + p * kPanel + j] = acc;
+      }
+    }
+  });
+}
+
+// Panel n0's rows of a quantized weight as bf16 pairs: dequantised to a float32 panel (pack_panel_avx2),
+// then each two k-rows interleaved and rounded.
+SIMD_BF16 void pack_bf16_panel(const Weights& w, int64_t n0, int64_t valid, float* f32, uint16_t* out) {
+  pack_panel_avx2(w, n0, valid, f32);
+  const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t p = 0; p < w.k / 2; ++p) {
+    const __m512 even = _mm512_loadu_ps(f32 + 2 * p * kPanel), odd = _mm512_loadu_ps(f32 + (2 * p + 1) * kPanel);
+    const __m512 lo = _mm512_permutex2var_ps(even, lo_idx, odd), hi = _mm512_permutex2var_ps(even, hi_idx, odd);
+    const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_storeu_si512(out + p * 2 * kPanel, reinterpret_cast<const __m512i&>(v));
+  }
+}
+
+// A quantized weight on the bf16 micro-kernel: per thread, each 16-row panel dequantised once and
+// multiplied with every row.
+SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const int64_t panels = (w.n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> f32(w.k * kPanel);
+    std::vector<uint16_t> pairs(w.k * kPanel);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t valid = std::min(kPanel, w.n - p * kPanel);
+      pack_bf16_panel(w, p * kPanel, valid, f32.data(), pairs.data());
+      bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -734,6 +927,8 @@ int rq_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 int rq_has_avx512(void) { return simd::cpu_has_avx512(); }
 
 int rq_has_avx512_vnni(void) { return cpu_has_avx512_vnni(); }
+
+int rq_has_avx512_bf16(void) { return cpu_has_avx512_bf16(); }
 
 // y[M, N] = x[M, K] @ W^T for an int8 weight without mins in row panels (see "int8 row panels" above):
 // panels int8 [ceil(N / 16)][K / 2][16][2], scales float32 [ceil(N / 16)][K / 32][16] (rows past N
@@ -760,16 +955,22 @@ void rq_panel8_linear(const float* x, int64_t m, int64_t k, const int8_t* panels
   }
 }
 
-// mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot. The caller
-// picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without AVX2+FMA always
-// runs 0, and one without AVX-512 runs 1 for 3. float32 panels (bits 32) have one kernel per SIMD
-// width: 0 scalar, 1 AVX2, 2 or 3 the widest this CPU has.
+// mode: 0 = scalar, 1 = AVX2 row-dot (decode), 2 = AVX2 panel GEMM, 3 = AVX-512 row-dot, 4 = bf16 panel
+// GEMM. The caller picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without
+// AVX2+FMA always runs 0, one without AVX-512 runs 1 for 3, one without AVX512-BF16 runs 2 for 4.
+// float32 panels (bits 32) have one kernel per SIMD width: 0 scalar, 1 AVX2, 2 or more the widest this
+// CPU has; bf16 pair panels (bits 16) one kernel for every mode but 0.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
   static const bool avx2 = rq_has_avx2_fma();
   static const bool wide = rq_has_avx512();
-  if (mode == 0 || !avx2) {
+  static const bool bf16 = cpu_has_avx512_bf16();
+  if (bits == 16) {
+    // One kernel at every row count (batch invariance); the scalar path where the CPU lacks bf16.
+    if (mode != 0 && bf16) bf16_linear_avx512(w, x, m, y, threads);
+    else bf16_linear_scalar(w, x, m, y, threads);
+  } else if (mode == 0 || !avx2) {
     if (bits == 32) f32_linear_scalar(w, x, m, y, threads);
     else linear_scalar(w, x, m, y, threads);
   } else if (bits == 32) {
@@ -777,6 +978,8 @@ void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const flo
     else f32_linear_avx2(w, x, m, y, threads);
   } else if (mode == 1 || mode == 3) {
     gemv_dispatch(w, x, m, y, threads, mode == 3 && wide);
+  } else if (mode == 4 && bf16) {
+    quant_bf16_gemm(w, x, m, y, threads);
   } else {
     gemm_avx2(w, x, m, y, threads);
   }

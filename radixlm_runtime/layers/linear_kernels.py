@@ -1,5 +1,6 @@
-"""Loads and calls the CPU matmul of linear_cpu.cpp (built by kernels/native.py): float32 weights in its
-panel layout, weight-only quantized int8/int4, and int8 weights in row panels for decode's few rows."""
+"""Loads and calls the CPU matmul of linear_cpu.cpp (built by kernels/native.py): float32 or bf16 weights
+in its panel layouts, weight-only quantized int8/int4, and int8 weights in row panels for decode's few
+rows."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from radixlm_runtime.utils import cpu
 
 _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 
-# Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel, the AVX2 panel GEMM and the
-# AVX-512 row-dot kernel.
-SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512 = 0, 1, 2, 3
+# Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel, the AVX2 panel GEMM, the
+# AVX-512 row-dot kernel and the bf16 panel GEMM (AVX512-BF16).
+SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512, BF16_GEMM = 0, 1, 2, 3, 4
+# The arithmetic of the CPU matmuls (EngineConfig.dtype on CPU): float32 FMAs, or bf16 dot products with
+# float32 accumulation.
+FP32, BF16 = "float32", "bfloat16"
 # From this many rows of x on, dequantising 16-row panels for a register-blocked GEMM beats reading
 # the packed weights once per 4 rows (measured on AVX2 at the default model's shapes: even at 12).
 PANEL_GEMM_MIN_ROWS = 12
@@ -62,6 +66,49 @@ class FloatPanels:
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
 
+@dataclass
+class BF16Panels:
+    """A weight as bf16 pair panels for the bf16 GEMM: [ceil(N / 16), K / 2, 16, 2], 16 output rows side
+    by side per pair of input columns (rows past N are zero), rounded to nearest even. K must be even."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> BF16Panels:
+        n, k = weight.shape
+        if k % 2:
+            raise ValueError(f"bf16 pair panels need an even in_features, got {k}")
+        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
+        padded[:n] = weight.detach()
+        panels = padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+        return cls(panels, n)
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1] * 2
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int | None, ...]:
+        """rq_linear's weight arguments: no scales or mins, bits 16."""
+        return (self.panels.data_ptr(), None, None, self.out_features, self.in_features, 16)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [N, K] bf16 weight as float32 (the tests' reference)."""
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].float()
+
+
+def bf16_available() -> bool:
+    """Whether this CPU has bf16 dot products (AVX512-BF16; AMX-BF16 CPUs have them too), asked of the
+    CPU (utils/cpu.py, which tests fake) and of the built kernels."""
+    if not cpu.detect().bf16:
+        return False
+    try:
+        return bool(_library().rq_has_avx512_bf16())
+    except LinearKernelError:
+        return False
+
+
 def panels_available() -> bool:
     """Whether float32 linears run on the panel kernels here: a SIMD path for this CPU (elsewhere, e.g.
     on ARM, oneDNN's GEMM is the faster fallback) and a compiler to build them."""
@@ -98,6 +145,7 @@ def _library() -> ctypes.CDLL:
     ]
     lib.rq_linear.restype = None
     lib.rq_has_avx512_vnni.restype = ctypes.c_int
+    lib.rq_has_avx512_bf16.restype = ctypes.c_int
     lib.rq_panel8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rq_panel8_linear.restype = None
     return lib
@@ -114,23 +162,27 @@ def has_avx2_fma() -> bool:
     return bool(_library().rq_has_avx2_fma())
 
 
-def kernel_mode(rows: int) -> int:
-    """The kernel rq_linear runs for `rows` rows of activations on this CPU."""
+def kernel_mode(rows: int, compute: str = FP32) -> int:
+    """The kernel rq_linear runs for `rows` rows of activations on this CPU: for quantized weights the
+    row-dot kernels below PANEL_GEMM_MIN_ROWS rows and a panel GEMM from there, in bf16 under that
+    compute. Float weights have one kernel per layout whatever the mode but SCALAR."""
     simd = cpu.detect().simd
     if simd == cpu.SCALAR:
         return SCALAR
     if rows >= PANEL_GEMM_MIN_ROWS:
-        return PANEL_GEMM
+        return BF16_GEMM if compute == BF16 else PANEL_GEMM
     return ROW_DOT_512 if simd == "avx512" else ROW_DOT
 
 
 def cpu_linear(
     x: torch.Tensor,
-    weight: QuantizedWeight | FloatPanels,
+    weight: QuantizedWeight | FloatPanels | BF16Panels,
     bias: torch.Tensor | None = None,
     mode: int | None = None,
+    compute: str = FP32,
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for float32 x on the CPU; `mode` forces a kernel (tests reach every path)."""
+    """x @ weight.T (+ bias) for float32 x on the CPU, in `compute` arithmetic; `mode` forces a kernel
+    (tests reach every path)."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"the CPU linear kernels take float32 CPU activations, got {x.dtype} on {x.device}")
     k, n = weight.in_features, weight.out_features
@@ -149,7 +201,7 @@ def cpu_linear(
             k,
             *weight.kernel_args,
             out.data_ptr(),
-            kernel_mode(m) if mode is None else mode,
+            kernel_mode(m, compute) if mode is None else mode,
             torch.get_num_threads(),
         )
     if bias is not None:

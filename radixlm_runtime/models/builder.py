@@ -14,7 +14,7 @@ import torch
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.linear_kernels import LinearKernelError, load_kernels
+from radixlm_runtime.layers.linear_kernels import FP32, LinearKernelError, load_kernels
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.loader import load_weights
@@ -35,7 +35,10 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
     context_len: int,
+    compute: str = FP32,
 ) -> CausalLM:
+    """The model with its weights loaded, quantized per --quantization and its CPU linears packed for
+    `compute` arithmetic (linear_kernels.FP32 or BF16)."""
     cls = model_class(config.architecture)
     mode = _quantization_mode(engine_config.quantization, device, dtype)
     # Built on the meta device: every weight is overwritten by the checkpoint, so random init
@@ -54,7 +57,7 @@ def build_model(
     if mode != "none":
         source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
         _quantize(model, mode, source)
-    logger.info("float linears: %s", prepack_linears(model))
+    logger.info("float linears: %s", prepack_linears(model, compute))
     if engine_config.deterministic:
         _make_linears_batch_invariant(model)
     return model

@@ -157,6 +157,7 @@ class LlamaCpuDecoder:
         self.eps = model.layers[0].input_layernorm.eps
         self.attn = attn
         self.fused_mode = fused_cpu.default_mode()
+        self.compute = model.layers[0].self_attn.qkv_proj.compute
 
     @classmethod
     def build(cls, model: DecoderForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
@@ -212,7 +213,7 @@ class LlamaCpuDecoder:
             table.data_ptr(),
             table.stride(0),
             *batch.attn_metadata.args(),
-            kernel_mode(tokens),
+            kernel_mode(tokens, self.compute),
             self.fused_mode,
             self.attn.mode,
             torch.get_num_threads(),

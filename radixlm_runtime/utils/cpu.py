@@ -41,6 +41,11 @@ class CpuInfo:
         """The best SIMD level the kernels have a path for on this CPU."""
         return next((name for name, needs in _LEVELS if needs <= self.flags), SCALAR)
 
+    @property
+    def bf16(self) -> bool:
+        """bf16 dot products: AVX512-BF16 (the kernels' path; AMX-BF16 CPUs have it too)."""
+        return self.simd == "avx512" and "avx512_bf16" in self.flags
+
     def describe(self) -> str:
         extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in self.flags]
         return (

@@ -17,7 +17,7 @@ from family_models import build_family_dir
 
 import radixlm_runtime as rt
 from radixlm_runtime.attention.base import AttentionLayer
-from radixlm_runtime.layers.linear_kernels import PANEL_GEMM_MIN_ROWS
+from radixlm_runtime.layers.linear_kernels import PANEL_GEMM_MIN_ROWS, bf16_available
 from radixlm_runtime.models import llama_cpu
 from radixlm_runtime.models.llama import LlamaForCausalLM
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
@@ -48,12 +48,12 @@ def model_dirs(
 
 
 def _outputs(
-    model_dir: Path, quantization: str, native: bool, attention_backend: str = "auto"
+    model_dir: Path, quantization: str, native: bool, attention_backend: str = "auto", dtype: str = "float32"
 ) -> list[tuple[list[int], list[float]]]:
     engine = rt.Engine(
         str(model_dir),
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         quantization=quantization,
         max_total_tokens=8192,
         chunked_prefill_size=64,
@@ -98,6 +98,24 @@ def test_matches_the_python_layers_bit_for_bit(
     python = _outputs(model_dir, quantization, native=False)
     assert len(native) == 3 + len(PROMPTS)
     assert native == python
+
+
+@pytest.mark.skipif(not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)")
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bf16_matches_the_python_layers_bit_for_bit(
+    arch: str, quantization: str, model_dirs: dict[str, Path]
+) -> None:
+    """--dtype bfloat16 (bf16 pair panels, or int4 weights multiplied in bf16 from the panel threshold
+    on): the C++ loop chains the same kernels as the Python layers, to the bit."""
+    model_dir = model_dirs[arch]
+    native = _outputs(model_dir, quantization, native=True, dtype="bfloat16")
+    assert native == _outputs(model_dir, quantization, native=False, dtype="bfloat16")
+    # bf16 arithmetic, not float32 under another name: the logprobs move, a little.
+    fp32 = _outputs(model_dir, quantization, native=True)
+    assert [lps for _, lps in native] != [lps for _, lps in fp32]
+    drift = max(abs(a - b) for (_, x), (_, y) in zip(native, fp32) for a, b in zip(x, y))
+    assert drift < 0.5
 
 
 def _windowed_layers(self: LlamaForCausalLM) -> tuple[AttentionLayer, ...]:

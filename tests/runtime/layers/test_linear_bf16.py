@@ -1,0 +1,142 @@
+"""The bf16 arithmetic of the CPU linear kernels (--dtype bfloat16 on CPU): bf16 pair panels and
+quantized weights multiplied in bf16, against float32 math on the bf16-rounded operands, the SIMD path
+equal to the scalar one, batch-invariant, and picked only where the CPU has bf16 dot products (faked
+CPU features reach every branch of that choice). On the CPU whatever the test device."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from radixlm_runtime.executor import model_runner
+from radixlm_runtime.layers import linear_kernels
+from radixlm_runtime.layers.linear import Linear, prepack_linears
+from radixlm_runtime.layers.linear_kernels import (
+    BF16,
+    BF16_GEMM,
+    FP32,
+    PANEL_GEMM,
+    PANEL_GEMM_MIN_ROWS,
+    ROW_DOT_512,
+    SCALAR,
+    BF16Panels,
+    bf16_available,
+    cpu_linear,
+    kernel_mode,
+)
+from radixlm_runtime.layers.quantization import quantize_int4, quantize_int8
+from radixlm_runtime.utils import cpu
+
+needs_bf16 = pytest.mark.skipif(
+    not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
+)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def test_pair_panels_round_trip_and_need_an_even_k() -> None:
+    w = torch.randn(37, 64)
+    panels = BF16Panels.pack(w)
+    assert panels.panels.shape == (3, 32, 16, 2) and panels.in_features == 64
+    assert torch.equal(panels.dequantize(), _bf16(w))
+    with pytest.raises(ValueError, match="even in_features"):
+        BF16Panels.pack(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 50, 64), (3, 16, 8), (5, 33, 96), (13, 100, 576), (37, 200, 40), (0, 17, 8)],
+)
+def test_pair_panels_compute_the_rounded_product(rows: int, out_features: int, in_features: int) -> None:
+    """Every mode gives float32 math on bf16-rounded x and W; where the CPU has vdpbf16ps its bits equal
+    the scalar path's pair order (hi product, then lo, each add rounded)."""
+    torch.manual_seed(rows)
+    x, w, bias = (
+        torch.randn(rows, in_features),
+        torch.randn(out_features, in_features),
+        torch.randn(out_features),
+    )
+    panels = BF16Panels.pack(w)
+    reference = _bf16(x).double() @ _bf16(w).double().T + bias.double()
+    outs = [cpu_linear(x, panels, bias, mode=mode) for mode in (SCALAR, PANEL_GEMM, ROW_DOT_512, BF16_GEMM)]
+    for out in outs:
+        torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
+    if bf16_available():
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])
+
+
+def test_pair_panels_are_batch_invariant() -> None:
+    torch.manual_seed(0)
+    x, panels = torch.randn(40, 576), BF16Panels.pack(torch.randn(200, 576))
+    alone = torch.cat([cpu_linear(x[i : i + 1], panels) for i in range(len(x))])
+    for rows in (2, 4, 5, 8, 9, 16, 40):
+        assert torch.equal(cpu_linear(x[:rows], panels), alone[:rows])
+    assert torch.equal(cpu_linear(x[7:30], panels), alone[7:30])
+
+
+@needs_bf16
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_weights_multiply_in_bf16_from_the_panel_threshold(bits: int) -> None:
+    """BF16_GEMM dequantises each 16-row panel and rounds it to bf16: the product of the rounded
+    operands, the same bits for a row whatever the rows beside it, and not the float32 GEMM's bits."""
+    torch.manual_seed(bits)
+    w = torch.randn(70, 256)
+    q = quantize_int4(w, 32) if bits == 4 else quantize_int8(w)
+    x = torch.randn(40, 256)
+    out = cpu_linear(x, q, mode=BF16_GEMM)
+    reference = _bf16(x).double() @ _bf16(cpu_linear(torch.eye(256), q, mode=SCALAR).T).double().T
+    torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(out, cpu_linear(x, q, mode=PANEL_GEMM))
+    for rows in (PANEL_GEMM_MIN_ROWS, 17, 33):
+        assert torch.equal(cpu_linear(x[:rows], q, mode=BF16_GEMM), out[:rows])
+
+
+def test_kernel_mode_takes_bf16_from_the_panel_threshold_only() -> None:
+    few, many = PANEL_GEMM_MIN_ROWS - 1, PANEL_GEMM_MIN_ROWS
+    assert kernel_mode(many, BF16) == BF16_GEMM and kernel_mode(many, FP32) != BF16_GEMM
+    assert kernel_mode(few, BF16) == kernel_mode(few, FP32)
+
+
+def _fake(flags: str) -> cpu.CpuInfo:
+    return cpu.CpuInfo("fake CPU", frozenset(flags.split()), 2)
+
+
+AVX512 = "avx2 fma avx512f avx512bw avx512vl"
+
+
+@pytest.mark.parametrize(
+    ("flags", "has"),
+    [("avx2 fma", False), (AVX512, False), (AVX512 + " avx512_bf16", True), ("avx2 fma avx512_bf16", False)],
+)
+def test_bf16_is_asked_of_the_cpu(monkeypatch: pytest.MonkeyPatch, flags: str, has: bool) -> None:
+    """AVX2-only and AVX-512-without-bf16 CPUs have no bf16 path (the bf16 kernel needs AVX-512 beside
+    it); the built library is asked too, so a faked flag on a CPU without it is not believed."""
+    monkeypatch.setattr(cpu, "detect", lambda: _fake(flags))
+    assert cpu.detect().bf16 is has
+    assert bf16_available() is (has and bool(linear_kernels._library().rq_has_avx512_bf16()))
+
+
+def test_bfloat16_on_a_cpu_without_bf16_runs_float32_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(cpu, "detect", lambda: _fake(AVX512))
+    with caplog.at_level(logging.WARNING, logger=model_runner.logger.name):
+        assert model_runner.resolve_dtype("bfloat16", torch.device("cpu")) == (torch.float32, FP32)
+    assert "no bf16 dot products" in caplog.text and "fake CPU" in caplog.text
+    assert model_runner.resolve_dtype("auto", torch.device("cpu")) == (torch.float32, FP32)
+    assert model_runner.resolve_dtype("bfloat16", torch.device("cuda")) == (torch.bfloat16, FP32)
+
+
+@needs_bf16
+def test_bfloat16_on_a_bf16_cpu_packs_float_linears_in_pairs() -> None:
+    assert model_runner.resolve_dtype("bfloat16", torch.device("cpu")) == (torch.float32, BF16)
+    layers = torch.nn.Sequential(Linear(64, 32), Linear(32, 8, bias=False), Linear(7, 8))
+    assert prepack_linears(layers, BF16) == "bf16 panel kernels, panel kernels"
+    assert isinstance(layers[0].panels, BF16Panels) and isinstance(layers[1].panels, BF16Panels)
+    assert not isinstance(layers[2].panels, BF16Panels)  # an odd in_features stays float32
+    assert all(layer.compute == BF16 and layer.batch_invariant for layer in layers)
