@@ -918,6 +918,234 @@ SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, floa
   }
 }
 
+// ---------------------------------------------------------------- int8 activations (AVX-512 VNNI)
+//
+// --cpu-act-quant int8: the activations of a quantized weight quantized on the fly, per row and per
+// 32-column chunk, to int8 with a scale (llama.cpp's Q8 blocks: dx = max |x| / 127, qx = round(x / dx)),
+// and each chunk's dot product summed exactly in int32 by vpdpbusd (64 unsigned x signed byte products
+// an instruction, 4x an fp32 FMA's 16), then scaled once: for w = scale * u + min,
+//   sum(w x) over a chunk = scale * dx * sum(u qx) + min * dx * sum(qx).
+// int8 weights (signed) are stored as u = q + 128 with min = -128 * scale, so both widths run one
+// formula. Weights are repacked once at load into u8 panels (bits | kAct8), per 16 output rows and
+// chunk, for one 64-byte load per vpdpbusd operand:
+//   int4: 4 vectors; vector h holds, for row j at bytes 4j..4j+3, GGUF bytes 4h..4h+3 of the row's chunk
+//         (low nibbles: columns 4h..4h+3; high nibbles: 16 + 4h..16 + 4h + 3): the file's own bytes;
+//   int8: 8 vectors; vector s holds row j's codes of columns 4s..4s+3, plus 128;
+// scales and mins [ceil(N / 16)][K / 32][16] float32. Each output is the same integer sums and the same
+// float operations in the same order whatever the row count: batch-invariant, and the scalar path gives
+// the SIMD path's bits.
+
+constexpr int kAct8 = 0x100;
+
+struct QuantX {
+  std::vector<int8_t> q;
+  std::vector<float> dx, dxs;  // per row and chunk: the step, and the step times the sum of the codes
+};
+
+inline void quantize_chunk_scalar(const float* x, int8_t* q, float& dx, float& dxs) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < kChunk; ++i) {
+    finite = finite && std::isfinite(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < kChunk; ++i) {
+    q[i] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(std::nearbyint(x[i] * inv)), -127, 127));
+    sum += q[i];
+  }
+  // A NaN or infinity in x makes the chunk's step NaN, so its outputs are NaN as a float dot's are.
+  dx = finite ? amax / 127.0f : NAN;
+  dxs = dx * static_cast<float>(sum);
+}
+
+SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float& dxs) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __mmask16 fa = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const __mmask16 fb = _mm512_cmp_ps_mask(_mm512_abs_ps(b), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const bool finite = fa == 0xFFFF && fb == 0xFFFF;
+  const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+  // Round to nearest even (the default rounding mode, as std::nearbyint), clamp, narrow.
+  const __m512i lim = _mm512_set1_epi32(127);
+  const __m512i qa = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lim),
+                                      _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  const __m512i qb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lim),
+                                      _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  dx = finite ? amax / 127.0f : NAN;
+  dxs = dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+
+const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, bool vec, int threads) {
+  static thread_local QuantX fixed;
+  QuantX& qx = fixed;  // the calling thread's, shared with the pool below
+  const int64_t chunks = k / kChunk;
+  qx.q.resize(m * k);
+  qx.dx.resize(m * chunks);
+  qx.dxs.resize(m * chunks);
+#pragma omp parallel for num_threads(m >= 64 ? threads : 1) schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t at = r * k + c * kChunk, s = r * chunks + c;
+      if (vec) quantize_chunk_avx512(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s]);
+      else quantize_chunk_scalar(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s]);
+    }
+  }
+  return qx;
+}
+
+// Vectors of 16 rows x 4 bytes per chunk of a panel.
+inline int64_t act8_vectors(int bits) { return (bits & 0xFF) == 4 ? 4 : 8; }
+
+// The activation codes of a step of 4 columns as one int32 to broadcast.
+inline int32_t quad(const int8_t* q) {
+  int32_t v;
+  memcpy(&v, q, 4);
+  return v;
+}
+
+// The u8 code of row j, column i (0..31) of a chunk's panel bytes.
+inline int32_t act8_code(const uint8_t* chunk, bool nibble, int64_t j, int64_t i) {
+  if (!nibble) return chunk[(i / 4 * kPanel + j) * 4 + i % 4];
+  const int64_t h = (i % 16) / 4;
+  const uint8_t byte = chunk[(h * kPanel + j) * 4 + i % 4];
+  return i < 16 ? byte & 15 : byte >> 4;
+}
+
+void act8_linear_scalar(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
+  const int64_t chunks = w.k / kChunk, vectors = act8_vectors(w.bits);
+  const bool nibble = vectors == 4;
+  for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+    for (int64_t j = 0; j < valid_columns(w, p); ++j) {
+      for (int64_t r = 0; r < m; ++r) {
+        float out = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const uint8_t* chunk = w.q + (p * chunks + c) * vectors * 64;
+          const int8_t* xq = qx.q.data() + r * w.k + c * kChunk;
+          int32_t acc = 0;
+          for (int64_t i = 0; i < kChunk; ++i) acc += act8_code(chunk, nibble, j, i) * xq[i];
+          const int64_t f = (p * chunks + c) * kPanel + j;
+          out = std::fma(static_cast<float>(acc), w.scales[f] * qx.dx[r * chunks + c], out);
+          out = std::fma(w.mins[f], qx.dxs[r * chunks + c], out);
+        }
+        y[r * w.n + p * kPanel + j] = out;
+      }
+    }
+  });
+}
+
+// MR rows times NP consecutive panels: per chunk MR x NP int32 sums, then scaled into as many float
+// accumulators.
+template <int MR, int NP, bool NIBBLE>
+SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c, int64_t last_valid) {
+  constexpr int64_t kVectors = NIBBLE ? 4 : 8;
+  const int64_t chunks = w.k / kChunk;
+  __m512 out[MR][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) out[i][j] = _mm512_setzero_ps();
+  }
+  const int8_t* xq = qx.q.data() + r0 * w.k;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    __m512i acc[MR][NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_si512();
+    }
+    const uint8_t* b = w.q + (p0 * chunks + ch) * kVectors * 64;
+    const int64_t panel_bytes = chunks * kVectors * 64;
+#pragma GCC unroll 4
+    for (int64_t h = 0; h < 4; ++h) {
+      __m512i lo[NP], hi[NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const __m512i v = _mm512_loadu_si512(b + j * panel_bytes + h * 64);
+        if constexpr (NIBBLE) {
+          lo[j] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+        } else {
+          lo[j] = v;
+          hi[j] = _mm512_loadu_si512(b + j * panel_bytes + (h + 4) * 64);
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* xr = xq + i * w.k + ch * kChunk;
+        const __m512i xl = _mm512_set1_epi32(quad(xr + 4 * h)), xh = _mm512_set1_epi32(quad(xr + 16 + 4 * h));
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], lo[j], xl);
+          acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], hi[j], xh);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t f = ((p0 + j) * chunks + ch) * kPanel;
+      const __m512 sc = _mm512_loadu_ps(w.scales + f), mn = _mm512_loadu_ps(w.mins + f);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const int64_t s = (r0 + i) * chunks + ch;
+        const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(qx.dx[s]));
+        out[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), scaled, out[i][j]);
+        out[i][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
+      _mm512_mask_storeu_ps(c + i * w.n + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), out[i][j]);
+    }
+  }
+}
+
+template <int NP, bool NIBBLE>
+SIMD_VNNI void micro_act8_rows(int64_t rows, const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c,
+                               int64_t last_valid) {
+  switch (rows) {
+    case 1: micro_act8<1, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
+    case 2: micro_act8<2, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
+    case 3: micro_act8<3, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
+    default: micro_act8<4, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
+  }
+}
+
+template <bool NIBBLE>
+SIMD_VNNI void act8_linear_avx512(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
+  constexpr int64_t kRows = 4;
+  const int64_t np = m <= 2 ? 4 : 2;
+  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
+    const int64_t last_valid = valid_columns(w, p + count - 1);
+    for (int64_t r = 0; r < m; r += kRows) {
+      const int64_t rows = std::min(kRows, m - r);
+      float* c = y + r * w.n + p * kPanel;
+      switch (count) {
+        case 1: micro_act8_rows<1, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
+        case 2: micro_act8_rows<2, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
+        case 3: micro_act8_rows<3, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
+        default: micro_act8_rows<4, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
+      }
+    }
+  });
+}
+
+void act8_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
+  static const bool vnni = cpu_has_avx512_vnni();
+  const bool vec = mode != 0 && vnni;
+  const QuantX& qx = quantize_rows(x, m, w.k, vec, threads);
+  if (!vec) act8_linear_scalar(w, qx, m, y, threads);
+  else if (act8_vectors(w.bits) == 4) act8_linear_avx512<true>(w, qx, m, y, threads);
+  else act8_linear_avx512<false>(w, qx, m, y, threads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -959,14 +1187,17 @@ void rq_panel8_linear(const float* x, int64_t m, int64_t k, const int8_t* panels
 // GEMM. The caller picks (see linear_kernels.py), so tests reach every path on one machine; a CPU without
 // AVX2+FMA always runs 0, one without AVX-512 runs 1 for 3, one without AVX512-BF16 runs 2 for 4.
 // float32 panels (bits 32) have one kernel per SIMD width: 0 scalar, 1 AVX2, 2 or more the widest this
-// CPU has; bf16 pair panels (bits 16) one kernel for every mode but 0.
+// CPU has; bf16 pair panels (bits 16) and u8 panels for int8 activations (bits 4 or 8 | kAct8) one
+// kernel for every mode but 0.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
   static const bool avx2 = rq_has_avx2_fma();
   static const bool wide = rq_has_avx512();
   static const bool bf16 = cpu_has_avx512_bf16();
-  if (bits == 16) {
+  if (bits & kAct8) {
+    act8_linear(w, x, m, y, mode, threads);
+  } else if (bits == 16) {
     // One kernel at every row count (batch invariance); the scalar path where the CPU lacks bf16.
     if (mode != 0 && bf16) bf16_linear_avx512(w, x, m, y, threads);
     else bf16_linear_scalar(w, x, m, y, threads);

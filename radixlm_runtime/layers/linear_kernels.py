@@ -176,7 +176,7 @@ def kernel_mode(rows: int, compute: str = FP32) -> int:
 
 def cpu_linear(
     x: torch.Tensor,
-    weight: QuantizedWeight | FloatPanels | BF16Panels,
+    weight: QuantizedWeight | FloatPanels | BF16Panels | Act8Panels,
     bias: torch.Tensor | None = None,
     mode: int | None = None,
     compute: str = FP32,
@@ -251,6 +251,80 @@ class Int8Panels:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1] * 2
+
+
+# rq_linear's bits flag of Act8Panels (linear_cpu.cpp's kAct8).
+ACT8_BITS = 0x100
+
+
+@dataclass
+class Act8Panels:
+    """An int4/int8 weight repacked for int8 activations (linear_cpu.cpp, "int8 activations"): u8 codes
+    [ceil(N / 16), K / 32, V, 16, 4] (V = 4 vectors of GGUF nibble bytes for int4, 8 of code + 128 for
+    int8; rows past N zero) and float32 scales and mins [ceil(N / 16), K / 32, 16] (int8: min = -128 *
+    scale). Every row count runs one kernel on it."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    bits: int
+    out_features: int
+
+    @staticmethod
+    def fits(weight: QuantizedWeight) -> bool:
+        """Whether weight has this layout's numbers: a scale (and min) per whole 32 columns, columns in
+        order."""
+        return weight.input_order is None and weight.group_size % CHUNK == 0
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> Act8Panels:
+        if not cls.fits(weight):
+            raise ValueError("int8-activation panels hold weights in column order, in groups of 32k")
+        n, k = weight.out_features, weight.in_features
+        rows, chunks = -(-n // PANEL) * PANEL, k // CHUNK
+        if weight.bits == 4:
+            codes = weight.qweight.view(n, chunks, 4, 4)  # (chunk, vector h, byte): GGUF's own bytes
+        else:
+            codes = (weight.qweight.to(torch.int16) + 128).to(torch.uint8).view(n, chunks, 8, 4)
+        padded = torch.zeros(rows, *codes.shape[1:], dtype=torch.uint8)
+        padded[:n] = codes
+        per_chunk = weight.group_size // CHUNK
+        scales = weight.scales.repeat_interleave(per_chunk, dim=1)
+        if weight.bits == 4:
+            mins = weight.mins.repeat_interleave(per_chunk, dim=1)
+        else:
+            mins = -128.0 * scales
+            if weight.mins is not None:
+                mins = mins + weight.mins.repeat_interleave(per_chunk, dim=1)
+
+        def panelled(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(rows, chunks)
+            out[:n] = t
+            return out.view(-1, PANEL, chunks).transpose(1, 2).contiguous()
+
+        return cls(
+            padded.view(-1, PANEL, *codes.shape[1:]).permute(0, 2, 3, 1, 4).contiguous(),
+            panelled(scales),
+            panelled(mins),
+            weight.bits,
+            n,
+        )
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * CHUNK
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int | None, ...]:
+        """rq_linear's weight arguments: codes, scales, mins, N, group 32, bits | ACT8_BITS."""
+        ptrs = (self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr())
+        return (*ptrs, self.out_features, CHUNK, self.bits | ACT8_BITS)
+
+
+def act8_available() -> bool:
+    """Whether int8 activations run their SIMD path here (AVX-512 VNNI, asked of the CPU: faked CPU
+    features in tests, and the built kernels)."""
+    return cpu.detect().vnni and int8_panels_available()
 
 
 def int8_panels_available() -> bool:

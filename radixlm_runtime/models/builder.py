@@ -14,12 +14,13 @@ import torch
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.linear_kernels import FP32, LinearKernelError, load_kernels
+from radixlm_runtime.layers.linear_kernels import FP32, LinearKernelError, act8_available, load_kernels
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.loader import load_weights
 from radixlm_runtime.models.quantized_checkpoint import checkpoint_weights, open_checkpoint, quantized_source
 from radixlm_runtime.models.registry import CausalLM, model_class
+from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -57,6 +58,8 @@ def build_model(
     if mode != "none":
         source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
         _quantize(model, mode, source)
+        if engine_config.cpu_act_quant == "int8":
+            _quantize_activations(model)
     logger.info("float linears: %s", prepack_linears(model, compute))
     if engine_config.deterministic:
         _make_linears_batch_invariant(model)
@@ -106,6 +109,20 @@ def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> Non
         "/int".join(map(str, bits)),
         next((f"int{w.bits}" for t, w in plans if t.is_lm_head), "float"),
     )
+
+
+def _quantize_activations(model: CausalLM) -> None:
+    """--cpu-act-quant int8: the quantized decoder linears take int8 activations where the CPU has VNNI;
+    the lm_head keeps float32 ones (the logits' precision)."""
+    if not act8_available():
+        logger.warning(
+            "cpu_act_quant int8: this CPU has no AVX512-VNNI, so activations stay float32 (%s)",
+            cpu.detect().describe(),
+        )
+        return
+    targets = [t.linear for t in model.linear_shards() if not t.is_lm_head]
+    served = sum(linear.quantize_activations() for linear in targets)
+    logger.info("cpu_act_quant int8: %d of %d decoder linears take int8 activations", served, len(targets))
 
 
 def _make_linears_batch_invariant(model: CausalLM) -> None:

@@ -133,17 +133,21 @@ def test_int8_row_panels_propagate_nan_and_infinity() -> None:
     assert out.isnan().all()
 
 
-def test_linear_serves_few_rows_from_row_panels_and_more_from_the_gemm() -> None:
-    """pack_row_panels (the lm_head's): fewer rows than the GEMM threshold read the row panels where the
-    CPU runs them; a weight with mins does not fit them and keeps the kernels it had."""
+def test_linear_serves_every_row_count_from_row_panels() -> None:
+    """pack_row_panels (the lm_head's): every row count reads the row panels where the CPU runs them, so
+    a row's logits are the same bits among any rows; a weight with mins does not fit them and keeps the
+    kernels it had."""
     linear = Linear(640, 300, bias=False)
     linear.set_quantized(_int8_weight(300, 640, 32, 1))
     linear.pack_row_panels()
     assert (linear.row_panels is not None) == linear_kernels.int8_panels_available()
-    x = torch.randn(PANEL_GEMM_MIN_ROWS, 640)
+    x = torch.randn(PANEL_GEMM_MIN_ROWS + 5, 640)
     if linear.row_panels is not None:
-        assert torch.equal(linear(x[:3]), linear_kernels.int8_panel_linear(x[:3], linear.row_panels))
-    assert torch.equal(linear(x), cpu_linear(x, linear.quantized))
+        out = linear(x)
+        assert torch.equal(out, linear_kernels.int8_panel_linear(x, linear.row_panels))
+        assert torch.equal(linear(x[:3]), out[:3])
+    else:
+        assert torch.equal(linear(x), cpu_linear(x, linear.quantized))
     with_mins = Linear(640, 300, bias=False)
     with_mins.set_quantized(quantize_int4(torch.randn(300, 640)))
     with_mins.pack_row_panels()
