@@ -67,7 +67,11 @@ BENCHMARKS = [
         "Gemma 3 270M: single-stream decode vs llama.cpp",
         ("--model-path", "gemma3-270m", "--systems", "radixlm_fp32,radixlm_int4,llamacpp"),
     ),
-    Bench("linear_cpu", "bench_linear_cpu.py", "Float32 CPU linears: panel kernels vs oneDNN"),
+    Bench(
+        "linear_cpu",
+        "bench_linear_cpu.py",
+        "CPU linears: float32 panels vs oneDNN, every kernel against the measured peak",
+    ),
     Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]

@@ -292,6 +292,40 @@ def test_linear_cpu(linear_cpu: dict[str, Any]) -> None:
     assert [row[0] for row in linear_cpu["tables"][0]["rows"]] == ["1", "16"]
 
 
+def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
+    """The measured peaks at every core, and each kernel this machine runs at a decode and a prefill row
+    count against the peak of its arithmetic (outputs checked inside the script); a kernel it cannot
+    run is skipped with the reason."""
+    cores = str(os.cpu_count())
+    assert list(linear_cpu["peaks"]) == [cores]
+    peaks = linear_cpu["peaks"][cores]
+    assert peaks and all(rate > 0 for rate in peaks.values())
+    kernels = {r["kernel"] for r in linear_cpu["kernels"]}
+    assert "fp32_panels" in kernels and "int4" in kernels and "int8" in kernels
+    assert kernels | set(linear_cpu["skipped_kernels"]) == {
+        "fp32_panels",
+        "bf16_panels",
+        "int4",
+        "int4_bf16",
+        "int4_a8",
+        "int8",
+        "int8_bf16",
+        "int8_a8",
+    }
+    for r in linear_cpu["kernels"]:
+        assert r["rows"] in (1, 96) and r["ms"] > 0 and r["rate"] > 0, r
+        assert r["peak_path"] in peaks and r["percent_of_peak"] == pytest.approx(100 * r["rate"] / r["peak"])
+        assert r["relative_error"] < (1e-4 if r["arithmetic"] == "fp32" else 3e-2)
+        if r["kernel"].endswith("_a8"):
+            assert r["arithmetic"] == "int8" and r["peak_path"].startswith("int8_vnni")
+    assert [t["title"].split(" (")[0] for t in linear_cpu["tables"][1:]] == [
+        "Measured peak of this machine",
+        "CPU linear kernels against the measured peak of their arithmetic",
+    ]
+    # One note per kernel that ran at the prefill row count, against the 70 % target.
+    assert sum("target >= 70%" in n for n in linear_cpu["notes"]) == len(kernels)
+
+
 def test_run_all_renders_readme(
     out_dir: Path,
     tmp_path: Path,

@@ -1,0 +1,146 @@
+// This CPU's peak arithmetic rate per vector instruction set, the ceiling bench_linear_cpu.py holds the
+// linear kernels against: fp32 FMA (vfmadd*ps), bf16 pair dot products (vdpbf16ps, AVX512-BF16) and
+// int8 dot products (vpdpbusd, AVX512-VNNI; AVX-VNNI on ymm), each on zmm where the CPU has AVX-512, and
+// fp32 FMA on ymm (AVX2) on every CPU with AVX2.
+//
+// Each thread runs 16 (zmm) or 12 (ymm) independent accumulator chains held in registers (more chains
+// than the instruction's latency times the ports that issue it, so none waits on its own result), on
+// operands the compiler cannot fold, for `iters` rounds of one instruction per chain. The features are asked of
+// the CPU at run time (`__builtin_cpu_supports`), and a path the CPU lacks returns -1 instead of
+// running. Built and loaded by radixlm_runtime/kernels/native.py's load_library (-O3 -fopenmp, no
+// -march: each path carries its own target attribute); benchmarks/cpu_peak.py calls it.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// The paths, as cpu_peak.py numbers them.
+enum Isa { FMA_YMM = 0, FMA_ZMM = 1, BF16_ZMM = 2, VNNI_ZMM = 3, VNNI_YMM = 4 };
+
+// Operands the compiler cannot see as constants (read once per call through a volatile).
+volatile float g_seed = 1.0f;
+
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+// AVX2 machines have 16 ymm registers: 12 chains and the two operands fit. AVX-512 ones have 32.
+constexpr int kAccYmm = 12;
+constexpr int kAccZmm = 16;
+
+// A path: a function NAME(iters) with TARGET's features, its operands a and b made by SETUP, and the
+// chains acc0, acc1, ... (REP names them: GCC moves an array of vectors between registers or to the
+// stack inside the loop, named variables stay put) of type V, each set to INIT(i), stepped as OP(acc)
+// `iters` times and read back as LANE(acc) (one lane each keeps every chain live).
+#define CP_REP12(X, ...)                                                                                   \
+  X(0, __VA_ARGS__) X(1, __VA_ARGS__) X(2, __VA_ARGS__) X(3, __VA_ARGS__) X(4, __VA_ARGS__) X(5, __VA_ARGS__) \
+  X(6, __VA_ARGS__) X(7, __VA_ARGS__) X(8, __VA_ARGS__) X(9, __VA_ARGS__) X(10, __VA_ARGS__) X(11, __VA_ARGS__)
+#define CP_REP16(X, ...) \
+  CP_REP12(X, __VA_ARGS__) X(12, __VA_ARGS__) X(13, __VA_ARGS__) X(14, __VA_ARGS__) X(15, __VA_ARGS__)
+#define CP_DECL(i, V, INIT, OP, LANE) V acc##i = INIT(i);
+#define CP_STEP(i, V, INIT, OP, LANE) acc##i = OP(acc##i);
+#define CP_SUM(i, V, INIT, OP, LANE) sum += LANE(acc##i);
+#define CP_PATH(NAME, TARGET, REP, SETUP, V, INIT, OP, LANE) \
+  __attribute__((target(TARGET))) double NAME(int64_t iters) { \
+    SETUP                                                      \
+    REP(CP_DECL, V, INIT, OP, LANE)                            \
+    for (int64_t it = 0; it < iters; ++it) {                   \
+      REP(CP_STEP, V, INIT, OP, LANE)                          \
+    }                                                          \
+    double sum = 0.0;                                          \
+    REP(CP_SUM, V, INIT, OP, LANE)                             \
+    return sum;                                                \
+  }
+
+#define CP_PS256(i) _mm256_set1_ps(static_cast<float>(i))
+#define CP_PS512(i) _mm512_set1_ps(static_cast<float>(i))
+#define CP_LANE_PS256(acc) _mm256_cvtss_f32(acc)
+#define CP_LANE_PS512(acc) _mm512_cvtss_f32(acc)
+
+#define CP_FMA_YMM_SETUP const __m256 a = _mm256_set1_ps(g_seed * 0.999f), b = _mm256_set1_ps(g_seed * 1e-7f);
+#define CP_FMA_YMM(acc) _mm256_fmadd_ps(acc, a, b)
+CP_PATH(fma_ymm, "avx2,fma", CP_REP12, CP_FMA_YMM_SETUP, __m256, CP_PS256, CP_FMA_YMM, CP_LANE_PS256)
+
+#define CP_FMA_ZMM_SETUP const __m512 a = _mm512_set1_ps(g_seed * 0.999f), b = _mm512_set1_ps(g_seed * 1e-7f);
+#define CP_FMA_ZMM(acc) _mm512_fmadd_ps(acc, a, b)
+CP_PATH(fma_zmm, "avx512f,avx512bw,avx512vl,avx2,fma", CP_REP16, CP_FMA_ZMM_SETUP, __m512, CP_PS512, CP_FMA_ZMM,
+        CP_LANE_PS512)
+
+// 0x3f80 is bf16 1.0 (for the seed 1): each pair adds 2 to every lane, far from overflow here.
+#define CP_BF16_SETUP                                                                                \
+  const __m512i one = _mm512_set1_epi16(static_cast<short>(0x3f80 + static_cast<int>(g_seed) - 1)); \
+  const __m512bh a = reinterpret_cast<__m512bh>(one), b = a;
+#define CP_BF16_ZMM(acc) _mm512_dpbf16_ps(acc, a, b)
+CP_PATH(bf16_zmm, "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma", CP_REP16, CP_BF16_SETUP, __m512, CP_PS512,
+        CP_BF16_ZMM, CP_LANE_PS512)
+
+// vpdpbusd through asm: with the intrinsic GCC copies every chain to another register each step.
+#define CP_VNNI_ZMM_SETUP const __m512i a = _mm512_set1_epi8(static_cast<char>(g_seed)), b = a;
+#define CP_VNNI_ZMM(acc) ({ asm("vpdpbusd %1, %2, %0" : "+v"(acc) : "v"(a), "v"(b)); acc; })
+#define CP_EPI512(i) _mm512_set1_epi32(i)
+#define CP_LANE_EPI512(acc) _mm512_reduce_add_epi32(acc)
+CP_PATH(vnni_zmm, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", CP_REP16, CP_VNNI_ZMM_SETUP, __m512i,
+        CP_EPI512, CP_VNNI_ZMM, CP_LANE_EPI512)
+
+#define CP_VNNI_YMM_SETUP const __m256i a = _mm256_set1_epi8(static_cast<char>(g_seed)), b = a;
+#define CP_VNNI_YMM(acc) ({ asm("%{vex%} vpdpbusd %1, %2, %0" : "+x"(acc) : "x"(a), "x"(b)); acc; })
+#define CP_EPI256(i) _mm256_set1_epi32(i)
+#define CP_LANE_EPI256(acc) _mm_cvtsi128_si32(_mm256_castsi256_si128(acc))
+CP_PATH(vnni_ymm, "avx2,fma,avxvnni", CP_REP12, CP_VNNI_YMM_SETUP, __m256i, CP_EPI256, CP_VNNI_YMM, CP_LANE_EPI256)
+
+}  // namespace
+
+extern "C" {
+
+// Whether this CPU runs path `isa` (0 fma_ymm, 1 fma_zmm, 2 bf16_zmm, 3 vnni_zmm, 4 vnni_ymm).
+int cpu_peak_supported(int isa) {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  switch (isa) {
+    case FMA_YMM: return avx2;
+    case FMA_ZMM: return avx2 && has_avx512();
+    case BF16_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512bf16");
+    case VNNI_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512vnni");
+    case VNNI_YMM: return avx2 && __builtin_cpu_supports("avxvnni");
+    default: return 0;
+  }
+}
+
+// Independent chains per thread of path `isa`: one instruction each per round.
+int cpu_peak_chains(int isa) { return isa == FMA_YMM || isa == VNNI_YMM ? kAccYmm : kAccZmm; }
+
+// Runs path `isa` on `threads` OpenMP threads, `iters` rounds each; returns the wall seconds of the
+// parallel region and writes the threads that ran to *team; -1 where the CPU lacks the path.
+double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
+  *team = 0;
+  if (!cpu_peak_supported(isa)) return -1.0;
+  std::vector<double> sink(static_cast<size_t>(threads), 0.0);
+  const double start = omp_get_wtime();
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+#pragma omp single
+    *team = omp_get_num_threads();
+    double r = 0.0;
+    switch (isa) {
+      case FMA_YMM: r = fma_ymm(iters); break;
+      case FMA_ZMM: r = fma_zmm(iters); break;
+      case BF16_ZMM: r = bf16_zmm(iters); break;
+      case VNNI_ZMM: r = vnni_zmm(iters); break;
+      default: r = vnni_ymm(iters); break;
+    }
+    sink[static_cast<size_t>(t)] = r;
+  }
+  const double seconds = omp_get_wtime() - start;
+  volatile double keep = 0.0;
+  for (double v : sink) keep = keep + v;
+  (void)keep;
+  return seconds;
+}
+
+}  // extern "C"

@@ -1,0 +1,107 @@
+"""This machine's measured peak arithmetic rate per vector instruction set and thread count, through
+cpu_peak.cpp (built once by radixlm_runtime/kernels/native.py's load_library): the ceiling
+bench_linear_cpu.py reports the linear kernels against.
+
+A path's rate is ops per instruction (a multiply-add counts two: fp32 FMA 2 x lanes, vdpbf16ps 2 x 2
+per float lane, vpdpbusd 2 x 4 per int32 lane) times the instructions its chains retired, over the
+wall time of the parallel region; best of `repeats` runs of about `seconds` each. A path this CPU lacks
+is left out (`supported` says which).
+
+    python benchmarks/cpu_peak.py                # every path at all cores and at 1 thread
+    python benchmarks/cpu_peak.py --threads 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixlm_runtime.kernels.native import load_library
+
+_SOURCE = Path(__file__).with_name("cpu_peak.cpp")
+
+
+@dataclass(frozen=True)
+class PeakPath:
+    """One instruction path of cpu_peak.cpp: its number there, what it counts and its ops per
+    instruction."""
+
+    isa: int
+    name: str
+    instruction: str
+    unit: str  # GFLOP/s or GOP/s
+    ops_per_instruction: int
+
+
+PATHS = {
+    "fp32_fma_ymm": PeakPath(0, "fp32_fma_ymm", "vfmadd231ps ymm (AVX2)", "GFLOP/s", 16),
+    "fp32_fma_zmm": PeakPath(1, "fp32_fma_zmm", "vfmadd231ps zmm (AVX-512)", "GFLOP/s", 32),
+    "bf16_dot_zmm": PeakPath(2, "bf16_dot_zmm", "vdpbf16ps zmm (AVX512-BF16)", "GFLOP/s", 64),
+    "int8_vnni_zmm": PeakPath(3, "int8_vnni_zmm", "vpdpbusd zmm (AVX512-VNNI)", "GOP/s", 128),
+    "int8_vnni_ymm": PeakPath(4, "int8_vnni_ymm", "vpdpbusd ymm (AVX-VNNI)", "GOP/s", 64),
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = load_library(_SOURCE)
+    lib.cpu_peak_supported.argtypes = [ctypes.c_int]
+    lib.cpu_peak_supported.restype = ctypes.c_int
+    lib.cpu_peak_chains.argtypes = [ctypes.c_int]
+    lib.cpu_peak_chains.restype = ctypes.c_int
+    lib.cpu_peak_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
+    lib.cpu_peak_run.restype = ctypes.c_double
+    return lib
+
+
+def supported() -> dict[str, bool]:
+    """Which paths this CPU runs (asked of the CPU by the library)."""
+    lib = _library()
+    return {name: bool(lib.cpu_peak_supported(p.isa)) for name, p in PATHS.items()}
+
+
+def measure(name: str, threads: int, seconds: float = 0.2, repeats: int = 3) -> float | None:
+    """Peak G(FL)OP/s of path `name` on `threads` threads, best of `repeats`; None where this CPU lacks
+    the path."""
+    lib, path = _library(), PATHS[name]
+    if not lib.cpu_peak_supported(path.isa):
+        return None
+    team = ctypes.c_int(0)
+    iters = 1 << 16
+    while (elapsed := lib.cpu_peak_run(path.isa, threads, iters, ctypes.byref(team))) < seconds / 4:
+        iters *= 4  # calibrate: runs long enough that start-up and timer noise vanish
+    iters = max(1, int(iters * seconds / elapsed))
+    best = 0.0
+    for _ in range(repeats):
+        elapsed = lib.cpu_peak_run(path.isa, threads, iters, ctypes.byref(team))
+        ops = team.value * iters * lib.cpu_peak_chains(path.isa) * path.ops_per_instruction
+        best = max(best, ops / elapsed / 1e9)
+    return best
+
+
+def peaks(threads: int, seconds: float = 0.2, repeats: int = 3) -> dict[str, float]:
+    """Every path this CPU runs, measured on `threads` threads: name -> G(FL)OP/s."""
+    found = {name: measure(name, threads, seconds, repeats) for name in PATHS}
+    return {name: rate for name, rate in found.items() if rate is not None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cores = os.cpu_count() or 1
+    ap.add_argument("--threads", default=f"{cores},1" if cores > 1 else "1", help="Comma-separated.")
+    ap.add_argument("--seconds", type=float, default=0.2, help="Length of one timed run.")
+    args = ap.parse_args(argv)
+    have = supported()
+    for threads in (int(t) for t in args.threads.split(",")):
+        for name, path in PATHS.items():
+            rate = measure(name, threads, args.seconds) if have[name] else None
+            shown = f"{rate:9.1f} {path.unit}" if rate is not None else "  (this CPU lacks it)"
+            print(f"{threads:3d} thread(s)  {path.instruction:30s} {shown}")
+
+
+if __name__ == "__main__":
+    main()
