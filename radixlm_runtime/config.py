@@ -108,6 +108,15 @@ class EngineConfig:
         None, "Longest prompt + output in tokens. Default: the model's max_position_embeddings."
     )
     num_threads: int | None = flag(None, "torch intra-op threads on CPU. Default: all cores.")
+    cpu_thread_policy: str = flag(
+        "adaptive",
+        "How many of the --num-threads the CPU kernels use. 'adaptive': every half second, one fewer per "
+        "core that other processes keep busy (from 0.75 of a core, counting the time our threads waited "
+        "for one), back once they leave it: kernel threads meet at a barrier after every parallel loop, "
+        "and a thread on a shared core makes each barrier wait for it (2.8x the idle time with one of two "
+        "cores taken, where one thread takes 2x). 'fixed': always --num-threads.",
+        ("adaptive", "fixed"),
+    )
     deterministic: bool = flag(
         False,
         "Batch-invariant kernels: a request gets the same tokens and logprobs whatever it is batched "

@@ -71,6 +71,9 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             environment = cpu.runtime_environment(torch.get_num_threads())
             logger.info("CPU: %s; %s", cpu.detect().describe(), environment)
+        self.governor = None
+        if self.device.type == "cpu" and config.cpu_thread_policy == "adaptive":
+            self.governor = cpu.ThreadGovernor(torch.get_num_threads())
         self.config = ModelConfig.from_dir(model_dir)
         self.context_len = config.context_length or self.config.max_position_embeddings
         if self.context_len > self.config.max_position_embeddings:
@@ -209,6 +212,8 @@ class ModelRunner:
         """Queues one step on the device: the plan's table entries, the forward, sampling, logprobs
         and the copy of their results to the host. Nothing here waits for the device; the returned
         outputs are read by `collect`."""
+        if self.governor is not None:
+            self._govern_threads(self.governor)
         if plan.copies:
             self._copy_kv(plan.copies)
         batch, writes = build_batch(plan, self.device)
@@ -236,6 +241,19 @@ class ModelRunner:
         outputs.add_prompt_logprobs(logits)
         outputs.start_read()
         return outputs
+
+    @staticmethod
+    def _govern_threads(governor: cpu.ThreadGovernor) -> None:
+        """The CPU kernels' thread count for this step (they all read torch's)."""
+        threads = governor.update()
+        if threads != torch.get_num_threads():
+            logger.info(
+                "CPU kernels on %d threads of %d: other processes keep %.2f cores busy",
+                threads,
+                governor.max_threads,
+                governor.others,
+            )
+            torch.set_num_threads(threads)
 
     def _resolve_futures(self, ids: torch.Tensor) -> torch.Tensor:
         """Input ids with each future token (`future_token(i)`) replaced, on the device, by the token
