@@ -72,6 +72,9 @@ BENCHMARKS = [
         "bench_linear_cpu.py",
         "CPU linears: float32 panels vs oneDNN, every kernel against the measured peak",
     ),
+    Bench(
+        "prefill_cpu", "bench_prefill_cpu.py", "CPU prefill: radixlm against llama.cpp on the same weights"
+    ),
     Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]

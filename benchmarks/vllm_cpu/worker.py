@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--no-prefix-cache", action="store_true")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 (AVX512-BF16 CPUs)")
     args = parser.parse_args()
     answers = _answer_channel()
 
@@ -44,7 +45,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enable_prefix_caching=not args.no_prefix_cache,
         max_model_len=args.max_model_len,
         seed=0,

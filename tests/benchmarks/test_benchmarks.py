@@ -326,6 +326,29 @@ def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
     assert sum("target >= 70%" in n for n in linear_cpu["notes"]) == len(kernels)
 
 
+def test_prefill_cpu(out_dir: Path) -> None:
+    """Each system prefills fresh prompts with nothing cached; llama.cpp at both flash-attention settings
+    (its faster kept); radixlm's ratios against llama.cpp on the same GGUF. int8 activations and
+    llama.cpp may be skipped here, with the reason."""
+    result = run_tiny("bench_prefill_cpu.py", out_dir, "prefill_cpu")
+    systems, skipped = result["systems"], result["skipped"]
+    assert result["lengths"] == [64] and result["threads"] == os.cpu_count()
+    assert set(systems) | set(skipped) == {"radixlm_int4_a8", "radixlm_int4", "llamacpp_q4_1"}
+    assert "radixlm_int4" in systems
+    for name, by_length in systems.items():
+        r = by_length["64"]
+        assert len(r["times_s"]) == result["sizes"]["repeats"] == 1 and r["tok_s"] >= r["median_tok_s"] > 0
+        if name == "llamacpp_q4_1":
+            assert [s["setting"] for s in r["settings"]] == ["fa_off", "fa_on"]
+            assert r["tok_s"] == max(s["tok_s"] for s in r["settings"])
+    if "llamacpp_q4_1" in systems:
+        for name in set(systems) - {"llamacpp_q4_1"}:
+            want = systems[name]["64"]["tok_s"] / systems["llamacpp_q4_1"]["64"]["tok_s"]
+            assert result["ratios"][name]["64"] == pytest.approx(want)
+        if "radixlm_int4_a8" in systems:
+            assert any("target >= 1.5x" in n for n in result["notes"])
+
+
 def test_run_all_renders_readme(
     out_dir: Path,
     tmp_path: Path,
