@@ -8,6 +8,7 @@ template), so both transformers and the runtime can load them in well under a se
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,14 @@ def score_prompt(engine: Any, ids: list[int], start: int = 0, top: int = 0) -> d
 def prompt_logprobs() -> Callable[..., dict]:
     """Scores a prompt through Engine.generate (shared by the engine and scheduler tests)."""
     return score_prompt
+
+
+@pytest.fixture
+def runtime_caplog(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> pytest.LogCaptureFixture:
+    """caplog for the runtime's loggers: once an engine has set up logging they stop propagating to
+    pytest's handler (utils/logging.py), so this test lets them through again."""
+    monkeypatch.setattr(logging.getLogger("radixlm_runtime"), "propagate", True)
+    caplog.set_level(logging.INFO, logger="radixlm_runtime")
+    return caplog

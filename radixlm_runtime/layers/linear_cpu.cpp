@@ -923,15 +923,16 @@ SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, floa
 // --cpu-act-quant int8: the activations of a quantized weight quantized on the fly, per row and per
 // 32-column chunk, to int8 with a scale (llama.cpp's Q8 blocks: dx = max |x| / 127, qx = round(x / dx)),
 // and each chunk's dot product summed exactly in int32 by vpdpbusd (64 unsigned x signed byte products
-// an instruction, 4x an fp32 FMA's 16), then scaled once: for w = scale * u + min,
-//   sum(w x) over a chunk = scale * dx * sum(u qx) + min * dx * sum(qx).
-// int8 weights (signed) are stored as u = q + 128 with min = -128 * scale, so both widths run one
-// formula. Weights are repacked once at load into u8 panels (bits | kAct8), per 16 output rows and
+// an instruction, 4x an fp32 FMA's 16), then scaled once: for w = scale * q + min,
+//   sum(w x) over a chunk = scale * dx * sum(q qx) + min * dx * sum(qx).
+// int8 weights (signed) are stored as u = q + 128 (vpdpbusd takes unsigned bytes) and each chunk's sum
+// corrected by 128 * sum(qx), in integers: no float cancellation. Weights are repacked once at load into
+// u8 panels (bits | kAct8), per 16 output rows and
 // chunk, for one 64-byte load per vpdpbusd operand:
 //   int4: 4 vectors; vector h holds, for row j at bytes 4j..4j+3, GGUF bytes 4h..4h+3 of the row's chunk
 //         (low nibbles: columns 4h..4h+3; high nibbles: 16 + 4h..16 + 4h + 3): the file's own bytes;
 //   int8: 8 vectors; vector s holds row j's codes of columns 4s..4s+3, plus 128;
-// scales and mins [ceil(N / 16)][K / 32][16] float32. Each output is the same integer sums and the same
+// scales and mins [ceil(N / 16)][K / 32][16] float32 (symmetric int8: mins zero). Each output is the same integer sums and the same
 // float operations in the same order whatever the row count: batch-invariant, and the scalar path gives
 // the SIMD path's bits.
 
@@ -940,9 +941,10 @@ constexpr int kAct8 = 0x100;
 struct QuantX {
   std::vector<int8_t> q;
   std::vector<float> dx, dxs;  // per row and chunk: the step, and the step times the sum of the codes
+  std::vector<int32_t> isum;   // per row and chunk: the sum of the codes
 };
 
-inline void quantize_chunk_scalar(const float* x, int8_t* q, float& dx, float& dxs) {
+inline void quantize_chunk_scalar(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
   float amax = 0.0f;
   bool finite = true;
   for (int64_t i = 0; i < kChunk; ++i) {
@@ -958,9 +960,43 @@ inline void quantize_chunk_scalar(const float* x, int8_t* q, float& dx, float& d
   // A NaN or infinity in x makes the chunk's step NaN, so its outputs are NaN as a float dot's are.
   dx = finite ? amax / 127.0f : NAN;
   dxs = dx * static_cast<float>(sum);
+  isum = sum;
 }
 
-SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float& dxs) {
+// quantize_chunk_scalar on 8-float vectors: the same operations, so the same codes and steps.
+SIMD_AVX2 void quantize_chunk_avx2(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  int finite = 1;
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    const __m256 a = _mm256_andnot_ps(sign, v[i]);
+    finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ)) == 0xFF;
+    amax = _mm256_max_ps(amax, a);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+  const __m256 inv = _mm256_set1_ps(finite && top > 0.0f ? 127.0f / top : 0.0f);
+  const __m256i lim = _mm256_set1_epi32(127), neg = _mm256_set1_epi32(-127);
+  __m256i c[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lim), neg);
+    total = _mm256_add_epi32(total, c[i]);
+  }
+  // Narrow to bytes in order: the packs interleave 128-bit lanes, the permute puts them back.
+  const __m256i words = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  isum = _mm_cvtsi128_si32(t);
+  dx = finite ? top / 127.0f : NAN;
+  dxs = dx * static_cast<float>(isum);
+}
+
+SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __mmask16 fa = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
@@ -976,22 +1012,25 @@ SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   dx = finite ? amax / 127.0f : NAN;
-  dxs = dx * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  isum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  dxs = dx * static_cast<float>(isum);
 }
 
-const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, bool vec, int threads) {
+// width: 0 scalar, 256 or 512 bits.
+const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int threads) {
   static thread_local QuantX fixed;
   QuantX& qx = fixed;  // the calling thread's, shared with the pool below
   const int64_t chunks = k / kChunk;
   qx.q.resize(m * k);
   qx.dx.resize(m * chunks);
   qx.dxs.resize(m * chunks);
+  qx.isum.resize(m * chunks);
 #pragma omp parallel for num_threads(m >= 64 ? threads : 1) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t at = r * k + c * kChunk, s = r * chunks + c;
-      if (vec) quantize_chunk_avx512(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s]);
-      else quantize_chunk_scalar(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s]);
+      auto* quantize = width == 512 ? quantize_chunk_avx512 : width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
+      quantize(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s], qx.isum[s]);
     }
   }
   return qx;
@@ -1027,6 +1066,7 @@ void act8_linear_scalar(const Weights& w, const QuantX& qx, int64_t m, float* y,
           const int8_t* xq = qx.q.data() + r * w.k + c * kChunk;
           int32_t acc = 0;
           for (int64_t i = 0; i < kChunk; ++i) acc += act8_code(chunk, nibble, j, i) * xq[i];
+          if (!nibble) acc -= 128 * qx.isum[r * chunks + c];
           const int64_t f = (p * chunks + c) * kPanel + j;
           out = std::fma(static_cast<float>(acc), w.scales[f] * qx.dx[r * chunks + c], out);
           out = std::fma(w.mins[f], qx.dxs[r * chunks + c], out);
@@ -1092,7 +1132,9 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
       for (int i = 0; i < MR; ++i) {
         const int64_t s = (r0 + i) * chunks + ch;
         const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(qx.dx[s]));
-        out[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), scaled, out[i][j]);
+        __m512i sum = acc[i][j];
+        if constexpr (!NIBBLE) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qx.isum[s]));
+        out[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, out[i][j]);
         out[i][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i][j]);
       }
     }
@@ -1137,13 +1179,88 @@ SIMD_VNNI void act8_linear_avx512(const Weights& w, const QuantX& qx, int64_t m,
   });
 }
 
+// The 256-bit kernels (linear_act8_lanes.h), one per integer dot product.
+namespace act8_avx2 {
+struct D {
+  static constexpr bool kSumsUnsigned = false;
+  // int4: u * x on vpmaddubsw (|u x + u' x'| <= 2 * 15 * 127 fits int16). int8: q = u - 128 times x as
+  // |q| * (x signed as q), which fits int16 even for q = -128.
+  template <bool INT8>
+  SIMD_AVX2 static __m256i dot(__m256i acc, __m256i u, __m256i x) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (INT8) {
+      const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q));
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+    } else {
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
+    }
+  }
+};
+#define ACT8_TARGET SIMD_AVX2
+#include "linear_act8_lanes.h"
+#undef ACT8_TARGET
+}  // namespace act8_avx2
+
+#define SIMD_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+
+bool cpu_has_avx_vnni() {
+  __builtin_cpu_init();
+  return simd::cpu_has_avx2_fma() && __builtin_cpu_supports("avxvnni");
+}
+
+namespace act8_avxvnni {
+struct D {
+  static constexpr bool kSumsUnsigned = true;
+  template <bool INT8>
+  SIMD_AVXVNNI static __m256i dot(__m256i acc, __m256i u, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+  }
+};
+#define ACT8_TARGET SIMD_AVXVNNI
+#include "linear_act8_lanes.h"
+#undef ACT8_TARGET
+}  // namespace act8_avxvnni
+
+namespace act8_vl {
+struct D {
+  static constexpr bool kSumsUnsigned = true;
+  template <bool INT8>
+  SIMD_VNNI static __m256i dot(__m256i acc, __m256i u, __m256i x) {
+    return _mm256_dpbusd_epi32(acc, u, x);
+  }
+};
+#define ACT8_TARGET SIMD_VNNI
+#include "linear_act8_lanes.h"
+#undef ACT8_TARGET
+}  // namespace act8_vl
+
+// The act8 path a call runs: 0 scalar; 1 256-bit (AVX-VNNI where the CPU has it, else AVX2); 5 the
+// 256-bit VNNI code on AVX512-VL (tests reach it on CPUs without AVX-VNNI); other modes the widest the
+// CPU has. Returns 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VL VNNI, 4 AVX-512 VNNI.
+int act8_path(int mode) {
+  static const bool avx2 = simd::cpu_has_avx2_fma(), avxvnni = cpu_has_avx_vnni();
+  static const bool vnni512 = cpu_has_avx512_vnni();
+  if (mode == 0 || !avx2) return 0;
+  if (mode == 5 && vnni512) return 3;
+  if (mode != 1 && mode != 5 && vnni512) return 4;
+  return avxvnni ? 2 : 1;
+}
+
 void act8_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
-  static const bool vnni = cpu_has_avx512_vnni();
-  const bool vec = mode != 0 && vnni;
-  const QuantX& qx = quantize_rows(x, m, w.k, vec, threads);
-  if (!vec) act8_linear_scalar(w, qx, m, y, threads);
-  else if (act8_vectors(w.bits) == 4) act8_linear_avx512<true>(w, qx, m, y, threads);
-  else act8_linear_avx512<false>(w, qx, m, y, threads);
+  const int path = act8_path(mode);
+  const QuantX& qx = quantize_rows(x, m, w.k, path == 0 ? 0 : path >= 3 ? 512 : 256, threads);
+  const bool nibble = act8_vectors(w.bits) == 4;
+  switch (path) {
+    case 0: act8_linear_scalar(w, qx, m, y, threads); break;
+    case 1: nibble ? act8_avx2::linear<true>(w, qx, m, y, threads) : act8_avx2::linear<false>(w, qx, m, y, threads); break;
+    case 2:
+      nibble ? act8_avxvnni::linear<true>(w, qx, m, y, threads) : act8_avxvnni::linear<false>(w, qx, m, y, threads);
+      break;
+    case 3: nibble ? act8_vl::linear<true>(w, qx, m, y, threads) : act8_vl::linear<false>(w, qx, m, y, threads); break;
+    default:
+      nibble ? act8_linear_avx512<true>(w, qx, m, y, threads) : act8_linear_avx512<false>(w, qx, m, y, threads);
+  }
 }
 
 }  // namespace
@@ -1157,6 +1274,10 @@ int rq_has_avx512(void) { return simd::cpu_has_avx512(); }
 int rq_has_avx512_vnni(void) { return cpu_has_avx512_vnni(); }
 
 int rq_has_avx512_bf16(void) { return cpu_has_avx512_bf16(); }
+
+int rq_has_avx_vnni(void) { return cpu_has_avx_vnni(); }
+
+int rq_act8_path(int mode) { return act8_path(mode); }
 
 // y[M, N] = x[M, K] @ W^T for an int8 weight without mins in row panels (see "int8 row panels" above):
 // panels int8 [ceil(N / 16)][K / 2][16][2], scales float32 [ceil(N / 16)][K / 32][16] (rows past N

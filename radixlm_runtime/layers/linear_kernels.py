@@ -18,8 +18,11 @@ from radixlm_runtime.utils import cpu
 _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 
 # Kernel modes of rq_linear: the portable loop, the AVX2 row-dot kernel, the AVX2 panel GEMM, the
-# AVX-512 row-dot kernel and the bf16 panel GEMM (AVX512-BF16).
-SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512, BF16_GEMM = 0, 1, 2, 3, 4
+# AVX-512 row-dot kernel, the bf16 panel GEMM (AVX512-BF16), and for Act8Panels the 256-bit VNNI code on
+# AVX512-VL (the AVX-VNNI path's arithmetic, for tests on CPUs without AVX-VNNI).
+SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512, BF16_GEMM, VNNI_256 = 0, 1, 2, 3, 4, 5
+# What rq_act8_path reports: the int8-activation kernel a mode runs on this CPU.
+ACT8_PATHS = ("scalar", "AVX2", "AVX-VNNI", "AVX512-VL VNNI", "AVX512-VNNI")
 # The arithmetic of the CPU matmuls (EngineConfig.dtype on CPU): float32 FMAs, or bf16 dot products with
 # float32 accumulation.
 FP32, BF16 = "float32", "bfloat16"
@@ -146,6 +149,8 @@ def _library() -> ctypes.CDLL:
     lib.rq_linear.restype = None
     lib.rq_has_avx512_vnni.restype = ctypes.c_int
     lib.rq_has_avx512_bf16.restype = ctypes.c_int
+    lib.rq_act8_path.argtypes = [ctypes.c_int]
+    lib.rq_act8_path.restype = ctypes.c_int
     lib.rq_panel8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rq_panel8_linear.restype = None
     return lib
@@ -261,8 +266,8 @@ ACT8_BITS = 0x100
 class Act8Panels:
     """An int4/int8 weight repacked for int8 activations (linear_cpu.cpp, "int8 activations"): u8 codes
     [ceil(N / 16), K / 32, V, 16, 4] (V = 4 vectors of GGUF nibble bytes for int4, 8 of code + 128 for
-    int8; rows past N zero) and float32 scales and mins [ceil(N / 16), K / 32, 16] (int8: min = -128 *
-    scale). Every row count runs one kernel on it."""
+    int8; rows past N zero) and float32 scales and mins [ceil(N / 16), K / 32, 16] (zero where the
+    weight has none). Every row count runs one kernel on it."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -290,12 +295,11 @@ class Act8Panels:
         padded[:n] = codes
         per_chunk = weight.group_size // CHUNK
         scales = weight.scales.repeat_interleave(per_chunk, dim=1)
-        if weight.bits == 4:
-            mins = weight.mins.repeat_interleave(per_chunk, dim=1)
-        else:
-            mins = -128.0 * scales
-            if weight.mins is not None:
-                mins = mins + weight.mins.repeat_interleave(per_chunk, dim=1)
+        mins = (
+            torch.zeros_like(scales)
+            if weight.mins is None
+            else weight.mins.repeat_interleave(per_chunk, dim=1)
+        )
 
         def panelled(t: torch.Tensor) -> torch.Tensor:
             out = torch.zeros(rows, chunks)
@@ -322,9 +326,15 @@ class Act8Panels:
 
 
 def act8_available() -> bool:
-    """Whether int8 activations run their SIMD path here (AVX-512 VNNI, asked of the CPU: faked CPU
-    features in tests, and the built kernels)."""
-    return cpu.detect().vnni and int8_panels_available()
+    """Whether int8 activations run a SIMD path here: AVX512-VNNI, AVX-VNNI or AVX2's byte products, on
+    any CPU with the AVX2 kernels (asked of the CPU: faked CPU features in tests)."""
+    return panels_available()
+
+
+def act8_path(rows: int = 1) -> str:
+    """The int8-activation kernel `rows` rows run on this CPU (for the log), as the built library picks
+    it from what the CPU has."""
+    return ACT8_PATHS[_library().rq_act8_path(kernel_mode(rows))]
 
 
 def int8_panels_available() -> bool:

@@ -14,7 +14,14 @@ import torch
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
-from radixlm_runtime.layers.linear_kernels import FP32, LinearKernelError, act8_available, load_kernels
+from radixlm_runtime.layers.linear_kernels import (
+    FP32,
+    PANEL_GEMM_MIN_ROWS,
+    LinearKernelError,
+    act8_available,
+    act8_path,
+    load_kernels,
+)
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.loader import load_weights
@@ -112,17 +119,23 @@ def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> Non
 
 
 def _quantize_activations(model: CausalLM) -> None:
-    """--cpu-act-quant int8: the quantized decoder linears take int8 activations where the CPU has VNNI;
-    the lm_head keeps float32 ones (the logits' precision)."""
+    """--cpu-act-quant int8: the quantized decoder linears take int8 activations where the CPU has a SIMD
+    path for them; the lm_head keeps float32 ones (the logits' precision)."""
     if not act8_available():
         logger.warning(
-            "cpu_act_quant int8: this CPU has no AVX512-VNNI, so activations stay float32 (%s)",
+            "cpu_act_quant int8: no SIMD path for int8 activations on this CPU, so they stay float32 (%s)",
             cpu.detect().describe(),
         )
         return
     targets = [t.linear for t in model.linear_shards() if not t.is_lm_head]
     served = sum(linear.quantize_activations() for linear in targets)
-    logger.info("cpu_act_quant int8: %d of %d decoder linears take int8 activations", served, len(targets))
+    logger.info(
+        "cpu_act_quant int8: %d of %d decoder linears take int8 activations (%s; prefill %s)",
+        served,
+        len(targets),
+        act8_path(1),
+        act8_path(PANEL_GEMM_MIN_ROWS),
+    )
 
 
 def _make_linears_batch_invariant(model: CausalLM) -> None:

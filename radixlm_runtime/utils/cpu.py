@@ -49,16 +49,12 @@ class CpuInfo:
         """bf16 dot products: AVX512-BF16 (the kernels' path; AMX-BF16 CPUs have it too)."""
         return self.simd == "avx512" and "avx512_bf16" in self.flags
 
-    @property
-    def vnni(self) -> bool:
-        """int8 dot products on 512-bit vectors (AVX512-VNNI: the int8-activation kernels' path)."""
-        return self.simd == "avx512" and "avx512_vnni" in self.flags
-
     def describe(self) -> str:
-        extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in self.flags]
+        wanted = ("avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+        extras = [f for f in wanted if f in self.flags]
         return (
             f"{self.model}, {self.logical_cores} logical cores, kernels {self.simd}"
-            f" (avx512: {'/'.join(extras) if extras else 'no'})"
+            f" (extensions: {'/'.join(extras) if extras else 'none'})"
         )
 
 

@@ -1,12 +1,11 @@
 """int8 activations into quantized weights (--cpu-act-quant int8, linear_cpu.cpp's "int8 activations"):
-the exact product of the per-chunk int8-quantized activations and the weight's own codes, the VNNI path
-equal to the scalar one to the bit, batch-invariant, NaN confined to its row, and picked only where
-the CPU has AVX512-VNNI (faked CPU features reach every branch of that choice). On the CPU whatever
+the exact product of the per-chunk int8-quantized activations and the weight's own codes, every SIMD
+path (AVX-512 VNNI, the 256-bit VNNI code that AVX-VNNI CPUs run, AVX2's byte products) equal to the
+scalar one to the bit, batch-invariant, NaN confined to its row, and each picked where the CPU has it
+(faked CPU features reach the Python side's choice, the library reports its own). On the CPU whatever
 the test device."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -14,16 +13,23 @@ import torch
 from radixlm_runtime.layers import linear_kernels
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import (
+    ACT8_PATHS,
     PANEL_GEMM,
+    ROW_DOT,
     ROW_DOT_512,
     SCALAR,
+    VNNI_256,
     Act8Panels,
     act8_available,
+    act8_path,
     cpu_linear,
 )
 from radixlm_runtime.layers.quantization import LinearShards, QuantizedWeight, quantize_int4, quantize_int8
 from radixlm_runtime.models import builder
 from radixlm_runtime.utils import cpu
+
+# Every mode: scalar, 256-bit (AVX2 here: this CPU has no AVX-VNNI), 256-bit VNNI on AVX512-VL, widest.
+MODES = [SCALAR, ROW_DOT, VNNI_256, PANEL_GEMM, ROW_DOT_512]
 
 
 def _quantized(bits: int, n: int, k: int, group: int = 32) -> QuantizedWeight:
@@ -62,7 +68,7 @@ def test_products_of_the_quantized_activations(
     panels = Act8Panels.pack(weight)
     assert panels.in_features == in_features and panels.out_features == out_features
     x = torch.randn(rows, in_features)
-    outs = [cpu_linear(x, panels, mode=mode) for mode in (SCALAR, PANEL_GEMM, ROW_DOT_512)]
+    outs = [cpu_linear(x, panels, mode=mode) for mode in MODES]
     torch.testing.assert_close(outs[0].double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
     for out in outs[1:]:
         assert torch.equal(out, outs[0])  # the same integer sums and float operations in order
@@ -72,18 +78,33 @@ def test_products_of_the_quantized_activations(
         assert (outs[0] - exact).norm() < 0.02 * exact.norm()
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_gets_the_same_bits_among_any_rows(bits: int) -> None:
+def test_a_row_gets_the_same_bits_among_any_rows(bits: int, mode: int) -> None:
     torch.manual_seed(bits)
     panels = Act8Panels.pack(_quantized(bits, 200, 576))
     x = torch.randn(40, 576)
-    alone = torch.cat([cpu_linear(x[i : i + 1], panels) for i in range(len(x))])
+    alone = torch.cat([cpu_linear(x[i : i + 1], panels, mode=mode) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 8, 9, 16, 40):
-        assert torch.equal(cpu_linear(x[:rows], panels), alone[:rows])
-    assert torch.equal(cpu_linear(x[7:30], panels), alone[7:30])
+        assert torch.equal(cpu_linear(x[:rows], panels, mode=mode), alone[:rows])
+    assert torch.equal(cpu_linear(x[7:30], panels, mode=mode), alone[7:30])
 
 
-@pytest.mark.parametrize("mode", [SCALAR, PANEL_GEMM])
+def test_int8_codes_at_the_ends_of_their_range() -> None:
+    """-128 and 127 codes against activations of both signs: AVX2's byte products take |q| times x
+    signed as q, which holds for q = -128 where negating q would not."""
+    n, k = 16, 64
+    codes = torch.tensor([-128, 127, -1, 0], dtype=torch.int8).repeat(n, k // 4)
+    weight = QuantizedWeight(8, codes, torch.full((n, k // 32), 0.5), None, 32)
+    panels = Act8Panels.pack(weight)
+    x = torch.linspace(-3, 3, 3 * k).view(3, k)
+    outs = [cpu_linear(x, panels, mode=mode) for mode in MODES]
+    torch.testing.assert_close(outs[0].double(), _reference(x, weight), rtol=1e-6, atol=1e-4)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_non_finite_activation_poisons_only_its_row(mode: int) -> None:
     torch.manual_seed(0)
     panels = Act8Panels.pack(_quantized(4, 40, 64))
@@ -115,12 +136,25 @@ AVX512 = "avx2 fma avx512f avx512bw avx512vl"
 
 
 @pytest.mark.parametrize(
-    ("flags", "has"), [("avx2 fma avx_vnni", False), (AVX512, False), (AVX512 + " avx512_vnni", True)]
+    ("flags", "has"), [("sse4_2", False), ("avx2 fma", True), ("avx2 fma avx_vnni", True), (AVX512, True)]
 )
-def test_vnni_is_asked_of_the_cpu(monkeypatch: pytest.MonkeyPatch, flags: str, has: bool) -> None:
+def test_int8_activations_need_the_avx2_kernels(
+    monkeypatch: pytest.MonkeyPatch, flags: str, has: bool
+) -> None:
     monkeypatch.setattr(cpu, "detect", lambda: _fake(flags))
-    assert cpu.detect().vnni is has
-    assert act8_available() is (has and bool(linear_kernels._library().rq_has_avx512_vnni()))
+    assert act8_available() is has
+
+
+def test_the_library_picks_the_widest_path_this_cpu_has() -> None:
+    """Which path each mode runs, from the CPU's own answers (the C++ side never takes Python's)."""
+    lib = linear_kernels._library()
+    vnni512, avxvnni = bool(lib.rq_has_avx512_vnni()), bool(lib.rq_has_avx_vnni())
+    narrow = "AVX-VNNI" if avxvnni else "AVX2"
+    assert lib.rq_act8_path(SCALAR) == 0
+    assert ACT8_PATHS[lib.rq_act8_path(ROW_DOT)] == narrow
+    assert ACT8_PATHS[lib.rq_act8_path(VNNI_256)] == ("AVX512-VL VNNI" if vnni512 else narrow)
+    assert ACT8_PATHS[lib.rq_act8_path(PANEL_GEMM)] == ("AVX512-VNNI" if vnni512 else narrow)
+    assert act8_path(1) in ACT8_PATHS[1:]
 
 
 class _Model(torch.nn.Module):
@@ -142,25 +176,21 @@ class _Model(torch.nn.Module):
 
 
 def test_the_decoder_linears_take_int8_activations_the_lm_head_keeps_float(
-    caplog: pytest.LogCaptureFixture,
+    runtime_caplog: pytest.LogCaptureFixture,
 ) -> None:
-    if not act8_available():
-        pytest.skip("this CPU has no AVX512-VNNI")
     model = _Model()
-    with caplog.at_level(logging.INFO, logger=builder.logger.name):
-        builder._quantize_activations(model)
-    assert "1 of 2 decoder linears" in caplog.text
+    builder._quantize_activations(model)
+    assert "1 of 2 decoder linears" in runtime_caplog.text
     assert model.proj.act8 is not None and model.proj.kernel_weight is model.proj.act8
     assert model.odd.act8 is None and model.lm_head.act8 is None
     assert model.proj.batch_invariant
 
 
-def test_without_vnni_activations_stay_float_and_the_log_says_so(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_without_simd_kernels_activations_stay_float_and_the_log_says_so(
+    monkeypatch: pytest.MonkeyPatch, runtime_caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(cpu, "detect", lambda: _fake(AVX512))
+    monkeypatch.setattr(cpu, "detect", lambda: _fake("sse4_2"))
     model = _Model()
-    with caplog.at_level(logging.WARNING, logger=builder.logger.name):
-        builder._quantize_activations(model)
-    assert "no AVX512-VNNI" in caplog.text and "fake CPU" in caplog.text
+    builder._quantize_activations(model)
+    assert "no SIMD path for int8 activations" in runtime_caplog.text and "fake CPU" in runtime_caplog.text
     assert model.proj.act8 is None

@@ -26,11 +26,11 @@ def fake(extra: str) -> cpu.CpuInfo:
 def test_parse_and_levels() -> None:
     avx2 = fake("avx2 fma f16c")
     assert avx2.model == "AMD EPYC 7B13" and avx2.simd == "avx2"
-    assert "kernels avx2" in avx2.describe() and "avx512: no" in avx2.describe()
+    assert "kernels avx2" in avx2.describe() and "extensions: none" in avx2.describe()
     assert fake("avx2").simd == cpu.SCALAR  # AVX2 without FMA is not enough
     assert fake("avx2 fma avx512f avx512bw").simd == "avx2"  # no avx512vl: the AVX2 kernels
     wide = fake("avx2 fma avx512f avx512bw avx512vl")
-    assert wide.simd == "avx512" and "kernels avx512 (avx512: avx512f)" in wide.describe()
+    assert wide.simd == "avx512" and "kernels avx512 (extensions: avx512f)" in wide.describe()
     assert cpu.CpuInfo.parse("", 4).simd == cpu.SCALAR  # no /proc/cpuinfo: portable paths
 
 
