@@ -31,6 +31,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1021,7 +1023,10 @@ const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int
   static thread_local QuantX fixed;
   QuantX& qx = fixed;  // the calling thread's, shared with the pool below
   const int64_t chunks = k / kChunk;
-  qx.q.resize(m * k);
+  // Rows past m up to a multiple of 16 hold zero codes: an AMX tile reads 16 rows.
+  const int64_t padded = (m + 15) / 16 * 16;
+  qx.q.resize(padded * k);
+  std::fill(qx.q.begin() + m * k, qx.q.begin() + padded * k, 0);
   qx.dx.resize(m * chunks);
   qx.dxs.resize(m * chunks);
   qx.isum.resize(m * chunks);
@@ -1235,20 +1240,142 @@ struct D {
 #undef ACT8_TARGET
 }  // namespace act8_vl
 
-// The act8 path a call runs: 0 scalar; 1 256-bit (AVX-VNNI where the CPU has it, else AVX2); 5 the
-// 256-bit VNNI code on AVX512-VL (tests reach it on CPUs without AVX-VNNI); other modes the widest the
-// CPU has. Returns 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VL VNNI, 4 AVX-512 VNNI.
-int act8_path(int mode) {
-  static const bool avx2 = simd::cpu_has_avx2_fma(), avxvnni = cpu_has_avx_vnni();
-  static const bool vnni512 = cpu_has_avx512_vnni();
-  if (mode == 0 || !avx2) return 0;
-  if (mode == 5 && vnni512) return 3;
-  if (mode != 1 && mode != 5 && vnni512) return 4;
-  return avxvnni ? 2 : 1;
+// ---------------------------------------------------------------- AMX (int8 activations)
+//
+// Sapphire Rapids and later: tdpbsud multiplies a 16-row x 32-byte tile of activation codes (one chunk
+// of 16 rows of x) by an 8 x 64-byte tile of weight codes (the chunk's 8 steps of 16 rows x 4 bytes:
+// the int8 panel as stored; int4 nibbles unpacked first) into 16 x 16 int32 sums, 8192 products an
+// instruction. The sums are the VNNI kernels' integers, and the float operations after them the same:
+// the same bits. No machine this project runs on has AMX, so the path checks itself against the scalar
+// one on first use and stays off (logged by the Python side) if they differ; its speed is unmeasured.
+
+#define SIMD_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,amx-tile,amx-int8")))
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <bool NIBBLE>
+SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
+  constexpr int64_t kVectors = NIBBLE ? 4 : 8;
+  const int64_t chunks = w.k / kChunk, panels = (w.n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    // Tile 0: the int32 sums; 1: activation codes; 2: weight codes. Loaded per region: other libraries
+    // (oneDNN) may configure the tiles of the same threads their own way.
+    TileConfig cfg;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64, cfg.rows[1] = 16, cfg.colsb[1] = 32, cfg.rows[2] = 8, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) int32_t sums[16 * 16];
+    alignas(64) uint8_t unpacked[8 * 64];
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p) {
+      const int64_t valid = valid_columns(w, p);
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - r0);
+        __m512 out[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) out[i] = _mm512_setzero_ps();
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          const uint8_t* codes = w.q + (p * chunks + ch) * kVectors * 64;
+          if constexpr (NIBBLE) {
+            for (int h = 0; h < 4; ++h) {
+              const __m512i v = _mm512_loadu_si512(codes + h * 64);
+              _mm512_store_si512(unpacked + h * 64, _mm512_and_si512(v, _mm512_set1_epi8(0x0F)));
+              _mm512_store_si512(unpacked + (h + 4) * 64,
+                                 _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)));
+            }
+            _tile_loadd(2, unpacked, 64);
+          } else {
+            _tile_loadd(2, codes, 64);
+          }
+          _tile_loadd(1, qx.q.data() + r0 * w.k + ch * kChunk, w.k);
+          _tile_zero(0);
+          _tile_dpbsud(0, 1, 2);
+          _tile_stored(0, sums, 64);
+          const int64_t f = (p * chunks + ch) * kPanel;
+          const __m512 sc = _mm512_loadu_ps(w.scales + f), mn = _mm512_loadu_ps(w.mins + f);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            if (i >= rows) break;
+            const int64_t s = (r0 + i) * chunks + ch;
+            __m512i sum = _mm512_load_si512(sums + i * 16);
+            if constexpr (!NIBBLE) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qx.isum[s]));
+            const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(qx.dx[s]));
+            out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, out[i]);
+            out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i]);
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          _mm512_mask_storeu_ps(y + (r0 + i) * w.n + p * kPanel, static_cast<__mmask16>((1u << valid) - 1), out[i]);
+        }
+      }
+    }
+    _tile_release();
+  }
 }
 
-void act8_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
-  const int path = act8_path(mode);
+// CPU features the act8 dispatch reads, as bits (so tests can hand it fake ones).
+constexpr unsigned kFeatAvx2 = 1, kFeatAvxVnni = 2, kFeatVnni512 = 4, kFeatAmxInt8 = 8;
+// AMX from this many rows on (a tile holds 16; decode's few rows stay on VNNI).
+constexpr int64_t kAmxMinRows = 16;
+
+// The act8 path a call runs for `rows` rows with these CPU features: 0 scalar; mode 1 256-bit (AVX-VNNI
+// where the CPU has it, else AVX2); mode 5 the 256-bit VNNI code on AVX512-VL (tests reach it on CPUs
+// without AVX-VNNI); other modes the widest the CPU has. Returns 0 scalar, 1 AVX2, 2 AVX-VNNI,
+// 3 AVX512-VL VNNI, 4 AVX-512 VNNI, 5 AMX.
+int act8_path_for(int mode, int64_t rows, unsigned features) {
+  if (mode == 0 || !(features & kFeatAvx2)) return 0;
+  const bool narrow = mode == 1 || mode == 5;
+  if (mode == 5 && (features & kFeatVnni512)) return 3;
+  if (!narrow && (features & kFeatAmxInt8) && (features & kFeatVnni512) && rows >= kAmxMinRows) return 5;
+  if (!narrow && (features & kFeatVnni512)) return 4;
+  return features & kFeatAvxVnni ? 2 : 1;
+}
+
+void act8_run(int path, const Weights& w, const float* x, int64_t m, float* y, int threads);
+
+// Whether the AMX path is usable here: the CPU has it, the kernel lets this process use its tile state
+// (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM), and on a small problem it gives the scalar path's
+// bits. Asked once.
+bool amx_int8_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    if (!cpu_has_avx512_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) {
+      return false;
+    }
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    for (const int bits : {4, 8}) {
+      const int64_t n = 20, k = 64, m = 21, chunks = k / kChunk, vectors = bits == 4 ? 4 : 8;
+      const int64_t panels = (n + kPanel - 1) / kPanel;
+      std::vector<uint8_t> codes(panels * chunks * vectors * 64);
+      std::vector<float> scales(panels * chunks * kPanel), mins(scales.size()), x(m * k), a(m * n), b(m * n);
+      uint32_t state = 12345u;
+      auto next = [&state] { return state = state * 1664525u + 1013904223u; };
+      for (auto& c : codes) c = static_cast<uint8_t>(next() >> 24);
+      for (auto& v : scales) v = static_cast<float>(next() >> 8) / 16777216.0f;
+      for (auto& v : mins) v = static_cast<float>(next() >> 8) / 16777216.0f - 0.5f;
+      for (auto& v : x) v = static_cast<float>(next() >> 8) / 8388608.0f - 1.0f;
+      const Weights w{codes.data(), scales.data(), mins.data(), n, k, kChunk, bits | kAct8};
+      act8_run(0, w, x.data(), m, a.data(), 1);
+      act8_run(5, w, x.data(), m, b.data(), 1);
+      if (memcmp(a.data(), b.data(), a.size() * sizeof(float)) != 0) return false;
+    }
+    return true;
+  }();
+  return usable;
+}
+
+unsigned act8_features() {
+  static const unsigned features = (simd::cpu_has_avx2_fma() ? kFeatAvx2 : 0) | (cpu_has_avx_vnni() ? kFeatAvxVnni : 0) |
+                                   (cpu_has_avx512_vnni() ? kFeatVnni512 : 0) | (amx_int8_usable() ? kFeatAmxInt8 : 0);
+  return features;
+}
+
+void act8_run(int path, const Weights& w, const float* x, int64_t m, float* y, int threads) {
   const QuantX& qx = quantize_rows(x, m, w.k, path == 0 ? 0 : path >= 3 ? 512 : 256, threads);
   const bool nibble = act8_vectors(w.bits) == 4;
   switch (path) {
@@ -1258,9 +1385,15 @@ void act8_linear(const Weights& w, const float* x, int64_t m, float* y, int mode
       nibble ? act8_avxvnni::linear<true>(w, qx, m, y, threads) : act8_avxvnni::linear<false>(w, qx, m, y, threads);
       break;
     case 3: nibble ? act8_vl::linear<true>(w, qx, m, y, threads) : act8_vl::linear<false>(w, qx, m, y, threads); break;
-    default:
+    case 4:
       nibble ? act8_linear_avx512<true>(w, qx, m, y, threads) : act8_linear_avx512<false>(w, qx, m, y, threads);
+      break;
+    default: nibble ? act8_linear_amx<true>(w, qx, m, y, threads) : act8_linear_amx<false>(w, qx, m, y, threads);
   }
+}
+
+void act8_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
+  act8_run(act8_path_for(mode, m, act8_features()), w, x, m, y, threads);
 }
 
 }  // namespace
@@ -1277,7 +1410,11 @@ int rq_has_avx512_bf16(void) { return cpu_has_avx512_bf16(); }
 
 int rq_has_avx_vnni(void) { return cpu_has_avx_vnni(); }
 
-int rq_act8_path(int mode) { return act8_path(mode); }
+// The act8 path `rows` rows run in `mode` on this CPU, or with the given feature bits (kFeat*; tests
+// fake them) when features >= 0.
+int rq_act8_path(int mode, int64_t rows, int features) {
+  return act8_path_for(mode, rows, features >= 0 ? static_cast<unsigned>(features) : act8_features());
+}
 
 // y[M, N] = x[M, K] @ W^T for an int8 weight without mins in row panels (see "int8 row panels" above):
 // panels int8 [ceil(N / 16)][K / 2][16][2], scales float32 [ceil(N / 16)][K / 32][16] (rows past N

@@ -22,7 +22,14 @@ _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 # AVX512-VL (the AVX-VNNI path's arithmetic, for tests on CPUs without AVX-VNNI).
 SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512, BF16_GEMM, VNNI_256 = 0, 1, 2, 3, 4, 5
 # What rq_act8_path reports: the int8-activation kernel a mode runs on this CPU.
-ACT8_PATHS = ("scalar", "AVX2", "AVX-VNNI", "AVX512-VL VNNI", "AVX512-VNNI")
+ACT8_PATHS = ("scalar", "AVX2", "AVX-VNNI", "AVX512-VL VNNI", "AVX512-VNNI", "AMX-INT8")
+# The CPU features rq_act8_path reads, as its bits (linear_cpu.cpp kFeat*), by /proc/cpuinfo flags.
+_ACT8_FEATURES = (
+    (1, ("avx2", "fma")),
+    (2, ("avx2", "fma", "avx_vnni")),
+    (4, ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
+    (8, ("amx_tile", "amx_int8")),
+)
 # The arithmetic of the CPU matmuls (EngineConfig.dtype on CPU): float32 FMAs, or bf16 dot products with
 # float32 accumulation.
 FP32, BF16 = "float32", "bfloat16"
@@ -149,7 +156,7 @@ def _library() -> ctypes.CDLL:
     lib.rq_linear.restype = None
     lib.rq_has_avx512_vnni.restype = ctypes.c_int
     lib.rq_has_avx512_bf16.restype = ctypes.c_int
-    lib.rq_act8_path.argtypes = [ctypes.c_int]
+    lib.rq_act8_path.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.rq_act8_path.restype = ctypes.c_int
     lib.rq_panel8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rq_panel8_linear.restype = None
@@ -331,10 +338,14 @@ def act8_available() -> bool:
     return panels_available()
 
 
-def act8_path(rows: int = 1) -> str:
-    """The int8-activation kernel `rows` rows run on this CPU (for the log), as the built library picks
-    it from what the CPU has."""
-    return ACT8_PATHS[_library().rq_act8_path(kernel_mode(rows))]
+def act8_path(rows: int = 1, cpu_info: cpu.CpuInfo | None = None) -> str:
+    """The int8-activation kernel `rows` rows run (for the log): on this CPU as the built library sees
+    it (the AMX path only once it has checked itself here), or on `cpu_info`'s features (tests fake
+    them)."""
+    features = -1
+    if cpu_info is not None:
+        features = sum(bit for bit, flags in _ACT8_FEATURES if set(flags) <= cpu_info.flags)
+    return ACT8_PATHS[_library().rq_act8_path(kernel_mode(rows), rows, features)]
 
 
 def int8_panels_available() -> bool:

@@ -150,11 +150,38 @@ def test_the_library_picks_the_widest_path_this_cpu_has() -> None:
     lib = linear_kernels._library()
     vnni512, avxvnni = bool(lib.rq_has_avx512_vnni()), bool(lib.rq_has_avx_vnni())
     narrow = "AVX-VNNI" if avxvnni else "AVX2"
-    assert lib.rq_act8_path(SCALAR) == 0
-    assert ACT8_PATHS[lib.rq_act8_path(ROW_DOT)] == narrow
-    assert ACT8_PATHS[lib.rq_act8_path(VNNI_256)] == ("AVX512-VL VNNI" if vnni512 else narrow)
-    assert ACT8_PATHS[lib.rq_act8_path(PANEL_GEMM)] == ("AVX512-VNNI" if vnni512 else narrow)
+    assert lib.rq_act8_path(SCALAR, 1, -1) == 0
+    assert ACT8_PATHS[lib.rq_act8_path(ROW_DOT, 1, -1)] == narrow
+    assert ACT8_PATHS[lib.rq_act8_path(VNNI_256, 1, -1)] == ("AVX512-VL VNNI" if vnni512 else narrow)
+    assert ACT8_PATHS[lib.rq_act8_path(PANEL_GEMM, 1, -1)] == ("AVX512-VNNI" if vnni512 else narrow)
     assert act8_path(1) in ACT8_PATHS[1:]
+
+
+AMX = AVX512 + " avx512_vnni amx_tile amx_int8 amx_bf16"
+
+
+@pytest.mark.parametrize(
+    ("flags", "decode", "prefill"),
+    [
+        ("sse4_2", "scalar", "scalar"),
+        ("avx2 fma", "AVX2", "AVX2"),
+        ("avx2 fma avx_vnni", "AVX-VNNI", "AVX-VNNI"),
+        (AVX512, "AVX2", "AVX2"),  # AVX-512 without VNNI (Skylake-X): the byte products
+        (AVX512 + " avx512_vnni", "AVX512-VNNI", "AVX512-VNNI"),
+        (AMX, "AVX512-VNNI", "AMX-INT8"),  # Sapphire Rapids: tiles from 16 rows on
+        ("avx2 fma amx_tile amx_int8", "AVX2", "AVX2"),  # AMX without AVX-512's epilogue: not taken
+    ],
+)
+def test_each_cpu_gets_its_path(
+    monkeypatch: pytest.MonkeyPatch, flags: str, decode: str, prefill: str
+) -> None:
+    """The dispatch on faked CPU features: decode (1 row) and prefill (512 rows) of each kind of CPU.
+    The AMX path's speed is unmeasured (no machine here has AMX); on such a machine it checks itself
+    against the scalar path on first use and stays off if they differ."""
+    fake = _fake(flags)
+    monkeypatch.setattr(cpu, "detect", lambda: fake)  # kernel_mode reads the faked SIMD level
+    assert act8_path(1, fake) == decode
+    assert act8_path(512, fake) == prefill
 
 
 class _Model(torch.nn.Module):
