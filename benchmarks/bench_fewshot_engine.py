@@ -4,17 +4,31 @@ Every question sits behind a few-shot prefix it shares with the others (one for 
 for MMLU). Systems, run one after another in this process on the same weights and the same token ids:
 radixlm; radixlm with the radix cache disabled; a plain `transformers` loop (left-padded batches); and
 llama.cpp through llama-cpp-python on the same GGUF file with its prompt cache on (skipped when the
-optional `llamacpp` extra is not installed). vLLM's CPU build, with its prefix cache on and off, runs
-when asked for (`--systems ...,vllm_cpu,vllm_cpu_no_cache`) from the environment that
+optional `llamacpp` extra is not installed). vLLM's CPU build, with its prefix cache on and off, in
+float32 and in bf16 (its fastest on a CPU with AVX512-BF16), runs when asked for (`--systems
+...,vllm_cpu,vllm_cpu_no_cache,vllm_cpu_bf16,vllm_cpu_bf16_no_cache`) from the environment that
 `benchmarks/vllm_cpu/install.sh` makes, set up as its CPU guide says; skipped with a message where it
-is not installed.
+is not installed. So do radixlm's other arithmetic, caches on and off: bf16 (`dtype="bfloat16"`: bf16
+weights and dot products, AVX512-BF16) and the GGUF's int4 weights with int8 activations
+(`quantization="auto"`, `cpu_act_quant="int8"`, VNNI or AVX2), each skipped with the reason where this
+radixlm or CPU lacks it. `--systems cpu_dtypes` names that whole comparison (saved as
+fewshot_engine_cpu_dtypes.json).
 
 GSM8K is greedy generation graded on the final number. MMLU picks the answer letter whose continuation
 (" A" .. " D") has the highest logprob after the prompt; every system scores the same continuations.
 
+Agreement with float32 radixlm (the `radixlm` row, when `--quantization none`), per system: on GSM8K
+the share of questions whose generated token ids are identical to it, and the token agreement: over all
+questions, the tokens equal up to the first divergence (the common leading run of the two outputs)
+divided by the tokens of the longer of the two outputs (1.0 when every output is identical); on MMLU
+the share of questions given the same answer. Targets, per task: the fastest radixlm with its cache
+off against vLLM-CPU bf16 with its prefix cache off, and the fastest radixlm with its cache on against
+vLLM-CPU bf16 with it on (both >= 1.5x).
+
     python benchmarks/bench_fewshot_engine.py            # 16 GSM8K + 16 MMLU questions, 5 shots
     python benchmarks/bench_fewshot_engine.py --tiny     # a few questions, seconds per system
     python benchmarks/bench_fewshot_engine.py --systems radixlm,radixlm_no_cache,vllm_cpu,vllm_cpu_no_cache
+    python benchmarks/bench_fewshot_engine.py --systems cpu_dtypes   # radixlm and vLLM-CPU arithmetic
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ from common import (
     Table,
     add_model_flag,
     bench_parser,
+    common_prefix_len,
     fmt,
     parse_sizes,
     pyplot,
@@ -53,17 +68,43 @@ SIZES = {
     "num_shots": Size(5, 1, "solved examples in every prompt's shared prefix", scales=False),
 }
 DEFAULT_SYSTEMS = ("radixlm", "radixlm_no_cache", "transformers", "llama_cpp")
-# vLLM-CPU compiles for minutes at start-up, so it runs only when named.
-SYSTEMS = (*DEFAULT_SYSTEMS, "vllm_cpu", "vllm_cpu_no_cache")
-BASELINES = SYSTEMS[1:]
+# radixlm in other arithmetic: name -> (radix cache disabled, quantization, engine options).
+RADIXLM_VARIANTS: dict[str, tuple[bool, str, dict[str, str]]] = {
+    "radixlm_bf16": (False, "none", {"dtype": "bfloat16"}),
+    "radixlm_bf16_no_cache": (True, "none", {"dtype": "bfloat16"}),
+    "radixlm_int4_a8": (False, "auto", {"cpu_act_quant": "int8"}),
+    "radixlm_int4_a8_no_cache": (True, "auto", {"cpu_act_quant": "int8"}),
+}
+# vLLM-CPU compiles for minutes at start-up, so it runs only when named; so do radixlm's variants.
+VLLM_SYSTEMS = ("vllm_cpu", "vllm_cpu_no_cache", "vllm_cpu_bf16", "vllm_cpu_bf16_no_cache")
+SYSTEMS = (*DEFAULT_SYSTEMS, *RADIXLM_VARIANTS, *VLLM_SYSTEMS)
+# Named sets of --systems.
+SYSTEM_SETS = {"cpu_dtypes": ("radixlm", "radixlm_no_cache", *RADIXLM_VARIANTS, *VLLM_SYSTEMS)}
+# What radixlm (float32 under --quantization none) is compared with in the notes.
+BASELINES = ("radixlm_no_cache", "transformers", "llama_cpp", *VLLM_SYSTEMS)
 LABELS = {
     "radixlm": "radixlm",
     "radixlm_no_cache": "radixlm, radix cache disabled",
+    "radixlm_bf16": "radixlm bf16",
+    "radixlm_bf16_no_cache": "radixlm bf16, radix cache disabled",
+    "radixlm_int4_a8": "radixlm int4, int8 activations",
+    "radixlm_int4_a8_no_cache": "radixlm int4, int8 activations, radix cache disabled",
     "transformers": "transformers, batched",
     "llama_cpp": "llama.cpp, prompt cache on",
     "vllm_cpu": "vLLM-CPU, prefix cache on",
     "vllm_cpu_no_cache": "vLLM-CPU, prefix cache off",
+    "vllm_cpu_bf16": "vLLM-CPU bf16, prefix cache on",
+    "vllm_cpu_bf16_no_cache": "vLLM-CPU bf16, prefix cache off",
 }
+# The targets: the fastest radixlm of a cache setting against vLLM-CPU bf16 with its cache set alike.
+TARGETS = {
+    "uncached": (
+        ("radixlm_no_cache", "radixlm_bf16_no_cache", "radixlm_int4_a8_no_cache"),
+        "vllm_cpu_bf16_no_cache",
+    ),
+    "cached": (("radixlm", "radixlm_bf16", "radixlm_int4_a8"), "vllm_cpu_bf16"),
+}
+TARGET = 1.5
 
 
 def gsm8k_metrics(run: GenRun, task: GenTask) -> dict[str, Any]:
@@ -98,9 +139,46 @@ def _common_metrics(run: GenRun | ScoreRun, n: int, correct: list[bool]) -> dict
     }
 
 
-def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def agreement(task_name: str, run: dict[str, Any], reference: dict[str, Any]) -> dict[str, float] | None:
+    """`run` against float32 radixlm (see the module docstring): identical outputs (GSM8K) or answers
+    (MMLU) as a share of the questions, and on GSM8K the token agreement; None where `run` returns no
+    token ids (llama.cpp's text-only completions)."""
+    key = "output_ids" if task_name == "gsm8k" else "answers"
+    if run[key] is None or reference[key] is None:
+        return None
+    pairs = list(zip(run[key], reference[key]))
+    out = {"identical": sum(a == b for a, b in pairs) / len(pairs)}
+    if task_name == "gsm8k":
+        longer = sum(max(len(a), len(b)) for a, b in pairs)
+        out["token_agreement"] = sum(common_prefix_len(a, b) for a, b in pairs) / longer if longer else 1.0
+    return out
+
+
+def targets(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per target (uncached, cached): the fastest radixlm with that cache setting, the vLLM-CPU bf16 run
+    set alike, their ratio (vLLM's wall time over radixlm's) and the target."""
+    out = {}
+    for name, (mine, theirs) in TARGETS.items():
+        ran = [s for s in mine if s in runs]
+        if not ran or theirs not in runs:
+            continue
+        best = min(ran, key=lambda s: runs[s]["wall_s"])
+        ratio = runs[theirs]["wall_s"] / runs[best]["wall_s"]
+        out[name] = {
+            "radixlm": best,
+            "vllm": theirs,
+            "ratio": ratio,
+            "target": TARGET,
+            "met": ratio >= TARGET,
+        }
+    return out
+
+
+def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]], fp32: bool) -> dict[str, Any]:
     """Ratios against each baseline, and the agreement checks: radixlm must give the same outputs with
-    the cache on and off, and within one question per hundred the accuracy of transformers."""
+    the cache on and off, and within one question per hundred the accuracy of transformers; with
+    `fp32` (radixlm ran float32) every other system's agreement with it; the targets against vLLM-CPU
+    bf16."""
     key = "output_ids" if task_name == "gsm8k" else "answers"
     on = runs["radixlm"]
     out: dict[str, Any] = {"num_questions": n}
@@ -118,10 +196,17 @@ def compare(task_name: str, n: int, runs: dict[str, dict[str, Any]]) -> dict[str
     if "transformers" in runs:
         out["accuracy_gap_vs_transformers_questions"] = abs(on["correct"] - runs["transformers"]["correct"])
         out["accuracy_gap_allowed_questions"] = math.ceil(n / 100)
+    if fp32:
+        found = {s: agreement(task_name, r, on) for s, r in runs.items() if s != "radixlm"}
+        out["agreement_vs_fp32"] = {s: a for s, a in found.items() if a is not None}
+    out["targets"] = targets(runs)
     return out
 
 
 def make_system(name: str, model: BenchModel, hf_batch_size: int, quantization: str) -> Any:
+    if name in RADIXLM_VARIANTS:
+        no_cache, variant_quantization, options = RADIXLM_VARIANTS[name]
+        return RadixlmSystem(no_cache, variant_quantization, model.path, **options)
     makers: dict[str, Callable[[], Any]] = {
         "radixlm": lambda: RadixlmSystem(False, quantization, model.path),
         "radixlm_no_cache": lambda: RadixlmSystem(True, quantization, model.path),
@@ -129,6 +214,8 @@ def make_system(name: str, model: BenchModel, hf_batch_size: int, quantization: 
         "llama_cpp": lambda: LlamaCppSystem(model.gguf()),
         "vllm_cpu": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=True),
         "vllm_cpu_no_cache": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=False),
+        "vllm_cpu_bf16": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=True, dtype="bfloat16"),
+        "vllm_cpu_bf16_no_cache": lambda: VllmCpuSystem(model.hf_dir(), prefix_cache=False, dtype="bfloat16"),
     }
     return makers[name]()
 
@@ -157,10 +244,20 @@ def plot(path: Path, tasks: dict[str, dict[str, dict[str, Any]]], shots: int) ->
     save_figure(fig, path)
 
 
-def table(task_name: str, runs: dict[str, dict[str, Any]], shots: int) -> Table:
+def agreement_cell(found: dict[str, float] | None, n: int) -> str:
+    if found is None:
+        return "-"
+    cell = f"{round(found['identical'] * n)}/{n}"
+    return cell + (f", {100 * found['token_agreement']:.1f}% tokens" if "token_agreement" in found else "")
+
+
+def table(task_name: str, runs: dict[str, dict[str, Any]], shots: int, summary: dict[str, Any]) -> Table:
     gen = task_name == "gsm8k"
     headers = ["system", "wall s", "questions/s"] + (["output tok/s"] if gen else [])
     headers += ["prompt tokens from cache", "accuracy", "radixlm speed-up"]
+    agreed = summary.get("agreement_vs_fp32")
+    if agreed is not None:
+        headers.append("same as radixlm fp32")
     rows = []
     for name, r in runs.items():
         row = [LABELS[name], fmt(r["wall_s"], ".1f"), fmt(r["questions_per_s"], ".2f")]
@@ -170,6 +267,10 @@ def table(task_name: str, runs: dict[str, dict[str, Any]], shots: int) -> Table:
         speedup = r["wall_s"] / runs["radixlm"]["wall_s"]
         row += [fmt(None if hit is None else 100 * hit, ".1f", "%"), f"{r['correct']}/{r['num_questions']}"]
         row.append(f"**{speedup:.2f}x**" if name != "radixlm" else "1x")
+        if agreed is not None:
+            row.append(
+                "reference" if name == "radixlm" else agreement_cell(agreed.get(name), r["num_questions"])
+            )
         rows.append(row)
     return Table(f"{task_name.upper()} {shots}-shot", headers, rows)
 
@@ -190,6 +291,15 @@ def notes_for(task_name: str, summary: dict[str, Any]) -> list[str]:
     if "accuracy_gap_vs_transformers_questions" in summary:
         gap, allowed = (summary[f"accuracy_gap_{k}_questions"] for k in ("vs_transformers", "allowed"))
         notes.append(f"{label}: accuracy gap radixlm vs transformers: {gap} question(s) (allowed: {allowed})")
+    for name, found in summary.get("agreement_vs_fp32", {}).items():
+        if name in RADIXLM_VARIANTS or name in VLLM_SYSTEMS[2:]:  # the other arithmetic
+            notes.append(f"{label}: {LABELS[name]} against radixlm fp32: {agreement_cell(found, n)}")
+    for kind, t in summary["targets"].items():
+        met = "met" if t["met"] else "not met"
+        notes.append(
+            f"{label}: {kind} radixlm (fastest: {LABELS[t['radixlm']]}) vs {LABELS[t['vllm']]}: "
+            f"**{t['ratio']:.2f}x** (target >= {t['target']}x: {met})"
+        )
     return notes
 
 
@@ -199,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
-        help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}.",
+        help=f"Comma-separated, radixlm first: {', '.join(SYSTEMS)}; or a named set: "
+        + "; ".join(f"{k} = {','.join(v)}" for k, v in SYSTEM_SETS.items()),
     )
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument(
@@ -210,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     add_model_flag(ap)
     args, sizes = parse_sizes(ap, argv, SIZES)
     model = BenchModel(args.model_path)
-    systems = args.systems.split(",")
+    systems = list(SYSTEM_SETS.get(args.systems, args.systems.split(",")))
     if systems[0] != "radixlm" or not set(systems) <= set(SYSTEMS):
         ap.error(f"--systems must start with radixlm and name only {SYSTEMS}")
 
@@ -245,8 +356,10 @@ def main(argv: list[str] | None = None) -> None:
         system.close()
         gc.collect()
 
-    summaries = {t: compare(t, len(workloads[t].prompts), r) for t, r in runs.items()}
-    name = model.result_name(NAME)
+    fp32 = args.quantization == "none"
+    summaries = {t: compare(t, len(workloads[t].prompts), r, fp32) for t, r in runs.items()}
+    # A named set is saved under its own name, beside the default comparison.
+    name = model.result_name(f"{NAME}_{args.systems}" if args.systems in SYSTEM_SETS else NAME)
     figure = f"{name}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, runs, sizes["num_shots"])
@@ -262,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 for t, rs in runs.items()
             },
         },
-        tables=[table(t, r, sizes["num_shots"]) for t, r in runs.items()],
+        tables=[table(t, r, sizes["num_shots"], summaries[t]) for t, r in runs.items()],
         notes=[note for t, s in summaries.items() for note in notes_for(t, s)]
         + [f"{LABELS[s]} skipped: {why}" for s, why in skipped.items()],
         figures=[figure],

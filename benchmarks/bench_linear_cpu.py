@@ -11,13 +11,13 @@ float linears before); both sides run in this process on the same weights and in
 best of `--repeats`; outputs are checked against each other first.
 
 Then the peak of each instruction set on this machine, per thread count of `--threads`
-(benchmarks/cpu_peak.cpp: fp32 FMA, bf16 dot products vdpbf16ps, int8 VNNI vpdpbusd), and every kernel
+(benchmarks/cpu_peak.cpp: fp32 FMA, bf16 dot products vdpbf16ps, int8 dot products), and every kernel
 against the peak of its own arithmetic at decode rows (`--kernel-rows` up to 64: `--layers` layers and
 the lm_head, the weights streamed as in a decode step) and prefill rows (512 and 2,048 tokens:
 `--prefill-layers` layers, no lm_head): fp32 panels (PANEL_GEMM), bf16 panels (BF16_GEMM, AVX512-BF16),
 int4 (GGUF Q4_1's numbers: quantize_int4) and int8 (Q8_0's: quantize_int8, groups of 32) weights with
 float32 activations (row-dot kernels below PANEL_GEMM_MIN_ROWS rows, the panel GEMM from there), in
-bf16 (from that many rows on) and with int8 activations (Act8Panels, AVX512-VNNI; skipped where this
+bf16 (from that many rows on) and with int8 activations (Act8Panels, VNNI or AVX2; skipped where this
 radixlm or CPU lacks them). Rates count 2 x M x N x K operations (GFLOP/s; GOP/s for int8 activations,
 against the int8 peak); a kernel in fp32 arithmetic is held against the widest fp32 FMA peak, bf16
 against vdpbf16ps', int8 activations against vpdpbusd's. Each kernel's output is checked against the
@@ -132,7 +132,7 @@ def measure(rows: int, layers: int, repeats: int, mode: int) -> dict[str, float]
 PEAK_PATHS = {
     "fp32": ("fp32_fma_zmm", "fp32_fma_ymm"),
     "bf16": ("bf16_dot_zmm",),
-    "int8": ("int8_vnni_zmm", "int8_vnni_ymm"),
+    "int8": ("int8_vnni_zmm", "int8_vnni_ymm", "int8_avx2_ymm"),
 }
 # Relative error allowed against the float32 product with the weight a kernel holds.
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2}
@@ -197,7 +197,7 @@ def unavailable(kernel: Kernel) -> str | None:
         if not hasattr(linear_kernels, "Act8Panels"):
             return "this radixlm has no int8-activation kernels (linear_kernels.Act8Panels)"
         if not linear_kernels.act8_available():
-            return "this CPU has no AVX512-VNNI (the int8-activation kernels' path)"
+            return "this CPU has no SIMD path for the int8-activation kernels"
     return None
 
 

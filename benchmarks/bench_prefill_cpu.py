@@ -13,7 +13,8 @@ weights):
   activations (the fair pair), float32 ones and bf16.
 
 radixlm runs with the radix cache disabled, `chunked_prefill_size` the longest prompt and
-`prefill_step_target_ms=0` (every prompt prefilled in one forward step), and is timed around
+`prefill_step_target_ms=0` (every prompt prefilled in one forward step), `cpu_thread_policy="fixed"`
+(every kernel on all its threads), and is timed around
 `Engine.generate(input_ids=..., max_new_tokens=1)`: the prompt's forward, its last row's logits and
 one sampled token. llama.cpp (llama-cpp-python) has `n_batch = n_ubatch` the longest prompt (one
 `llama_decode` takes the whole prompt), no prompt cache and a reset context before every prompt, and
@@ -23,7 +24,7 @@ its faster setting per length taken as its figure. Prompts are random token ids 
 whatever the tokens), a fresh prompt for every repeat, the same for every system; every system first
 prefills one prompt of each length (warm-up), then rounds alternate the systems, and the best of
 `--repeats` is reported (the median too, in the JSON). A system this radixlm or CPU cannot run (bf16
-without AVX512-BF16, int8 activations without AVX512-VNNI or before `cpu_act_quant` exists) is skipped
+without AVX512-BF16, int8 activations without their SIMD kernels or `cpu_act_quant`) is skipped
 with the reason.
 
     python benchmarks/bench_prefill_cpu.py                       # 512 and 2,048 tokens, every system
@@ -56,7 +57,7 @@ from common import (
     save_figure,
     save_result,
 )
-from systems import SystemUnavailable, check_engine_options, llama_cpp, q8_0_gguf
+from systems import SystemUnavailable, check_engine_options, engine_fields, llama_cpp, q8_0_gguf
 
 NAME = "prefill_cpu"
 SIZES = {
@@ -101,6 +102,8 @@ def radixlm_system(name: str, gguf: Path, threads: int, longest: int) -> tuple[P
 
     options = RADIXLM[name][1]
     check_engine_options(options)
+    if "cpu_thread_policy" in engine_fields():  # every kernel on `threads` threads, as llama.cpp's
+        options = options | {"cpu_thread_policy": "fixed"}
     engine = rt.Engine(
         model_path=str(gguf),
         disable_radix_cache=True,

@@ -5,10 +5,17 @@ For each system and prompt: time to first token (prefill + first sample) and dec
 fp32's (greedy agreement). Systems: radixlm with --quantization none (fp32), int8 and int4 (auto: the
 GGUF's own Q4_1 blocks), llama.cpp on the same GGUF file (llama-cpp-python, the `llamacpp` extra) and
 transformers (fp32, the dequantized export). Prompts: a chat question, a summarisation / RAG prompt (a
-long document and a question) and a code-editing prompt.
+long document and a question) and a code-editing prompt. Every request prefills its whole prompt (the
+cache is flushed first), so there is no cache setting to vary.
 
-    python benchmarks/bench_single_stream.py                                  # all systems, 128 tokens
+Run when named: radixlm in bf16 (`radixlm_bf16`: dtype bfloat16, bf16 weights and dot products on
+AVX512-BF16) and with int8 activations into the int4 weights (`radixlm_int4_a8`: cpu_act_quant int8,
+VNNI or AVX2), each skipped with the reason where this radixlm or CPU lacks it; vLLM-CPU in float32
+(`vllm_cpu`) and bf16 (`vllm_cpu_bf16`).
+
+    python benchmarks/bench_single_stream.py                                  # default systems, 128 tokens
     python benchmarks/bench_single_stream.py --systems radixlm_int4,llamacpp  # a subset
+    python benchmarks/bench_single_stream.py --systems cpu_dtypes   # -> single_stream_cpu_dtypes.json
     python benchmarks/bench_single_stream.py --tiny                           # 8 tokens, smoke run
 
 More radixlm rows are one entry of RADIXLM_SYSTEMS: engine keyword arguments under a name. The
@@ -32,6 +39,7 @@ from common import (
     add_list_flag,
     add_model_flag,
     bench_parser,
+    common_prefix_len,
     fmt,
     list_flag,
     parse_sizes,
@@ -39,7 +47,7 @@ from common import (
     save_figure,
     save_result,
 )
-from systems import SystemUnavailable, VllmCpuSystem
+from systems import SystemUnavailable, VllmCpuSystem, check_engine_options, llama_cpp
 
 NAME = "single_stream"
 SIZES = {
@@ -52,10 +60,17 @@ RADIXLM_SYSTEMS: dict[str, dict[str, Any]] = {
     "radixlm_int8": {"quantization": "int8"},
     "radixlm_int4": {"quantization": "auto"},
     "radixlm_int4_spec": {"quantization": "auto", "speculative_num_draft_tokens": 4},
+    "radixlm_bf16": {"quantization": "none", "dtype": "bfloat16"},
+    "radixlm_int4_a8": {"quantization": "auto", "cpu_act_quant": "int8"},
 }
-OTHER_SYSTEMS = ("llamacpp", "transformers", "vllm_cpu")
-# vLLM-CPU compiles for minutes at start-up, so it runs only when named.
-DEFAULT_SYSTEMS = ",".join([*RADIXLM_SYSTEMS, "llamacpp", "transformers"])
+OTHER_SYSTEMS = ("llamacpp", "transformers", "vllm_cpu", "vllm_cpu_bf16")
+# vLLM-CPU compiles for minutes at start-up, and the other arithmetic needs CPU features: run when named.
+ON_REQUEST = ("radixlm_bf16", "radixlm_int4_a8")
+DEFAULT_SYSTEMS = ",".join([*(s for s in RADIXLM_SYSTEMS if s not in ON_REQUEST), "llamacpp", "transformers"])
+# Named sets of --systems: radixlm's and vLLM-CPU's arithmetic side by side (llama.cpp as the int4 peer).
+SYSTEM_SETS = {
+    "cpu_dtypes": "radixlm_fp32,radixlm_bf16,radixlm_int4,radixlm_int4_a8,llamacpp,vllm_cpu,vllm_cpu_bf16"
+}
 REFERENCE = "radixlm_fp32"
 
 DOCUMENT = " ".join(
@@ -115,6 +130,7 @@ Runner = tuple[Callable[[list[int]], tuple[Timer, list[int]]], Callable[[], None
 def radixlm_runner(name: str, model: BenchModel, new_tokens: int, threads: int) -> Runner:
     import radixlm_runtime as rt
 
+    check_engine_options(RADIXLM_SYSTEMS[name])
     engine = rt.Engine(
         model_path=model.path,
         max_total_tokens=8192,
@@ -138,14 +154,8 @@ def radixlm_runner(name: str, model: BenchModel, new_tokens: int, threads: int) 
 def llamacpp_runner(model: BenchModel, new_tokens: int, threads: int) -> Runner:
     import numpy as np
 
-    try:
-        from llama_cpp import Llama, LogitsProcessorList
-    except ImportError:
-        raise SystemUnavailable(
-            "llama-cpp-python is not installed (pip install -e '.[llamacpp]'; it compiles llama.cpp)"
-        ) from None
-
-    llm = Llama(model_path=str(model.gguf()), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
+    lib = llama_cpp()
+    llm = lib.Llama(model_path=str(model.gguf()), n_ctx=4096, n_threads=threads, verbose=False, seed=0)
     eos = llm.token_eos()
 
     def ban_eos(_ids: Any, scores: np.ndarray) -> np.ndarray:
@@ -158,7 +168,7 @@ def llamacpp_runner(model: BenchModel, new_tokens: int, threads: int) -> Runner:
         llm.reset()
         timer, out_ids = Timer(), []
         tokens = llm.generate(
-            ids, temp=0.0, repeat_penalty=1.0, reset=True, logits_processor=LogitsProcessorList([ban_eos])
+            ids, temp=0.0, repeat_penalty=1.0, reset=True, logits_processor=lib.LogitsProcessorList([ban_eos])
         )
         for token in tokens:
             timer.token()
@@ -193,11 +203,11 @@ def transformers_runner(model: BenchModel, new_tokens: int, threads: int) -> Run
     return run, lambda: None
 
 
-def vllm_cpu_runner(model: BenchModel, new_tokens: int) -> Runner:
-    """vLLM's CPU build (fp32, set up as its CPU guide says; it binds every core itself). Its offline
+def vllm_cpu_runner(model: BenchModel, new_tokens: int, dtype: str) -> Runner:
+    """vLLM's CPU build (in `dtype`, set up as its CPU guide says; it binds every core itself). Its offline
     API returns whole outputs, so time to first token is a one-token request's wall time and decode
     rate the rest of a full request's."""
-    system = VllmCpuSystem(model.hf_dir())
+    system = VllmCpuSystem(model.hf_dir(), dtype=dtype)
 
     def call(ids: list[int], n: int) -> dict[str, Any]:
         system.call({"op": "reset"})
@@ -221,8 +231,8 @@ def make_runner(name: str, model: BenchModel, new_tokens: int, threads: int) -> 
         return llamacpp_runner(model, new_tokens, threads)
     if name == "transformers":
         return transformers_runner(model, new_tokens, threads)
-    if name == "vllm_cpu":
-        return vllm_cpu_runner(model, new_tokens)
+    if name in ("vllm_cpu", "vllm_cpu_bf16"):
+        return vllm_cpu_runner(model, new_tokens, "bfloat16" if name == "vllm_cpu_bf16" else "float32")
     raise ValueError(f"unknown system {name!r}; known: {[*RADIXLM_SYSTEMS, *OTHER_SYSTEMS]}")
 
 
@@ -275,14 +285,7 @@ def measure(
 def agreement(run: Run, runs: list[Run]) -> int | None:
     """Leading new tokens equal to radixlm fp32's on the same prompt."""
     ref = next((r for r in runs if r.system == REFERENCE and r.prompt == run.prompt), None)
-    if ref is None:
-        return None
-    same = 0
-    for a, b in zip(run.output_ids, ref.output_ids):
-        if a != b:
-            break
-        same += 1
-    return same
+    return None if ref is None else common_prefix_len(run.output_ids, ref.output_ids)
 
 
 def plot(runs: list[Run], systems: list[str], path: Path) -> str:
@@ -303,7 +306,9 @@ def plot(runs: list[Run], systems: list[str], path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
-    add_list_flag(ap, "--systems", "systems", DEFAULT_SYSTEMS, "radixlm_fp32,radixlm_int4,transformers")
+    sets = "; ".join(f"{k} = {v}" for k, v in SYSTEM_SETS.items())
+    what = f"systems of {', '.join([*RADIXLM_SYSTEMS, *OTHER_SYSTEMS])}, or a named set ({sets})"
+    add_list_flag(ap, "--systems", what, DEFAULT_SYSTEMS, "radixlm_fp32,radixlm_int4,transformers")
     ap.add_argument(
         "--threads", type=int, default=None, help="CPU threads of every system (default: all cores)."
     )
@@ -311,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     args, sizes = parse_sizes(ap, argv, SIZES)
     model = BenchModel(args.model_path)
     systems = list_flag(args, "--systems", str)
+    named = systems[0] if systems[0] in SYSTEM_SETS else None
+    systems = SYSTEM_SETS[named].split(",") if named else systems
     threads = args.threads or os.cpu_count() or 1
     prompts = prompt_ids(model)
     skipped: dict[str, str] = {}
@@ -340,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         "Q4_1 as int4 and Q8_0 lm_head as int8; K-quants likewise), the same bits llama.cpp reads; "
         "radixlm_int8 requantizes every linear per channel from the fp32 export.",
     ]
-    name = model.result_name(NAME)
+    # A named set is saved under its own name, beside the default comparison.
+    name = model.result_name(f"{NAME}_{named}" if named else NAME)
     save_result(
         args.out_dir,
         name,

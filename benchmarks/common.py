@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -207,6 +207,11 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
         return {f"p{q}": None for q in qs}
     arr = np.asarray(values, dtype=float)
     return {f"p{q}": float(np.percentile(arr, q)) for q in qs}
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two outputs share: equal up to their first divergence."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def command_line() -> str:

@@ -1,7 +1,7 @@
 // This CPU's peak arithmetic rate per vector instruction set, the ceiling bench_linear_cpu.py holds the
 // linear kernels against: fp32 FMA (vfmadd*ps), bf16 pair dot products (vdpbf16ps, AVX512-BF16) and
 // int8 dot products (vpdpbusd, AVX512-VNNI; AVX-VNNI on ymm), each on zmm where the CPU has AVX-512, and
-// fp32 FMA on ymm (AVX2) on every CPU with AVX2.
+// on every CPU with AVX2 fp32 FMA on ymm and AVX2's int8 dot product (vpmaddubsw + vpmaddwd + vpaddd).
 //
 // Each thread runs 16 (zmm) or 12 (ymm) independent accumulator chains held in registers (more chains
 // than the instruction's latency times the ports that issue it, so none waits on its own result), on
@@ -19,7 +19,7 @@
 namespace {
 
 // The paths, as cpu_peak.py numbers them.
-enum Isa { FMA_YMM = 0, FMA_ZMM = 1, BF16_ZMM = 2, VNNI_ZMM = 3, VNNI_YMM = 4 };
+enum Isa { FMA_YMM = 0, FMA_ZMM = 1, BF16_ZMM = 2, VNNI_ZMM = 3, VNNI_YMM = 4, INT8_AVX2 = 5 };
 
 // Operands the compiler cannot see as constants (read once per call through a volatile).
 volatile float g_seed = 1.0f;
@@ -93,11 +93,27 @@ CP_PATH(vnni_zmm, "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma", CP_REP16, CP_
 #define CP_LANE_EPI256(acc) _mm_cvtsi128_si32(_mm256_castsi256_si128(acc))
 CP_PATH(vnni_ymm, "avx2,fma,avxvnni", CP_REP12, CP_VNNI_YMM_SETUP, __m256i, CP_EPI256, CP_VNNI_YMM, CP_LANE_EPI256)
 
+// AVX2's int8 dot product without VNNI (what the int8-activation kernels run there): vpmaddubsw (u8 x s8
+// pairs summed to int16), vpmaddwd by ones (int16 pairs to int32), vpaddd into the chain; the same
+// 64 operations per 32 bytes as a ymm vpdpbusd. One asm block a step, so nothing is hoisted.
+#define CP_AVX2_INT8_SETUP                                                               \
+  const __m256i a = _mm256_set1_epi8(static_cast<char>(g_seed)), b = a;                  \
+  const __m256i ones = _mm256_set1_epi16(static_cast<short>(g_seed));
+#define CP_AVX2_INT8(acc)                                                                        \
+  ({                                                                                             \
+    __m256i t;                                                                                   \
+    asm("vpmaddubsw %2, %3, %1\n\tvpmaddwd %4, %1, %1\n\tvpaddd %1, %0, %0"                      \
+        : "+x"(acc), "=&x"(t)                                                                    \
+        : "x"(a), "x"(b), "x"(ones));                                                            \
+    acc;                                                                                         \
+  })
+CP_PATH(int8_avx2, "avx2,fma", CP_REP12, CP_AVX2_INT8_SETUP, __m256i, CP_EPI256, CP_AVX2_INT8, CP_LANE_EPI256)
+
 }  // namespace
 
 extern "C" {
 
-// Whether this CPU runs path `isa` (0 fma_ymm, 1 fma_zmm, 2 bf16_zmm, 3 vnni_zmm, 4 vnni_ymm).
+// Whether this CPU runs path `isa` (0 fma_ymm, 1 fma_zmm, 2 bf16_zmm, 3 vnni_zmm, 4 vnni_ymm, 5 int8_avx2).
 int cpu_peak_supported(int isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -107,12 +123,13 @@ int cpu_peak_supported(int isa) {
     case BF16_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512bf16");
     case VNNI_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512vnni");
     case VNNI_YMM: return avx2 && __builtin_cpu_supports("avxvnni");
+    case INT8_AVX2: return avx2;
     default: return 0;
   }
 }
 
 // Independent chains per thread of path `isa`: one instruction each per round.
-int cpu_peak_chains(int isa) { return isa == FMA_YMM || isa == VNNI_YMM ? kAccYmm : kAccZmm; }
+int cpu_peak_chains(int isa) { return isa == FMA_YMM || isa == VNNI_YMM || isa == INT8_AVX2 ? kAccYmm : kAccZmm; }
 
 // Runs path `isa` on `threads` OpenMP threads, `iters` rounds each; returns the wall seconds of the
 // parallel region and writes the threads that ran to *team; -1 where the CPU lacks the path.
@@ -132,7 +149,8 @@ double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
       case FMA_ZMM: r = fma_zmm(iters); break;
       case BF16_ZMM: r = bf16_zmm(iters); break;
       case VNNI_ZMM: r = vnni_zmm(iters); break;
-      default: r = vnni_ymm(iters); break;
+      case VNNI_YMM: r = vnni_ymm(iters); break;
+      default: r = int8_avx2(iters); break;
     }
     sink[static_cast<size_t>(t)] = r;
   }

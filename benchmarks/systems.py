@@ -27,25 +27,30 @@ class SystemUnavailable(RuntimeError):
     """An optional system that cannot run here; the benchmark reports it as skipped."""
 
 
-def check_engine_options(options: dict[str, Any]) -> None:
-    """Raises SystemUnavailable where this radixlm or this CPU cannot run the engine `options` as named:
-    a field EngineConfig does not have yet (e.g. cpu_act_quant before int8 activations land), bf16 on a
-    CPU without AVX512-BF16 or int8 activations on one without AVX512-VNNI (the engine would run
-    float32 there, logged, and the row would be mislabelled)."""
+def engine_fields() -> set[str]:
+    """The engine flags this radixlm has (EngineConfig's fields)."""
     import dataclasses
 
     from radixlm_runtime.config import EngineConfig
+
+    return {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def check_engine_options(options: dict[str, Any]) -> None:
+    """Raises SystemUnavailable where this radixlm or this CPU cannot run the engine `options` as named:
+    a field EngineConfig does not have yet (e.g. cpu_act_quant before int8 activations land), bf16 on a
+    CPU without AVX512-BF16 or int8 activations on one without their SIMD kernels (the engine would run
+    float32 there, logged, and the row would be mislabelled)."""
     from radixlm_runtime.layers import linear_kernels
 
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    missing = sorted(set(options) - fields)
+    missing = sorted(set(options) - engine_fields())
     if missing:
         raise SystemUnavailable(f"this radixlm's EngineConfig has no {', '.join(missing)} field yet")
     if options.get("dtype") == "bfloat16" and not linear_kernels.bf16_available():
         raise SystemUnavailable("this CPU has no AVX512-BF16 dot products: radixlm would run float32")
     act8_available = getattr(linear_kernels, "act8_available", lambda: False)
     if options.get("cpu_act_quant", "none") != "none" and not act8_available():
-        raise SystemUnavailable("this CPU (or radixlm) has no AVX512-VNNI int8-activation kernels")
+        raise SystemUnavailable("this CPU (or radixlm) has no SIMD int8-activation kernels")
 
 
 class RadixlmSystem:

