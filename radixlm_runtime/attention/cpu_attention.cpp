@@ -1,8 +1,10 @@
-// Attention for CPUs, float32, reading K/V straight from the KV pool (decode, extends and prefill
-// chunks alike), with a layer's sliding window and logit soft-cap where it has them; and the KV store.
+// Attention for CPUs, float32 queries and softmax, reading K/V straight from the KV pool (decode, extends
+// and prefill chunks alike), with a layer's sliding window and logit soft-cap where it has them; and the
+// KV store.
 //
 // Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
-//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers; slot 0 is a zeroed dummy.
+//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers of float32 or bf16 (KvType; --dtype
+//                 bfloat16 on CPU halves the pool's bytes per token); slot 0 is a zeroed dummy.
 //   table         the request-to-token table, int64 [max_reqs, table_stride]: row `rows[r]`, columns
 //                 0 .. seq_lens[r] - 1 hold request r's KV slots, its new tokens' included (they are
 //                 stored before attention runs).
@@ -33,6 +35,21 @@
 // row-major tiles. The portable scalar path (key by key, every row updated per key, libm expf) serves
 // other CPUs and head dims that are not a multiple of 8. `mode` caps the path, so tests reach each one
 // on one machine.
+//
+// A bf16 pool (--dtype bfloat16 on CPU: half the bytes per token, so twice the tokens in the same memory
+// and half the bytes a decode streams): the store rounds K/V to nearest even, as torch's
+// .to(torch.bfloat16) does. Attention reads them widened to float32 (exact: a 16-bit shift) and rounds
+// the scaled queries to bf16 as well, so on every path a score is a dot product of bf16 operands (exact
+// products) summed in float32; softmax and P.V stay float32. The scalar path widens each element as it
+// reads it, the row-major tiles (decode) in their registers as they load a row (load8), the
+// rows-as-lanes kernels a block's rows of a head into the scratch once for all the item's rows
+// (head_rows). So paths 0-2 give over a bf16 pool the bits they give over a float32 pool holding the same
+// rounded K/V, with the queries rounded. Path 3 (mode 3, a CPU with AVX512-BF16) computes the
+// rows-as-lanes scores with vdpbf16ps instead, two elements an instruction and K's pairs read straight
+// from the pool (1.25x the widening path on prefill shapes, one thread of a Zen 4): the same products,
+// but vdpbf16ps rounds its sums its own way, so path 3 agrees with the others within float32 rounding,
+// not to the bit. It is batch-invariant as they are: each lane one chain over D in order, on either
+// vector width, whatever else shares its item or however its request was chunked.
 //
 // Per-layer features (transformers' semantics). A sliding window of W keys: token j at position p sees
 // keys p - W + 1 .. p, so an item's keys start at its first token's window (whole blocks before it are
@@ -79,13 +96,18 @@ constexpr float kNegInf = -INFINITY;
 // The most query rows per vector on the rows-as-lanes prefill path (AVX-512's).
 constexpr int64_t kLanes = 16;
 
+// The KV pool's element type (cpu_backend.py's KV_TYPES).
+enum KvType : int { kKvFloat32 = 0, kKvBf16 = 1 };
+
 struct Problem {
   const float* q;
   int64_t q_stride;
   float* out;
   int64_t out_stride;
-  const float* k_buf;
-  const float* v_buf;
+  const char* k_buf;
+  const char* v_buf;
+  bool bf16;   // the pool holds bf16 (else float32)
+  bool pairs;  // bf16 pool on path 3: the rows-as-lanes scores by vdpbf16ps (see lanes_scores_pairs)
   int64_t kv_heads;
   int64_t head_dim;
   int64_t group;
@@ -108,6 +130,10 @@ struct Problem {
   float* state_m;
   float* state_l;
   float* state_acc;
+
+  int64_t row_bytes() const { return kv_heads * head_dim * (bf16 ? 2 : 4); }
+  // A slot's row (every kv head) of k_buf or v_buf.
+  const char* row(const char* buf, int64_t slot) const { return buf + slot * row_bytes(); }
 };
 
 // Grows v to at least n elements, never shrinks it: each buffer is checked against its own size, since
@@ -120,7 +146,11 @@ void grow(std::vector<T>& v, int64_t n) {
 // One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
 struct Scratch {
   std::vector<float> q, s, acc, m, l, corr;
-  std::vector<const float*> kp, vp, krow, vrow;
+  std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 pool
+  std::vector<uint32_t> qpairs;  // path 3: the queries as bf16 pairs, [heads][D / 2][lanes]
+  std::vector<const float*> kp, vp;
+  std::vector<const uint16_t*> kb;  // path 3: a block's K rows of one head, bf16 in the pool
+  std::vector<const char*> krow, vrow;
   std::vector<int32_t> pos;
 
   // rows: one head's query rows (rounded up to whole 16-lane panels, which the AVX-512 path fills);
@@ -134,7 +164,14 @@ struct Scratch {
     grow(l, rows * heads);
     grow(corr, rows);
     grow(pos, rows);
-    for (auto* v : {&kp, &vp, &krow, &vrow}) grow(*v, kBlock);
+    grow(qpairs, rows * heads * d / 2);
+    grow(kf, kBlock * d);
+    grow(vf, kBlock * d);
+    grow(kp, kBlock);
+    grow(vp, kBlock);
+    grow(kb, kBlock);
+    grow(krow, kBlock);
+    grow(vrow, kBlock);
   }
 };
 
@@ -191,15 +228,22 @@ inline int64_t token_row(const Problem& p, const Item& it, int64_t t) {
   return it.r >= 0 ? p.q_starts[it.r] + it.j0 + t : p.q_starts[token_req(p, it, t)];
 }
 
-// Kv head h's query rows of the item, row i = token i / G, q head (h * G + i % G), pre-multiplied by the
-// scale; and their online-softmax state: empty, or its group item's where that covered a prefix.
+// A query element as every path uses it: pre-multiplied by the scale, and over a bf16 pool rounded to bf16
+// (the scores are then dot products of bf16 operands, whichever path computes them).
+inline float query_at(const Problem& p, float x) {
+  const float scaled = x * p.scale;
+  return p.bf16 ? simd::bf16_widen(simd::bf16_round(scaled)) : scaled;
+}
+
+// Kv head h's query rows of the item, row i = token i / G, q head (h * G + i % G), as query_at gives them;
+// and their online-softmax state: empty, or its group item's where that covered a prefix.
 void load_queries(const Problem& p, const Item& it, const Span& sp, int64_t h, float* dst, float* acc, float* m,
                   float* l) {
   const int64_t d = p.head_dim, g = p.group, hq = p.kv_heads * g;
   for (int64_t t = 0; t < sp.tokens; ++t) {
     const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
     float* row = dst + t * g * d;
-    for (int64_t i = 0; i < g * d; ++i) row[i] = src[i] * p.scale;
+    for (int64_t i = 0; i < g * d; ++i) row[i] = query_at(p, src[i]);
     const int64_t base = t * g;
     if (!sp.group && p.prefix_of[it.r] > 0) {
       const int64_t st = it.r * hq + h * g;
@@ -237,15 +281,21 @@ void store_outputs(const Problem& p, const Item& it, const Span& sp, int64_t h, 
 
 // ---------------------------------------------------------------- portable scalar path
 
+// A pool element as float32 (a bf16's widening is exact).
+inline float kv_float(float x) { return x; }
+inline float kv_float(uint16_t x) { return simd::bf16_widen(x); }
+
+// T: the pool's element type (float, or uint16_t for bf16).
+template <typename T>
 void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group;
-  const int64_t rows = sp.tokens * g, row_floats = p.kv_heads * d;
+  const int64_t rows = sp.tokens * g;
   const float cap = p.softcap;
   float *q = w.q.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   load_queries(p, it, sp, h, q, acc, m, l);
   for (int64_t t = sp.from; t < sp.len; ++t) {
-    const float* k = p.k_buf + sp.slots[t] * row_floats + h * d;
-    const float* v = p.v_buf + sp.slots[t] * row_floats + h * d;
+    const T* k = reinterpret_cast<const T*>(p.row(p.k_buf, sp.slots[t])) + h * d;
+    const T* v = reinterpret_cast<const T*>(p.row(p.v_buf, sp.slots[t])) + h * d;
     // Key t is visible to the tokens at or after it, rows from (t - first) * G on; under a window, to
     // those less than `window` positions after it, rows before (t - first + window) * G.
     const int64_t end = sp.window > 0 ? std::min(rows, (t - sp.first + sp.window) * g) : rows;
@@ -253,7 +303,7 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
       const float* qi = q + i * d;
       float* ai = acc + i * d;
       float s = 0.0f;
-      for (int64_t e = 0; e < d; ++e) s += qi[e] * k[e];
+      for (int64_t e = 0; e < d; ++e) s += qi[e] * kv_float(k[e]);
       if (cap > 0.0f) s = cap * tanhf(s / cap);
       float weight = 1.0f;
       if (s > m[i]) {
@@ -265,14 +315,17 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
         weight = expf(s - m[i]);
       }
       l[i] += weight;
-      for (int64_t e = 0; e < d; ++e) ai[e] += weight * v[e];
+      for (int64_t e = 0; e < d; ++e) ai[e] += weight * kv_float(v[e]);
     }
   }
   store_outputs(p, it, sp, h, acc, m, l);
 }
 
 void item_scalar(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
-  for (int64_t h = it.h0; h < it.h1; ++h) head_scalar(p, it, sp, h, w);
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    if (p.bf16) head_scalar<uint16_t>(p, it, sp, h, w);
+    else head_scalar<float>(p, it, sp, h, w);
+  }
 }
 
 // The next block's K and V rows (heads h0 .. h0 + heads - 1), requested into L2 a few cache lines at a
@@ -281,16 +334,17 @@ void item_scalar(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
 // compute took turns: a decode step over unshared KV streamed at ~13 GB/s of the ~29 two cores read.
 struct Prefetcher {
   const int64_t* slots = nullptr;
-  const float* bufs[2] = {nullptr, nullptr};
-  int64_t row_floats = 0, offset = 0, line_count = 0, rows = 0, next = 0, total = 0;
+  const char* bufs[2] = {nullptr, nullptr};
+  int64_t row_bytes = 0, offset = 0, line_count = 0, rows = 0, next = 0, total = 0;
 
   void start(const Problem& p, const int64_t* block_slots, int64_t count, int64_t h0, int64_t heads) {
     slots = block_slots;
     bufs[0] = p.k_buf;
     bufs[1] = p.v_buf;
-    row_floats = p.kv_heads * p.head_dim;
-    offset = h0 * p.head_dim;
-    line_count = (heads * p.head_dim * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+    row_bytes = p.row_bytes();
+    const int64_t head_bytes = row_bytes / p.kv_heads;  // one kv head's D elements
+    offset = h0 * head_bytes;
+    line_count = (heads * head_bytes + 63) / 64;
     rows = count;
     next = 0;
     total = 2 * rows * line_count;
@@ -300,9 +354,9 @@ struct Prefetcher {
   void step(int64_t n) {
     for (const int64_t end = std::min(total, next + n); next < end; ++next) {
       const int64_t row = next / line_count, line = next - row * line_count;
-      const float* buf = bufs[row >= rows];
-      const float* base = buf + slots[row >= rows ? row - rows : row] * row_floats + offset;
-      __builtin_prefetch(reinterpret_cast<const char*>(base) + line * 64, 0, 2);
+      const char* buf = bufs[row >= rows];
+      const char* base = buf + slots[row >= rows ? row - rows : row] * row_bytes + offset;
+      __builtin_prefetch(base + line * 64, 0, 2);
     }
   }
 
@@ -312,11 +366,10 @@ struct Prefetcher {
 // Row pointers (all kv heads) of the item's keys b0 .. b0 + keys - 1 for a block padded to `padded`
 // keys with the dummy slot 0 (zeros, weighted 0); and the next block's rows asked of the prefetcher.
 inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t b0, int64_t keys, int64_t padded,
-                       const float** krow, const float** vrow, Prefetcher& pf) {
-  const int64_t row_floats = p.kv_heads * p.head_dim;
+                       const char** krow, const char** vrow, Prefetcher& pf) {
   for (int64_t t = 0; t < keys; ++t) {
-    krow[t] = p.k_buf + sp.slots[b0 + t] * row_floats;
-    vrow[t] = p.v_buf + sp.slots[b0 + t] * row_floats;
+    krow[t] = p.row(p.k_buf, sp.slots[b0 + t]);
+    vrow[t] = p.row(p.v_buf, sp.slots[b0 + t]);
   }
   for (int64_t t = keys; t < padded; ++t) {
     krow[t] = p.k_buf;
@@ -324,6 +377,46 @@ inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t
   }
   const int64_t next = std::max<int64_t>(0, std::min(kBlock, sp.len - b0 - kBlock));
   pf.start(p, sp.slots + b0 + kBlock, next, it.h0, it.h1 - it.h0);
+}
+
+// 8 elements of a KV row as float32: a float32 pool's loaded, a bf16 pool's widened in the register.
+SIMD_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+SIMD_AVX2 inline __m256 load8(const uint16_t* x) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+
+// n bf16 values widened to float32 (exact); n a multiple of 8.
+SIMD_AVX2 inline void widen_bf16(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t e = 0; e < n; e += 8) _mm256_storeu_ps(out + e, load8(x + e));
+}
+
+// Kv head h's K and V rows of a block (count rows, from block_rows) as the rows-as-lanes kernels read
+// them, w.kp[t] and w.vp[t] (D floats each): in place in a float32 pool; a bf16 pool's widened into the
+// scratch (exact), once per block and head for every query row of the item to read (the lanes kernels
+// broadcast single elements, which loads from a float row best). On path 3 (p.pairs) K stays bf16 in the
+// pool, w.kb[t] pointing at it.
+SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char* const* krow,
+                         const char* const* vrow, Scratch& w) {
+  const int64_t d = p.head_dim;
+  for (int64_t t = 0; t < count; ++t) {
+    if (!p.bf16) {
+      w.kp[t] = reinterpret_cast<const float*>(krow[t]) + h * d;
+      w.vp[t] = reinterpret_cast<const float*>(vrow[t]) + h * d;
+      continue;
+    }
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
+    float *kf = w.kf.data() + t * d, *vf = w.vf.data() + t * d;
+    if (p.pairs) {
+      w.kb[t] = k;
+    } else {
+      widen_bf16(k, d, kf);
+      w.kp[t] = kf;
+    }
+    widen_bf16(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
+    w.vp[t] = vf;
+  }
 }
 
 // ---------------------------------------------------------------- AVX2 + FMA path
@@ -348,11 +441,11 @@ SIMD_AVX2 inline __m256 lanes_below(int64_t count) {
 }
 
 // Scores of QT query rows (q, d floats apart) against KT keys at a time of kp[0 .. keys) (keys a
-// multiple of KT) into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the
-// FMA latency is hidden; the loops over them unroll fully, which keeps the arrays in registers.
-template <int QT, int KT>
-SIMD_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, int64_t keys, float* s,
-                           Prefetcher& pf) {
+// multiple of KT; rows of the pool's element type T) into s, a row per query row, kBlock apart. QT * KT
+// accumulators, so with 8 or more the FMA latency is hidden; the loops over them unroll fully, which
+// keeps the arrays in registers.
+template <int QT, int KT, typename T>
+SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, int64_t keys, float* s, Prefetcher& pf) {
   for (int64_t t = 0; t < keys; t += KT) {
     pf.step(kPrefetchStep);
     __m256 acc[QT][KT];
@@ -364,7 +457,7 @@ SIMD_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, in
     for (int64_t e = 0; e < d; e += 8) {
       __m256 kv[KT];
 #pragma GCC unroll 8
-      for (int c = 0; c < KT; ++c) kv[c] = _mm256_loadu_ps(kp[t + c] + e);
+      for (int c = 0; c < KT; ++c) kv[c] = load8(kp[t + c] + e);
 #pragma GCC unroll 8
       for (int i = 0; i < QT; ++i) {
         const __m256 qv = _mm256_loadu_ps(q + i * d + e);
@@ -384,8 +477,8 @@ SIMD_AVX2 void scores_tile(const float* q, int64_t d, const float* const* kp, in
 
 // acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart),
 // NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
-template <int QT, int NV>
-SIMD_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
+template <int QT, int NV, typename T>
+SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
                        int64_t e1, Prefetcher& pf) {
   for (int64_t e = e0; e < e1; e += 8 * NV) {
     __m256 a[QT][NV];
@@ -398,7 +491,7 @@ SIMD_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, flo
       pf.step(1);
       __m256 v[NV];
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) v[c] = _mm256_loadu_ps(vp[t] + e + 8 * c);
+      for (int c = 0; c < NV; ++c) v[c] = load8(vp[t] + e + 8 * c);
 #pragma GCC unroll 8
       for (int i = 0; i < QT; ++i) {
         const __m256 w = _mm256_broadcast_ss(p + i * kBlock + t);
@@ -416,8 +509,8 @@ SIMD_AVX2 void pv_tile(const float* p, const float* const* vp, int64_t keys, flo
 
 // P.V for QT rows over all of d: several vectors per pass (3 rows: 2, to stay within 16 registers),
 // then the tail of d a vector at a time.
-template <int QT>
-SIMD_AVX2 void pv_rows(const float* p, const float* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
+template <int QT, typename T>
+SIMD_AVX2 void pv_rows(const float* p, const T* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
   constexpr int kNv = QT == 1 ? 8 : QT == 2 ? 4 : 2;
   const int64_t whole = d / (8 * kNv) * (8 * kNv);
   pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole, pf);
@@ -454,7 +547,9 @@ SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float cap,
     sum = _mm256_add_ps(sum, w);
   }
   for (; t < padded; ++t) s[t] = 0.0f;
-  l = l * corr + hsum(sum);
+  // One rounding, spelled out: left to -ffp-contract, whether this fused depended on how the item was
+  // inlined, and a float32 and a bf16 pool's items (or this library and llama_cpu.cpp's) could differ.
+  l = fmaf(l, corr, hsum(sum));
   if (corr != 1.0f) {
     const __m256 c = _mm256_set1_ps(corr);
     for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(c, _mm256_loadu_ps(acc + e)));
@@ -466,16 +561,18 @@ SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float cap,
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays. No window
 // masks keys here: the row-major items are decode tokens, each alone, its keys starting at its window.
-template <bool kCap>
+// T: the pool's element type; a bf16 pool's K/V are widened in the registers as the tiles load them (a
+// decode token's few query rows would not repay widening them into the scratch first).
+template <typename T, bool kCap>
 SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
   const int64_t first = sp.first, len = sp.len;
   const int64_t rows = sp.tokens * g;
   float *q = w.q.data(), *s = w.s.data(), *acc_all = w.acc.data(), *m_all = w.m.data(), *l_all = w.l.data();
-  const float** kp = w.kp.data();
-  const float** vp = w.vp.data();
-  const float** krow = w.krow.data();
-  const float** vrow = w.vrow.data();
+  const T* kp[kBlock];
+  const T* vp[kBlock];
+  const char** krow = w.krow.data();
+  const char** vrow = w.vrow.data();
   Prefetcher pf;
   pf.start(p, sp.slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
   pf.finish();
@@ -494,8 +591,8 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
       const float* qh = q + base * d;
       float *acc = acc_all + base * d, *m = m_all + base, *l = l_all + base;
       for (int64_t t = 0; t < padded; ++t) {
-        kp[t] = krow[t] + h * d;
-        vp[t] = vrow[t] + h * d;
+        kp[t] = reinterpret_cast<const T*>(krow[t]) + h * d;
+        vp[t] = reinterpret_cast<const T*>(vrow[t]) + h * d;
       }
       int64_t i = 0;
       for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
@@ -561,8 +658,15 @@ struct Avx512 {
   }
   SIMD_AVX512 static Reg max_where(Reg a, Mask m, Reg b) { return _mm512_mask_max_ps(a, m, a, b); }
   SIMD_AVX512 static Reg zero_unless(Mask m, Reg v) { return _mm512_maskz_mov_ps(m, v); }
+  // Path 3: a pair of bf16 in every lane; acc + the lanes' pair dot products of a and b (vdpbf16ps).
+  SIMD_BF16 static Reg set1_pair(uint32_t x) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(x))); }
+  SIMD_BF16 static Reg dot_pairs(Reg acc, Reg a, Reg b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
+  }
 };
 
+// 8-float vectors; on path 3 with AVX512-BF16's 256-bit vdpbf16ps, which computes each lane as the
+// 512-bit one does.
 struct Avx2 {
   using Reg = __m256;
   using Mask = __m256;
@@ -589,6 +693,10 @@ struct Avx2 {
   }
   SIMD_AVX2 static Reg max_where(Reg a, Mask m, Reg b) { return _mm256_blendv_ps(a, _mm256_max_ps(a, b), m); }
   SIMD_AVX2 static Reg zero_unless(Mask m, Reg v) { return _mm256_and_ps(m, v); }
+  SIMD_BF16 static Reg set1_pair(uint32_t x) { return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(x))); }
+  SIMD_BF16 static Reg dot_pairs(Reg acc, Reg a, Reg b) {
+    return _mm256_dpbf16_ps(acc, reinterpret_cast<const __m256bh&>(a), reinterpret_cast<const __m256bh&>(b));
+  }
 };
 
 namespace lanes16 {
@@ -606,10 +714,12 @@ using V = Avx2;
 }  // namespace lanes8
 
 // The path a call runs: the widest of the mode asked for (0 scalar, 1 AVX2, 2 AVX-512 on prefill
-// chunks) that the CPU has, where a head is whole 8-float vectors; otherwise the scalar one.
-int select_path(int mode, bool avx2, bool avx512, int64_t head_dim) {
+// chunks, 3 that and, over a bf16 pool, their scores by vdpbf16ps) that the CPU has, where a head is
+// whole 8-float vectors; otherwise the scalar one.
+int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;
-  return mode >= 2 && avx512 ? 2 : 1;
+  if (mode == 1 || !avx512) return 1;
+  return mode >= 3 && avx512_bf16 ? 3 : 2;
 }
 
 // f(window, cap) with each flag a compile-time bool (std::true_type / std::false_type): the branch is
@@ -654,20 +764,31 @@ int ca_has_avx2_fma(void) { return simd::cpu_has_avx2_fma(); }
 
 int ca_has_avx512(void) { return simd::cpu_has_avx512(); }
 
+int ca_has_avx512_bf16(void) { return simd::cpu_has_avx512_bf16(); }
+
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.
-int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int64_t head_dim) {
-  return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, head_dim);
+int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int cpu_has_avx512_bf16, int64_t head_dim) {
+  return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, cpu_has_avx512_bf16 != 0, head_dim);
 }
 
 // Copies row i of k and of v (Hkv * D contiguous floats each, `*_stride` floats apart) to slot loc[i]
-// of k_buf / v_buf: the new tokens' KV store.
+// of k_buf / v_buf (kv_type: KvType), a bf16 pool's rounded to nearest even: the new tokens' KV store.
 void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* loc,
-                 int64_t n, int64_t row_floats, float* k_buf, float* v_buf, int threads) {
+                 int64_t n, int64_t row_floats, void* k_buf, void* v_buf, int kv_type, int threads) {
   const int nt = n * row_floats >= kAttentionParallelMin ? threads : 1;
+  const int64_t row_bytes = row_floats * (kv_type == kKvBf16 ? 2 : 4);
+  char *kb = static_cast<char*>(k_buf), *vb = static_cast<char*>(v_buf);
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < n; ++i) {
-    memcpy(k_buf + loc[i] * row_floats, k + i * k_stride, row_floats * sizeof(float));
-    memcpy(v_buf + loc[i] * row_floats, v + i * v_stride, row_floats * sizeof(float));
+    char *kd = kb + loc[i] * row_bytes, *vd = vb + loc[i] * row_bytes;
+    if (kv_type == kKvFloat32) {
+      memcpy(kd, k + i * k_stride, row_bytes);
+      memcpy(vd, v + i * v_stride, row_bytes);
+      continue;
+    }
+    uint16_t *kh = reinterpret_cast<uint16_t*>(kd), *vh = reinterpret_cast<uint16_t*>(vd);
+    for (int64_t e = 0; e < row_floats; ++e) kh[e] = simd::bf16_round(k[i * k_stride + e]);
+    for (int64_t e = 0; e < row_floats; ++e) vh[e] = simd::bf16_round(v[i * v_stride + e]);
   }
 }
 
@@ -677,15 +798,18 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 // `members`, member counts, shared prefix lengths) lists decoding requests (one new token each) whose KV
 // starts with the same prefix slots: that prefix is attended once for all members (0 groups: none).
 // window: the layer's sliding window in keys, softcap its logit soft-cap (0: none, either).
-// mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on AVX2), where select_path allows it.
-void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const float* k_buf,
-               const float* v_buf, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+// k_buf, v_buf: of kv_type (KvType). mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on
+// AVX2), 3 = 2 with, over a bf16 pool, prefill chunks' scores by vdpbf16ps (AVX512-BF16), where
+// select_path allows it.
+void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const void* k_buf,
+               const void* v_buf, int kv_type, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
                const int64_t* groups, int64_t num_groups, const int64_t* members, float scale, int64_t window,
                float softcap, int mode, int threads) {
   static const bool avx2 = simd::cpu_has_avx2_fma();
   static const bool avx512 = simd::cpu_has_avx512();
-  const int path = select_path(mode, avx2, avx512, head_dim);
+  static const bool avx512_bf16 = simd::cpu_has_avx512_bf16();
+  const int path = select_path(mode, avx2, avx512, avx512_bf16, head_dim);
   const int64_t group = num_q_heads / num_kv_heads;
   static thread_local std::vector<int64_t> prefix_of, kept_groups;
   static thread_local std::vector<float> state_m, state_l, state_acc;
@@ -702,10 +826,11 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     grow(state_l, num_reqs * num_q_heads);
     grow(state_acc, num_reqs * num_q_heads * head_dim);
   }
-  const Problem p{q, q_stride, out, out_stride, k_buf, v_buf, num_kv_heads, head_dim, group, table,
-                  table_stride, requests, requests + num_reqs, requests + 2 * num_reqs,
-                  requests + 3 * num_reqs, scale, window, softcap, groups, num_groups, members, prefix_of.data(),
-                  state_m.data(), state_l.data(), state_acc.data()};
+  const bool bf16 = kv_type == kKvBf16;
+  const Problem p{q, q_stride, out, out_stride, static_cast<const char*>(k_buf), static_cast<const char*>(v_buf),
+                  bf16, bf16 && path == 3, num_kv_heads, head_dim, group, table, table_stride, requests,
+                  requests + num_reqs, requests + 2 * num_reqs, requests + 3 * num_reqs, scale, window, softcap,
+                  groups, num_groups, members, prefix_of.data(), state_m.data(), state_l.data(), state_acc.data()};
   // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
   // per head (one request decoding: its heads are the parallelism). A request's chunks run from its last.
   int64_t chunks = 0;
@@ -754,12 +879,13 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
       const bool lanes = it.r < 0 || (p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0);
       with_features(sp.window > 0, p.softcap > 0.0f, [&](auto window_t, auto cap_t) {
         constexpr bool kWindow = decltype(window_t)::value, kCap = decltype(cap_t)::value;
-        if (path == 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
+        if (path >= 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
           lanes16::item_lanes<kWindow, kCap>(p, it, sp, w);
         } else if (path >= 1 && lanes) {
           lanes8::item_lanes<kWindow, kCap>(p, it, sp, w);
         } else if (path >= 1) {
-          item_avx2<kCap>(p, it, sp, w);
+          if (p.bf16) item_avx2<uint16_t, kCap>(p, it, sp, w);
+          else item_avx2<float, kCap>(p, it, sp, w);
         } else {
           item_scalar(p, it, sp, w);
         }

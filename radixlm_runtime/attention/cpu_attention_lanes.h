@@ -13,6 +13,25 @@
 // Panels per register tile.
 constexpr int kTilePanels = 3;
 
+// A register tile of S^T: kTile keys x NP panels of accumulators, zeroed; stored as rows t0 .. of st.
+template <int NP>
+LANES_TARGET inline void zero_tile(typename V::Reg (&acc)[V::kTile][NP]) {
+#pragma GCC unroll 8
+  for (int j = 0; j < V::kTile; ++j) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; ++c) acc[j][c] = V::zero();
+  }
+}
+
+template <int NP>
+LANES_TARGET inline void store_tile(const typename V::Reg (&acc)[V::kTile][NP], float* st, int64_t lanes) {
+#pragma GCC unroll 8
+  for (int j = 0; j < V::kTile; ++j) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; ++c) V::store(st + j * lanes + c * V::kLanes, acc[j][c]);
+  }
+}
+
 // S^T rows (keys t of kp[0 .. keys), keys a multiple of kTile) for NP panels: st[t][c * kLanes ..] =
 // sum over e of K[t][e] * qt[e][c * kLanes ..]. qt and st rows are `lanes` floats apart.
 template <int NP>
@@ -22,11 +41,7 @@ LANES_TARGET void lanes_scores(const float* qt, int64_t lanes, const float* cons
   for (int64_t t0 = 0; t0 < keys; t0 += kt) {
     pf.step(kPrefetchStep);
     typename V::Reg acc[kt][NP];
-#pragma GCC unroll 8
-    for (int j = 0; j < kt; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) acc[j][c] = V::zero();
-    }
+    zero_tile<NP>(acc);
     for (int64_t e = 0; e < d; ++e) {
       typename V::Reg qv[NP];
 #pragma GCC unroll 4
@@ -38,10 +53,51 @@ LANES_TARGET void lanes_scores(const float* qt, int64_t lanes, const float* cons
         for (int c = 0; c < NP; ++c) acc[j][c] = V::fmadd(kb, qv[c], acc[j][c]);
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < kt; ++j) {
+    store_tile<NP>(acc, st + t0 * lanes, lanes);
+  }
+}
+
+// lanes_scores over a bf16 pool on path 3 (AVX512-BF16): two head elements per instruction, vdpbf16ps
+// taking each lane's query pair from qp ([D / 2][lanes] pairs of bf16, rows `lanes` apart) and key t's
+// pair broadcast straight from its bf16 row kb[t] in the pool (no widening). Each score is one chain of
+// pair dot products over D in order, in every lane alike: batch-invariant, and the same bits on either
+// width. The products are exact (bf16 x bf16), the rounding of the sums vdpbf16ps's own (Intel's
+// pseudo-code rounds after each product, flushing denormals; CPUs differ), so the scores agree with the
+// float32 kernels' on the same bf16 operands within float32 rounding, not to the bit.
+template <int NP>
+SIMD_BF16 void lanes_scores_pairs(const uint32_t* qp, int64_t lanes, const uint16_t* const* kb, int64_t d,
+                                  int64_t keys, float* st, Prefetcher& pf) {
+  constexpr int kt = V::kTile;
+  for (int64_t t0 = 0; t0 < keys; t0 += kt) {
+    pf.step(kPrefetchStep);
+    typename V::Reg acc[kt][NP];
+    zero_tile<NP>(acc);
+    for (int64_t e = 0; e < d / 2; ++e) {
+      typename V::Reg qv[NP];
 #pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) V::store(st + (t0 + j) * lanes + c * V::kLanes, acc[j][c]);
+      for (int c = 0; c < NP; ++c) qv[c] = V::load(reinterpret_cast<const float*>(qp + e * lanes + c * V::kLanes));
+#pragma GCC unroll 8
+      for (int j = 0; j < kt; ++j) {
+        uint32_t pair;
+        memcpy(&pair, kb[t0 + j] + 2 * e, 4);
+        const typename V::Reg kv = V::set1_pair(pair);
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) acc[j][c] = V::dot_pairs(acc[j][c], qv[c], kv);
+      }
+    }
+    store_tile<NP>(acc, st + t0 * lanes, lanes);
+  }
+}
+
+// Path 3: a head's queries qt [D][lanes] (bf16 values already: query_at's) as pairs qp [D / 2][lanes],
+// element 2e in the low half of pair e.
+LANES_TARGET inline void pair_queries(const float* qt, int64_t d, int64_t lanes, uint32_t* qp) {
+  for (int64_t e = 0; e < d / 2; ++e) {
+    for (int64_t i = 0; i < lanes; ++i) {
+      uint32_t lo, hi;
+      memcpy(&lo, qt + 2 * e * lanes + i, 4);
+      memcpy(&hi, qt + (2 * e + 1) * lanes + i, 4);
+      qp[e * lanes + i] = (lo >> 16) | (hi & 0xffff0000u);
     }
   }
 }
@@ -150,10 +206,9 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float* corr = w.corr.data();
   int32_t* pos = w.pos.data();
-  const float** kp = w.kp.data();
-  const float** vp = w.vp.data();
-  const float** krow = w.krow.data();
-  const float** vrow = w.vrow.data();
+  const float* const* vp = w.vp.data();
+  const char** krow = w.krow.data();
+  const char** vrow = w.vrow.data();
   // Lane i is query row i: token i / G at position first + i / G, which sees the keys up to there.
   // Padding lanes take the last token's position and zero queries: finite, and never stored.
   for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
@@ -166,9 +221,10 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     for (int64_t t = 0; t < sp.tokens; ++t) {
       const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
       for (int64_t e = 0; e < g; ++e) {
-        for (int64_t i = 0; i < d; ++i) q[i * lanes + t * g + e] = src[e * d + i] * p.scale;
+        for (int64_t i = 0; i < d; ++i) q[i * lanes + t * g + e] = query_at(p, src[e * d + i]);
       }
     }
+    if (p.pairs) pair_queries(q, d, lanes, w.qpairs.data() + (h - it.h0) * (d / 2) * lanes);
   }
   std::fill(acct, acct + heads * d * lanes, 0.0f);
   std::fill(m, m + heads * lanes, kNegInf);
@@ -180,13 +236,17 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
-      for (int64_t t = 0; t < padded; ++t) {
-        kp[t] = krow[t] + h * d;
-        vp[t] = vrow[t] + h * d;
+      head_rows(p, h, padded, krow, vrow, w);
+      if (p.pairs) {
+        const uint32_t* qp = w.qpairs.data() + hi * (d / 2) * lanes;
+        for_panel_tiles(panels, [&](auto np, int64_t c0) {
+          lanes_scores_pairs<decltype(np)::value>(qp + c0 * kl, lanes, w.kb.data(), d, padded, st + c0 * kl, pf);
+        });
+      } else {
+        for_panel_tiles(panels, [&](auto np, int64_t c0) {
+          lanes_scores<decltype(np)::value>(q + c0 * kl, lanes, w.kp.data(), d, padded, st + c0 * kl, pf);
+        });
       }
-      for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_scores<decltype(np)::value>(q + c0 * kl, lanes, kp, d, padded, st + c0 * kl, pf);
-      });
       for (int64_t c = 0; c < panels; ++c) {
         const int64_t o = hi * lanes + c * kl;
         lanes_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, pos + c * kl, sp.window, p.softcap,

@@ -1,4 +1,7 @@
-"""Attention for float32 on the CPU in C++ (cpu_attention.cpp, built by kernels/native.py).
+"""Attention for float32 on the CPU in C++ (cpu_attention.cpp, built by kernels/native.py), over a KV pool
+of float32 or (--dtype bfloat16) bf16: K/V rounded to bf16 as they are stored and widened back as they
+are read, the scores then dot products of bf16 operands (the queries rounded too) accumulated in float32,
+by vdpbf16ps on prefill chunks where the CPU has AVX512-BF16; softmax and P.V in float32.
 
 Per layer the torch backend spends much of a step outside arithmetic: index_put of the new K/V,
 index_select gathers of every request's K/V, then torch's flash kernel, which with a cached prefix
@@ -27,9 +30,11 @@ from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
-# more (the rest on AVX2). Each runs where the CPU has it and D is whole 8-float vectors, else the one
-# below.
-SCALAR, AVX2, AVX512 = 0, 1, 2
+# more (the rest on AVX2); that and, over a bf16 pool, those items' scores by vdpbf16ps (AVX512-BF16).
+# Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
+SCALAR, AVX2, AVX512, AVX512_BF16 = 0, 1, 2, 3
+# The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
@@ -39,13 +44,14 @@ def _library() -> ctypes.CDLL:
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.ca_has_avx2_fma.restype = c_int
     lib.ca_has_avx512.restype = c_int
-    lib.ca_select_path.argtypes = [c_int, c_int, c_int, i64]
+    lib.ca_has_avx512_bf16.restype = c_int
+    lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
-    lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int]
+    lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int, c_int]
     lib.ca_store_kv.restype = None
-    # q, its stride, out, its stride, k_buf, v_buf, Hq, Hkv, D, table, its stride, requests, B, groups,
-    # their count, members, scale, window, softcap, mode, threads
-    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64]
+    # q, its stride, out, its stride, k_buf, v_buf, their KV type, Hq, Hkv, D, table, its stride, requests,
+    # B, groups, their count, members, scale, window, softcap, mode, threads
+    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, c_int, i64, i64, i64, ptr, i64, ptr, i64]
     lib.ca_decode.argtypes += [ptr, i64, ptr, f32, i64, f32, c_int, c_int]
     lib.ca_decode.restype = None
     return lib
@@ -53,16 +59,18 @@ def _library() -> ctypes.CDLL:
 
 def kernel_path(
     head_dim: int,
-    mode: int = AVX512,
+    mode: int = AVX512_BF16,
     cpu_has_avx2_fma: bool | None = None,
     cpu_has_avx512: bool | None = None,
+    cpu_has_avx512_bf16: bool | None = None,
 ) -> int:
     """The path the kernels run for `mode` on a CPU with the given features (this one's, asked of the
     CPU, where None): the C++ side's own choice, so a fake feature set tests it."""
     lib = _library()
     avx2 = lib.ca_has_avx2_fma() if cpu_has_avx2_fma is None else int(cpu_has_avx2_fma)
     avx512 = lib.ca_has_avx512() if cpu_has_avx512 is None else int(cpu_has_avx512)
-    return lib.ca_select_path(mode, avx2, avx512, head_dim)
+    bf16 = lib.ca_has_avx512_bf16() if cpu_has_avx512_bf16 is None else int(cpu_has_avx512_bf16)
+    return lib.ca_select_path(mode, avx2, avx512, bf16, head_dim)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -73,10 +81,20 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
+def kv_type(buf: torch.Tensor) -> int:
+    """The kernels' number for a KV buffer's dtype; a ValueError for one they do not read."""
+    if buf.dtype not in KV_TYPES or buf.device.type != "cpu":
+        raise ValueError(
+            f"the C++ CPU attention reads float32 or bfloat16 KV on the CPU, got {buf.dtype} on {buf.device}"
+        )
+    return KV_TYPES[buf.dtype]
+
+
 def store_kv(
     k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """k_buf[loc] = k and v_buf[loc] = v (what KVPool.set_kv does) as one row copy per token."""
+    """k_buf[loc] = k and v_buf[loc] = v (what KVPool.set_kv does, a bf16 pool's rounded to nearest even
+    as .to(torch.bfloat16) rounds) as one row write per token."""
     k, v = _rows(k), _rows(v)
     _library().ca_store_kv(
         k.data_ptr(),
@@ -88,6 +106,7 @@ def store_kv(
         k.shape[1] * k.shape[2],
         k_buf.data_ptr(),
         v_buf.data_ptr(),
+        kv_type(k_buf),
         torch.get_num_threads(),
     )
 
@@ -144,13 +163,14 @@ def decode_attention(
     req_to_token: torch.Tensor,
     step: StepRequests,
     scale: float,
-    mode: int = AVX512,
+    mode: int = AVX512_BF16,
     window: int = 0,
     softcap: float = 0.0,
 ) -> None:
     """Writes the rows of out [T, Hq, D] that `step`'s requests own: each new token's causal attention
-    over its request's KV in k_buf / v_buf [slots, Hkv, D], read through its req_to_token row; with a
-    sliding window of `window` keys and scores soft-capped at `softcap` where they are not 0."""
+    over its request's KV in k_buf / v_buf [slots, Hkv, D] (float32 or bfloat16), read through its
+    req_to_token row; with a sliding window of `window` keys and scores soft-capped at `softcap` where
+    they are not 0."""
     q = _rows(q)
     if out.stride(2) != 1 or out.stride(1) != out.shape[2]:
         raise ValueError("out rows must be contiguous")
@@ -161,6 +181,7 @@ def decode_attention(
         out.stride(0),
         k_buf.data_ptr(),
         v_buf.data_ptr(),
+        kv_type(k_buf),
         q.shape[1],
         k_buf.shape[1],
         q.shape[2],
@@ -176,7 +197,8 @@ def decode_attention(
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Float32 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has (tests)."""
+    """Float32 or bfloat16 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has
+    (tests)."""
 
     supports_per_token = True
     supports_sliding_window = True
@@ -187,12 +209,12 @@ class CpuAttentionBackend(AttentionBackend):
         kv_pool: KVPool,
         req_to_token_table: ReqToTokenTable,
         layers: Sequence[AttentionLayer],
-        mode: int = AVX512,
+        mode: int = AVX512_BF16,
     ) -> None:
-        if kv_pool.dtype != torch.float32 or kv_pool.device.type != "cpu":
+        if kv_pool.dtype not in KV_TYPES or kv_pool.device.type != "cpu":
             raise ValueError(
-                f"the cpu attention backend needs a float32 KV pool on the CPU, got {kv_pool.dtype} on "
-                f"{kv_pool.device}; use attention_backend='torch'"
+                f"the cpu attention backend needs a float32 or bfloat16 KV pool on the CPU, got "
+                f"{kv_pool.dtype} on {kv_pool.device}; use attention_backend='torch'"
             )
         super().__init__(kv_pool, req_to_token_table, layers)
         _library()  # built now, so a missing compiler fails at start-up

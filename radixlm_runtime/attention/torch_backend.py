@@ -12,6 +12,9 @@ dominant cost of decode, so this is what keeps decode cheap when many requests s
 Layers with a sliding window or a logit soft-cap run a plain per-request path instead
 (`_attend_general`): scores in float32, soft-capped, masked to each token's window. It is the
 reference every faster backend's windowed and soft-capped kernels are tested against.
+
+K/V are read in the queries' dtype: a bf16 pool on the CPU (--dtype bfloat16, float32 activations) is
+widened, exactly, as its rows are gathered.
 """
 
 from __future__ import annotations
@@ -63,13 +66,12 @@ class _DecodeMeta:
     groups: list[_PrefixGroup]
     _row_mask: torch.Tensor | None = None
 
-    def row_mask(self, group: int) -> torch.Tensor:
-        """suffix_mask with a row per query row (token j's row for each of its G heads), expanded
-        once per step rather than in every layer."""
+    def row_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """suffix_mask with a row per query row (token j's row for each of its G heads) in the queries'
+        dtype, expanded once per step rather than in every layer."""
         if self._row_mask is None:
-            self._row_mask = (
-                self.suffix_mask if self.num_rows == 1 else self.suffix_mask.repeat_interleave(group, dim=2)
-            )
+            mask = self.suffix_mask.to(dtype)
+            self._row_mask = mask if self.num_rows == 1 else mask.repeat_interleave(group, dim=2)
         return self._row_mask
 
 
@@ -240,8 +242,8 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D inputs: torch's CPU flash-attention kernel only takes [B, H, L, D]; 3-D inputs fall
         # back to the unfused math path, which is 4-5x slower.
         qi = q[item.start : item.start + item.length].transpose(0, 1)[None]  # [1, Hq, n, D]
-        k = k_buf.index_select(0, item.kv_slots).transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v_buf.index_select(0, item.kv_slots).transpose(0, 1)[None]
+        k = k_buf.index_select(0, item.kv_slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_buf.index_select(0, item.kv_slots).to(q.dtype).transpose(0, 1)[None]
         causal = item.mask is None
         o = F.scaled_dot_product_attention(
             qi, k, v, attn_mask=item.mask, is_causal=causal, scale=scale, enable_gqa=True
@@ -264,10 +266,10 @@ class TorchAttentionBackend(AttentionBackend):
             .reshape(bsz, num_kv_heads, -1, head_dim)
         )
         group = num_q_heads // num_kv_heads
-        mask = meta.row_mask(group)
+        mask = meta.row_mask(group, q.dtype)
         flat = meta.suffix_slots.view(-1)
-        k = k_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_buf.index_select(0, flat).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
+        k = k_buf.index_select(0, flat).to(q.dtype).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_buf.index_select(0, flat).to(q.dtype).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
         out, lse = _flash(qg, k, v, mask, scale)  # [Bd, Hkv, N * G, D], [Bd, Hkv, N * G]
         for g in meta.groups:
             self._merge_shared_prefix(qg, out, lse, g, k_buf, v_buf, scale)
@@ -299,6 +301,7 @@ class TorchAttentionBackend(AttentionBackend):
             kp, vp = k_buf[start:end], v_buf[start:end]
         else:
             kp, vp = k_buf.index_select(0, group.slots), v_buf.index_select(0, group.slots)
+        kp, vp = kp.to(qg.dtype), vp.to(qg.dtype)
         p_out, p_lse = _flash(qm, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)
         p_out = p_out.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         p_lse = p_lse.view(num_kv_heads, n, g).transpose(0, 1)

@@ -11,6 +11,7 @@ import torch
 
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.layers.linear_kernels import BF16
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.sampling.params import SamplingParams
 from radixlm_runtime.sampling.sampler import SamplingBatchInfo
@@ -25,6 +26,14 @@ logger = get_logger(__name__)
 DEFAULT_MEM_FRACTION = (0.15, 0.9)
 # The smallest pool worth starting with; on CPU a smaller budget is raised to it.
 MIN_POOL_TOKENS = 1024
+
+
+def kv_dtype_for(dtype: torch.dtype, compute: str, device: torch.device) -> torch.dtype:
+    """The KV pool's dtype: the model's, except under bf16 arithmetic on the CPU (--dtype bfloat16 on a CPU
+    with AVX512-BF16: float32 tensors, `compute` BF16), where K/V are stored as bf16, half the bytes per
+    token, so a pool sized from memory holds twice the tokens (the CPU attention reads them back
+    exactly widened)."""
+    return torch.bfloat16 if device.type == "cpu" and compute == BF16 else dtype
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -155,16 +164,17 @@ def activation_reserve(
 def kv_pool_size(
     config: EngineConfig,
     model: ModelConfig,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     device: torch.device,
     limits: StepLimits,
     open_scratch: OpenScratch,
 ) -> int:
-    """Tokens of the KV pool: --max-total-tokens when given, else --mem-fraction-static (or its default)
-    of the available memory, less on CUDA the activations of the largest steps, measured."""
+    """Tokens of the KV pool (of kv_dtype, kv_dtype_for's): --max-total-tokens when given, else
+    --mem-fraction-static (or its default) of the available memory, less on CUDA the activations of the
+    largest steps, measured."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_token_for(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    per_token = KVPool.bytes_per_token_for(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     fraction = config.mem_fraction_static
     if fraction is None:
         fraction = DEFAULT_MEM_FRACTION[device.type == "cuda"]

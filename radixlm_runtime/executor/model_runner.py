@@ -14,7 +14,7 @@ from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
-from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_pool_size
+from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_dtype_for, kv_pool_size
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
@@ -98,7 +98,7 @@ class ModelRunner:
         self.sampler = Sampler(device=self.device)
         limits = StepLimits.of(config, max_step_tokens, self.context_len)
         self.max_total_tokens = kv_pool_size(
-            config, self.config, self.dtype, self.device, limits, self.open_scratch
+            config, self.config, self.kv_dtype, self.device, limits, self.open_scratch
         )
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
@@ -120,16 +120,22 @@ class ModelRunner:
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
         self._last_sampled: torch.Tensor | None = None
         logger.info(
-            "KV pool: %d tokens (%.2f GiB), attention backend %s, decoder layers %s",
+            "KV pool: %d tokens (%.2f GiB, %s), attention backend %s, decoder layers %s",
             self.max_total_tokens,
             self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**30,
+            self.kv_pool.dtype,
             type(self.attn_backend).__name__,
             "in one C++ call" if self.model.cpu_decoder else "from Python",
         )
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pools' dtype: bf16 under bf16 arithmetic on the CPU, else the model's (memory.py)."""
+        return kv_dtype_for(self.dtype, self.compute, self.device)
+
     def _new_kv_pool(self, size: int) -> KVPool:
         c = self.config
-        return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+        return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
 
     def _new_host_pool(self, size: int) -> KVPool | None:
         """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""
@@ -137,9 +143,10 @@ class ModelRunner:
             return None
         c = self.config
         pool = KVPool(
-            size, c.num_layers, c.num_kv_heads, c.head_dim, self.dtype, "cpu", self.device.type == "cuda"
+            size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, "cpu", self.device.type == "cuda"
         )
-        logger.info("host KV tier: %d tokens (%.2f GiB)", size, size * pool.bytes_per_token() / 2**30)
+        gib = size * pool.bytes_per_token() / 2**30
+        logger.info("host KV tier: %d tokens (%.2f GiB, %s)", size, gib, pool.dtype)
         return pool
 
     def _copy_kv(self, copies: list[KVCopy]) -> None:

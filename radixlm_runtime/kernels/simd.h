@@ -1,15 +1,19 @@
 // SIMD helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
-// attention/cpu_attention.cpp): CPU feature checks, AVX2 and AVX-512 exp and tanh. kernels/native.py compiles
-// each kernel with this folder on the include path and hashes this header into every library's cache
-// key, so editing it rebuilds them all.
+// attention/cpu_attention.cpp): CPU feature checks, bf16 rounding and widening, AVX2 and AVX-512 exp and
+// tanh. kernels/native.py compiles each kernel with this folder on the include path and hashes this
+// header into every library's cache key, so editing it rebuilds them all.
 
 #pragma once
 
 #include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
 
 // The target attributes of the SIMD paths, beside the run-time checks for exactly those features.
 #define SIMD_AVX2 __attribute__((target("avx2,fma")))
 #define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+// (layers/linear_cpu.cpp defines SIMD_BF16 too, to the same tokens, which a unity build of both allows.)
+#define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 namespace simd {
 
@@ -26,11 +30,34 @@ inline bool cpu_has_avx512() {
          __builtin_cpu_supports("avx512vl");
 }
 
+// Whether this CPU has bf16 dot products (AVX512-BF16's vdpbf16ps) on top of AVX-512.
+inline bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
 // Whether a kernel call runs its AVX2 path: asked for (`mode` != 0; tests force 0 to reach the
 // portable path) and the CPU has it (asked once).
 inline bool use_avx2(int mode) {
   static const bool has = cpu_has_avx2_fma();
   return mode != 0 && has;
+}
+
+// bf16 (a float32's upper 16 bits) from float32, rounding to nearest even as torch's .to(torch.bfloat16)
+// does; a NaN stays a quiet NaN.
+inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
+}
+
+// float32 from bf16: exact, a 16-bit shift.
+inline float bf16_widen(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
 SIMD_AVX2 inline float hsum(__m256 v) {

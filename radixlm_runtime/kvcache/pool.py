@@ -14,7 +14,9 @@ from radixlm_runtime.layers import fused_triton
 
 
 class KVPool:
-    """One preallocated token-granular K and V buffer per layer.
+    """One preallocated token-granular K and V buffer per layer, of `dtype`: the model's, or bfloat16
+    under bf16 arithmetic on the CPU (executor/memory.py's kv_dtype_for), whose float32 K/V are rounded
+    to bf16 as they are stored.
 
     Slot 0 is a dummy slot that padded positions write to / read from, so real slots are 1..size.
     """
@@ -66,14 +68,15 @@ class KVPool:
 
     def copy_from(self, other: KVPool, src: list[int], dst: list[int]) -> None:
         """Every layer's K and V of other's slots `src` into this pool's slots `dst` (between the
-        device pool and the host tier, either way; `dst` holds no slot twice)."""
+        device pool and the host tier, either way; `dst` holds no slot twice), in this pool's dtype (the
+        tiers share one, so that is a plain copy)."""
         src_idx = torch.tensor(src, dtype=torch.int64, device=other.device)
         dst_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
         pairs = zip(self.k_buffers + self.v_buffers, other.k_buffers + other.v_buffers, strict=True)
         # Into the GPU asynchronously; out of it synchronously, since the host scatter reads the data.
         non_blocking = self.device.type == "cuda"
         for mine, theirs in pairs:
-            mine[dst_idx] = theirs[src_idx].to(self.device, non_blocking=non_blocking)
+            mine[dst_idx] = theirs[src_idx].to(self.device, self.dtype, non_blocking=non_blocking)
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

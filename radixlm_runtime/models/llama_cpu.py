@@ -4,8 +4,9 @@ Serves a forward when the family declares `supports_cpu_decoder`, every layer's 
 loop has (pre-norm or Gemma's sandwich norms, per-head q/k norms, SwiGLU or GeGLU, a rotary table per
 layer type, per-layer windows and soft-caps), every decoder linear runs on the CPU linear kernels
 (float32 panels or weight-only int8/int4), the activations are float32 on the CPU and attention runs on
-the C++ CPU backend: then each layer is nothing but calls into the C++ kernels, and making them from C++
-instead of Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step).
+the C++ CPU backend (over a float32 KV pool, or a bf16 one under --dtype bfloat16): then each layer is
+nothing but calls into the C++ kernels, and making them from C++ instead of Python takes the
+interpreter out of the step (a fifth of a single-stream int4 decode step).
 The outputs are bit-identical to the Python path's: the same kernels in the same order. Everything else
 (embeddings and their scale, final norm, lm_head, --deterministic's per-token attention) stays in
 Python. A model with an op the loop lacks is refused with the reason logged, and its layers run from
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend
+from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend, kv_type
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers import fused_cpu
@@ -50,7 +51,7 @@ def _library() -> ctypes.CDLL:
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     # layers, attention, num_layers, hidden, inter, q_heads, kv_heads, head_dim, eps, hidden, residual,
     # tokens, cos, sin, loc, table, table_stride, requests, num_reqs, groups, num_groups, members,
-    # three modes, threads
+    # the KV type, three modes, threads
     lib.lc_forward.argtypes = [
         ptr,
         ptr,
@@ -67,7 +68,7 @@ def _library() -> ctypes.CDLL:
         i64,
         ptr,
     ]
-    lib.lc_forward.argtypes += [c_int] * 4
+    lib.lc_forward.argtypes += [c_int] * 5
     lib.lc_forward.restype = None
     return lib
 
@@ -156,6 +157,7 @@ class LlamaCpuDecoder:
         )
         self.eps = model.layers[0].input_layernorm.eps
         self.attn = attn
+        self.kv_type = kv_type(attn.kv_pool.k_buffers[0])
         self.fused_mode = fused_cpu.default_mode()
         self.compute = model.layers[0].self_attn.qkv_proj.compute
 
@@ -213,6 +215,7 @@ class LlamaCpuDecoder:
             table.data_ptr(),
             table.stride(0),
             *batch.attn_metadata.args(),
+            self.kv_type,
             kernel_mode(tokens, self.compute),
             self.fused_mode,
             self.attn.mode,

@@ -177,12 +177,13 @@ def _reference_attention(
     ext: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """Each new token attends to its request's keys up to its own position, computed densely."""
+    """Each new token attends to its request's keys up to its own position, computed densely (in float32
+    over a bf16 pool's widened K/V)."""
     out, row = torch.empty_like(q), 0
     group = q.shape[1] // k_buf.shape[1]
     for slots, n in zip(seqs, ext):
-        k = k_buf[slots].repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_buf[slots].repeat_interleave(group, dim=1)
+        k = k_buf[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_buf[slots].float().repeat_interleave(group, dim=1)
         for j in range(n):
             visible = len(slots) - n + j + 1
             scores = torch.einsum("hd,lhd->hl", q[row], k[:visible]) * scale

@@ -5,7 +5,10 @@ prefix, longer than the kernel's 16-token query chunks and 64-key blocks) of req
 shuffled pool slots, read through the fused projection's strided q/k/v views. Sliding windows and logit
 soft-caps against the torch backend's per-request float32 path, the reference for them: sequences
 around and past 3x the window, shared-prefix groups whose prefix a member's window holds or not, and
---deterministic's per-token decodes."""
+--deterministic's per-token decodes. Each over a float32 pool and a bf16 one (--dtype bfloat16 on CPU),
+whose reference is float32 math on the bf16-rounded K/V and queries: paths 0-2 give over a bf16 pool the
+bits they give over a float32 pool holding the rounded values; path 3 (vdpbf16ps prefill scores, where
+the CPU has AVX512-BF16) agrees within float32 rounding; every path is batch- and chunk-invariant."""
 
 from __future__ import annotations
 
@@ -17,27 +20,54 @@ from test_backends import PROMPTS, _hand_built_step, _reference_attention, _run
 
 from radixlm_runtime.attention import cpu_backend, registry
 from radixlm_runtime.attention.base import AttentionLayer
-from radixlm_runtime.attention.cpu_backend import AVX2, AVX512, SCALAR, CpuAttentionBackend, kernel_path
+from radixlm_runtime.attention.cpu_backend import (
+    AVX2,
+    AVX512,
+    AVX512_BF16,
+    SCALAR,
+    CpuAttentionBackend,
+    kernel_path,
+)
 from radixlm_runtime.attention.torch_backend import MAX_BATCHED_EXTEND, TorchAttentionBackend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor import model_runner
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+from radixlm_runtime.layers.linear_kernels import bf16_available
 
 MODES = [SCALAR, AVX2, AVX512]
 TOL = {"atol": 1e-5, "rtol": 1e-4}
+BF16 = torch.bfloat16
+# (pool dtype, mode): a float32 pool on each path (AVX512_BF16 runs AVX512's there), a bf16 one on each
+# path including vdpbf16ps's (AVX512's where the CPU lacks it).
+POOL_MODES = [(torch.float32, m) for m in MODES] + [(BF16, m) for m in [*MODES, AVX512_BF16]]
+POOL_MODE_IDS = [f"{str(d)[6:]}-mode{m}" for d, m in POOL_MODES]
+needs_bf16 = pytest.mark.skipif(
+    not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
+)
+
+
+def _kernel_queries(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """q as the kernels use it over a pool of dtype, unscaled again for a reference that scales: over a
+    bf16 pool each scaled query is rounded to bf16."""
+    return q if dtype == torch.float32 else (q * scale).to(BF16).float() / scale
 
 
 def _shuffled_step(
-    seq_lens: list[int], extend_lens: list[int], num_kv_heads: int, head_dim: int, seed: int
+    seq_lens: list[int],
+    extend_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[KVPool, ReqToTokenTable, list[list[int]], ForwardBatch]:
-    """Requests whose KV slots are a random permutation of the pool (no two neighbours adjacent in
-    general), in scattered table rows, each adding its last extend_lens[b] tokens; every slot but the
+    """Requests whose KV slots are a random permutation of the pool (of dtype) (no two neighbours adjacent
+    in general), in scattered table rows, each adding its last extend_lens[b] tokens; every slot but the
     dummy holds random KV."""
     gen = torch.Generator().manual_seed(seed)
     size = sum(seq_lens) + 50
-    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool = KVPool(size, 1, num_kv_heads, head_dim, dtype, "cpu")
     pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
     pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
     perm = (torch.randperm(size, generator=gen) + 1).tolist()
@@ -90,7 +120,7 @@ EXTEND_LENS = [1, 3, 1, 16, 20, 5, 2, 9, 90, 150]
 ONE_DECODE = ([300], [1])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim",
     [(9, 3, 64), (8, 2, 24), (4, 4, 16), (6, 3, 20)],
@@ -98,21 +128,29 @@ ONE_DECODE = ([300], [1])
 )
 @pytest.mark.parametrize("lens", [(SEQ_LENS, EXTEND_LENS), ONE_DECODE], ids=["batch", "one-decode"])
 def test_forward_matches_dense_reference(
-    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int, lens: tuple[list[int], list[int]]
+    dtype: torch.dtype,
+    mode: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    lens: tuple[list[int], list[int]],
 ) -> None:
-    """forward stores the new tokens' K/V, then every token attends causally over its request's KV,
-    all requests in one kernel call."""
+    """forward stores the new tokens' K/V (a bf16 pool's rounded as .to(bfloat16) rounds), then every
+    token attends causally over its request's KV, all requests in one kernel call."""
     seq_lens, extend_lens = lens
-    pool, table, seqs, batch = _shuffled_step(seq_lens, extend_lens, num_kv_heads, head_dim, seed=head_dim)
+    pool, table, seqs, batch = _shuffled_step(
+        seq_lens, extend_lens, num_kv_heads, head_dim, seed=head_dim, dtype=dtype
+    )
     q, k, v = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=1)
     scale = head_dim**-0.5
     backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(pool.num_layers, scale), mode=mode)
     backend.init_forward_metadata(batch)
     assert batch.attn_metadata.requests.shape == (4, len(seq_lens))
     got = backend.forward(q, k, v, 0, batch)
-    assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k)
-    assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v)
-    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
+    assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k.to(dtype))
+    assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v.to(dtype))
+    q_ref = _kernel_queries(q, scale, dtype)
+    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -155,14 +193,16 @@ def _table_and_batch(seqs: list[list[int]], extend_lens: list[int]) -> tuple[Req
     return table, batch
 
 
-def _shared_prefix_step() -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.Generator]:
+def _shared_prefix_step(
+    dtype: torch.dtype = torch.float32,
+) -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.Generator]:
     """20 decoding requests share a 150-slot prefix, 5 more a 40-slot one (their own suffixes of
     different lengths), one decodes alone and one prefills 30 tokens over the first prefix; one layer of
-    random KV (3 kv heads of 64), and the generator that made it, for the queries."""
+    random KV (3 kv heads of 64) in a pool of dtype, and the generator that made it, for the queries."""
     gen = torch.Generator().manual_seed(3)
     num_kv_heads, head_dim = 3, 64
     size = 2000
-    pool = KVPool(size, 1, num_kv_heads, head_dim, torch.float32, "cpu")
+    pool = KVPool(size, 1, num_kv_heads, head_dim, dtype, "cpu")
     pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
     pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
     free = iter((torch.randperm(size, generator=gen) + 1).tolist())
@@ -175,13 +215,13 @@ def _shared_prefix_step() -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.
     return pool, table, batch, gen
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
+def test_shared_prefix_groups_match_the_dense_reference(dtype: torch.dtype, mode: int) -> None:
     """20 decoding requests share a 150-slot prefix (more members than one group item holds, a prefix of
     three key blocks), 5 more share another (their own suffixes of different lengths), one decodes alone
     and one prefills over the first prefix: the groups' prefix parts computed once, merged into each
     member's own attention, equal attention computed per request."""
-    pool, table, batch, gen = _shared_prefix_step()
+    pool, table, batch, gen = _shared_prefix_step(dtype)
     head_dim = pool.head_dim
     backend = CpuAttentionBackend(
         pool, table, AttentionLayer.uniform(pool.num_layers, head_dim**-0.5), mode=mode
@@ -193,16 +233,26 @@ def test_shared_prefix_groups_match_the_dense_reference(mode: int) -> None:
     q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
     got = backend.attend(q, 0, batch)
     seqs, extend_lens = batch.seq_slots_cpu, batch.extend_lens_cpu
-    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, head_dim**-0.5)
+    scale = head_dim**-0.5
+    q_ref = _kernel_queries(q, scale, dtype)
+    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, **TOL)
 
 
-def _check_group_step(mode: int, members: int, kv_heads: int, q_heads: int, head_dim: int, seed: int) -> None:
-    """`members` decoding requests on one 130-slot prefix (plus 1-5 tokens of their own) against the
-    dense reference."""
+def _check_group_step(
+    mode: int,
+    members: int,
+    kv_heads: int,
+    q_heads: int,
+    head_dim: int,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """`members` decoding requests on one 130-slot prefix (plus 1-5 tokens of their own), KV in a pool of
+    dtype, against the dense reference."""
     gen = torch.Generator().manual_seed(seed)
     size = 130 + 5 * members
-    pool = KVPool(size, 1, kv_heads, head_dim, torch.float32, "cpu")
+    pool = KVPool(size, 1, kv_heads, head_dim, dtype, "cpu")
     pool.k_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
     pool.v_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
     free = iter((torch.randperm(size, generator=gen) + 1).tolist())
@@ -215,36 +265,40 @@ def _check_group_step(mode: int, members: int, kv_heads: int, q_heads: int, head
     assert batch.attn_metadata.groups is not None
     assert batch.attn_metadata.groups[1].tolist() == [members]
     q = torch.randn(members, q_heads, head_dim, generator=gen)
-    want = _reference_attention(q, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * members, scale)
+    q_ref = _kernel_queries(q, scale, dtype)
+    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * members, scale)
     torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_large_group_matches_the_dense_reference(mode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
+def test_a_large_group_matches_the_dense_reference(
+    dtype: torch.dtype, mode: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """40 decoding requests on one 130-slot prefix: with two threads the kernel gives its group items
     16 members (48 query rows, whole AVX-512 panels) instead of 8, the last one partly filled."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    _check_group_step(mode, members=40, kv_heads=3, q_heads=9, head_dim=64, seed=11)
+    _check_group_step(mode, members=40, kv_heads=3, q_heads=9, head_dim=64, seed=11, dtype=dtype)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_steps_of_other_shapes_reuse_the_kernel_buffers_safely(mode: int) -> None:
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
+def test_steps_of_other_shapes_reuse_the_kernel_buffers_safely(dtype: torch.dtype, mode: int) -> None:
     """The kernel keeps its per-thread buffers across calls; a call with more requests and smaller heads
     (another model in the same process) must not leave them too small for the next. Under
     AddressSanitizer (tests/runtime/kernels/test_sanitizers.py) an overrun here is an error, not luck."""
-    _check_group_step(mode, members=60, kv_heads=4, q_heads=12, head_dim=16, seed=5)
-    _check_group_step(mode, members=30, kv_heads=3, q_heads=9, head_dim=64, seed=6)
-    _check_group_step(mode, members=2, kv_heads=1, q_heads=8, head_dim=128, seed=7)
+    _check_group_step(mode, members=60, kv_heads=4, q_heads=12, head_dim=16, seed=5, dtype=dtype)
+    _check_group_step(mode, members=30, kv_heads=3, q_heads=9, head_dim=64, seed=6, dtype=dtype)
+    _check_group_step(mode, members=2, kv_heads=1, q_heads=8, head_dim=128, seed=7, dtype=dtype)
 
 
-def test_vector_widths_give_the_same_bits() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_vector_widths_give_the_same_bits(dtype: torch.dtype) -> None:
     """Prefill chunks run the rows-as-lanes kernel on AVX2 and AVX-512 vectors alike, each lane the same
     operations in the same order, and decode tokens the same AVX2 tiles: so a whole step gives the same
     bits on either width (a result does not depend on which x86 CPU served it)."""
     lib = cpu_backend._library()
     if not (lib.ca_has_avx2_fma() and lib.ca_has_avx512()):
         pytest.skip("needs a CPU with AVX-512 to run both widths")
-    pool, table, _, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, 3, 64, seed=7)
+    pool, table, _, batch = _shuffled_step(SEQ_LENS, EXTEND_LENS, 3, 64, seed=7, dtype=dtype)
     q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=8)
     outs = []
     for mode in (AVX2, AVX512):
@@ -254,39 +308,59 @@ def test_vector_widths_give_the_same_bits() -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def test_store_writes_what_set_kv_writes() -> None:
-    """The C++ row copy equals KVPool.set_kv's index_put on every slot, from strided k/v views."""
+# Values whose bf16 rounding is its own case: ties to even (1 + 2^-8 down, 1 + 3 * 2^-8 up), just above a
+# tie, signed zeros, infinities, the largest float (rounds to inf) and the largest below bf16's overflow,
+# subnormals (one rounding up into the normals), NaN.
+SPECIAL = [1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, -0.0, 0.0, float("inf"), -float("inf")]
+SPECIAL += [3.4028234e38, 3.3895e38, 1e-40, -3e-39, 1.1754942e-38, float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_store_writes_what_set_kv_writes(dtype: torch.dtype) -> None:
+    """The C++ row store equals KVPool.set_kv's index_put on every slot, from strided k/v views: a copy,
+    or into a bf16 pool the rounding of .to(torch.bfloat16) (to nearest even), special values included."""
     gen = torch.Generator().manual_seed(5)
-    pools = [KVPool(64, 2, 3, 8, torch.float32, "cpu") for _ in range(2)]
+    pools = [KVPool(64, 2, 3, 8, dtype, "cpu") for _ in range(2)]
     for pool in pools:
         for buf in pool.k_buffers + pool.v_buffers:
             buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view_as(buf))
     loc = torch.randperm(64, generator=gen)[:11] + 1
     _, k, v = _qkv_views(11, 6, 3, 8, seed=2)
+    k[0].view(-1)[: len(SPECIAL)] = torch.tensor(SPECIAL)  # writes through into the fused projection
+    v[5].view(-1)[: len(SPECIAL)] = torch.tensor(SPECIAL[::-1])
     pools[0].set_kv(1, loc, k, v)
     cpu_backend.store_kv(pools[1].k_buffers[1], pools[1].v_buffers[1], loc, k, v)
+    bits = torch.int16 if dtype == BF16 else torch.int32
     for a, b in zip(pools[0].k_buffers + pools[0].v_buffers, pools[1].k_buffers + pools[1].v_buffers):
-        assert torch.equal(a, b)
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan())
+        assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])  # to the bit: -0.0 is not 0.0
 
 
 def test_cpu_features_pick_the_path() -> None:
     """A fake CPU without AVX2+FMA, or a head dim that is not whole vectors, gets the portable path; one
-    without AVX-512 the AVX2 path; this CPU the widest it has."""
-    assert kernel_path(64, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=True) == AVX512
+    without AVX-512 the AVX2 path, one without AVX512-BF16 the AVX-512 one; this CPU the widest it has."""
+    assert kernel_path(64, AVX512_BF16, True, True, True) == AVX512_BF16
+    assert kernel_path(64, AVX512_BF16, True, True, False) == AVX512
+    assert kernel_path(64, AVX512, True, True, True) == AVX512
+    assert kernel_path(64, AVX512_BF16, True, False, True) == AVX2
     assert kernel_path(64, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=False) == AVX2
     assert kernel_path(64, AVX2, cpu_has_avx2_fma=True, cpu_has_avx512=True) == AVX2
-    assert kernel_path(64, AVX512, cpu_has_avx2_fma=False, cpu_has_avx512=False) == SCALAR
-    assert kernel_path(20, AVX512, cpu_has_avx2_fma=True, cpu_has_avx512=True) == SCALAR
-    assert kernel_path(64, SCALAR, cpu_has_avx2_fma=True, cpu_has_avx512=True) == SCALAR
+    assert kernel_path(64, AVX512_BF16, False, False, False) == SCALAR
+    assert kernel_path(20, AVX512_BF16, True, True, True) == SCALAR
+    assert kernel_path(64, SCALAR, True, True, True) == SCALAR
     lib = cpu_backend._library()
     widest = (AVX512 if lib.ca_has_avx512() else AVX2) if lib.ca_has_avx2_fma() else SCALAR
+    if widest == AVX512 and lib.ca_has_avx512_bf16():
+        widest = AVX512_BF16
     assert kernel_path(64) == widest
+    assert bool(lib.ca_has_avx512_bf16()) == bf16_available()
 
 
 def test_rejects_what_it_cannot_serve() -> None:
     table = ReqToTokenTable(2, 8)
-    with pytest.raises(ValueError, match="float32"):
-        CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.bfloat16, "cpu"), table, AttentionLayer.uniform(1, 1.0))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.float16, "cpu"), table, AttentionLayer.uniform(1, 1.0))
 
 
 def test_engine_generates_like_the_torch_backend(tiny_llama_dir: Path) -> None:
@@ -348,9 +422,11 @@ WINDOW_SHAPES = [(9, 3, 64), (8, 2, 24)]
 def _torch_reference(
     pool: KVPool, table: ReqToTokenTable, layer: AttentionLayer, q: torch.Tensor, batch: ForwardBatch
 ) -> torch.Tensor:
+    """The torch backend's float32 path over the pool's K/V (a bf16 pool's widened) and the queries the
+    C++ kernels use over that pool."""
     reference = TorchAttentionBackend(pool, table, [layer])
     reference.init_forward_metadata(batch)
-    return reference.attend(q, 0, batch)
+    return reference.attend(_kernel_queries(q, layer.scale, pool.dtype), 0, batch)
 
 
 def _cpu_attend(
@@ -368,21 +444,37 @@ def _cpu_attend(
     return backend.attend(q, 0, batch)
 
 
+def _window_step(dtype: torch.dtype) -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.Tensor]:
+    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=4, dtype=dtype)
+    q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=5)
+    return pool, table, batch, q
+
+
+def _groups_step(dtype: torch.dtype) -> tuple[KVPool, ReqToTokenTable, ForwardBatch, torch.Tensor]:
+    pool, table, batch, gen = _shared_prefix_step(dtype)
+    return pool, table, batch, torch.randn(batch.num_tokens, 9, pool.head_dim, generator=gen)
+
+
 def test_the_backend_serves_windows_and_softcaps() -> None:
     layers = [AttentionLayer(0.1, 4096, None), AttentionLayer(0.1, None, 50.0)]
     assert CpuAttentionBackend.unsupported(layers) is None
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
 @pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", WINDOW_SHAPES, ids=["gqa3-d64", "gqa4-d24"])
 @pytest.mark.parametrize("features", WINDOW_LAYERS.values(), ids=WINDOW_LAYERS.keys())
 def test_windowed_softcapped_step_matches_the_torch_backend(
-    mode: int, num_q_heads: int, num_kv_heads: int, head_dim: int, features: tuple[int | None, float | None]
+    dtype: torch.dtype,
+    mode: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    features: tuple[int | None, float | None],
 ) -> None:
     """Every kind of request in one kernel call, each token attending to its window's keys only, its
     scores soft-capped, through the fused projection's strided q view."""
     pool, table, _, batch = _shuffled_step(
-        WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim
+        WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, num_kv_heads, head_dim, seed=head_dim, dtype=dtype
     )
     q, _, _ = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=2)
     layer = AttentionLayer(4 * head_dim**-0.5, *features)
@@ -390,25 +482,24 @@ def test_windowed_softcapped_step_matches_the_torch_backend(
     torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_windowed_softcapped_per_token_decodes_match_the_torch_backend(mode: int) -> None:
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
+def test_windowed_softcapped_per_token_decodes_match_the_torch_backend(dtype: torch.dtype, mode: int) -> None:
     """--deterministic: every new token, prefill chunks' included, attends as a decode of its own
     request prefix, its keys starting at its window."""
-    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=4)
-    q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=5)
+    pool, table, batch, q = _window_step(dtype)
     layer = AttentionLayer(0.5, WINDOW, 2.0)
     want = _torch_reference(pool, table, layer, q, batch)
     torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode, per_token=True), want, **TOL)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
 @pytest.mark.parametrize(
     "features",
     [(None, 2.0), (160, None), (100, 2.0), (50, None)],
     ids=["softcap", "both-groups-in-window", "one-group-in-window", "no-group-in-window"],
 )
 def test_windowed_shared_prefix_groups_match_the_torch_backend(
-    mode: int, features: tuple[int | None, float | None], monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, mode: int, features: tuple[int | None, float | None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """20 decoding requests on a 150-slot prefix (sequences of 151-157), 5 on a 40-slot one (41-77), one
     decoding alone, one prefilling over the first prefix. A group is attended together only where every
@@ -416,9 +507,7 @@ def test_windowed_shared_prefix_groups_match_the_torch_backend(
     groups it keeps are found at their place in its list. Two threads: group items of 16 members, three
     whole AVX-512 panels."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    pool, table, batch, gen = _shared_prefix_step()
-    head_dim = pool.head_dim
-    q = torch.randn(batch.num_tokens, 9, head_dim, generator=gen)
+    pool, table, batch, q = _groups_step(dtype)
     layer = AttentionLayer(0.5, *features)
     want = _torch_reference(pool, table, layer, q, batch)
     torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
@@ -443,14 +532,96 @@ def test_each_layer_runs_with_its_own_window_and_softcap() -> None:
     assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
 
 
-def test_windowed_softcapped_vector_widths_give_the_same_bits() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_windowed_softcapped_vector_widths_give_the_same_bits(dtype: torch.dtype) -> None:
     """Windowed, soft-capped prefill chunks on AVX2 and AVX-512 lanes run the same operations per lane
     (tanh included): the same bits on either width."""
     lib = cpu_backend._library()
     if not (lib.ca_has_avx2_fma() and lib.ca_has_avx512()):
         pytest.skip("needs a CPU with AVX-512 to run both widths")
-    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=7)
+    pool, table, _, batch = _shuffled_step(WINDOW_SEQ_LENS, WINDOW_EXTEND_LENS, 3, 64, seed=7, dtype=dtype)
     q, _, _ = _qkv_views(batch.num_tokens, 9, 3, 64, seed=8)
     layer = AttentionLayer(0.5, WINDOW, 2.0)
     outs = [_cpu_attend(pool, table, layer, q, batch, mode) for mode in (AVX2, AVX512)]
     assert torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------- bf16 pools
+
+
+def _rounded_copy(pool: KVPool) -> KVPool:
+    """A float32 pool holding a bf16 pool's values (widened: exact)."""
+    copy = KVPool(pool.size, pool.num_layers, pool.num_kv_heads, pool.head_dim, torch.float32, "cpu")
+    for mine, theirs in zip(copy.k_buffers + copy.v_buffers, pool.k_buffers + pool.v_buffers):
+        mine.copy_(theirs)
+    return copy
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "features", [(None, None), (WINDOW, 2.0), (None, 2.0)], ids=["plain", "window-softcap", "softcap"]
+)
+@pytest.mark.parametrize("per_token", [False, True], ids=["batched", "per-token"])
+def test_a_bf16_pool_reads_as_a_float32_pool_of_its_rounded_values(
+    mode: int, features: tuple[int | None, float | None], per_token: bool
+) -> None:
+    """Paths 0-2 widen a bf16 pool's K/V (exactly) and round the scaled queries to bf16: on the same step
+    they give the bits they give over a float32 pool holding the rounded K/V, with queries rounded before
+    a power-of-two scale (which keeps them rounded). Decodes, extends, prefill chunks and shared-prefix
+    groups alike."""
+    for pool, table, batch, q in (_window_step(BF16), _groups_step(BF16)):
+        layer = AttentionLayer(0.5, *features)
+        q_rounded = q.to(BF16).float()
+        got = _cpu_attend(pool, table, layer, q, batch, mode, per_token)
+        want = _cpu_attend(_rounded_copy(pool), table, layer, q_rounded, batch, mode, per_token)
+        assert torch.equal(got, want)
+
+
+# One request of 150 tokens prefilled in pieces (each over the KV of the pieces before it), and the pieces'
+# lengths: whole, halves, 2 + 148 (a piece of 6 query rows: AVX2-width lanes) and ragged.
+SPLITS = [[150], [75, 75], [2, 148], [17, 33, 2, 64, 34]]
+
+
+@pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "softcap"])
+def test_a_tokens_bits_do_not_depend_on_chunking_or_batching(
+    dtype: torch.dtype, mode: int, softcap: float | None
+) -> None:
+    """A prompt's tokens attend to the same bits whether the prompt is prefilled at once or in pieces of
+    two or more tokens over its cached part (cached == uncached), alone or batched with other requests:
+    each query row is computed alone, whatever shares its item (rows-as-lanes on either width; vdpbf16ps
+    on path 3)."""
+    seq_lens = [150, 37, 90]
+    pool, table, seqs, _ = _shuffled_step(seq_lens, [1, 1, 1], 3, 64, seed=6, dtype=dtype)
+    q, _, _ = _qkv_views(150, 9, 3, 64, seed=7)
+    layer = AttentionLayer(0.5, None, softcap)
+    outs = []
+    for split in SPLITS:
+        pieces, done = [], 0
+        for n in split:
+            done += n
+            # The piece, then two other requests (a decode and a prefill chunk) in the same step.
+            sub_table, batch = _table_and_batch([seqs[0][:done], seqs[1], seqs[2]], [n, 1, 30])
+            qs = torch.cat([q[done - n : done], torch.randn(31, 9, 64)])
+            pieces.append(_cpu_attend(pool, sub_table, layer, qs, batch, mode)[:n])
+        outs.append(torch.cat(pieces))
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    alone_table, alone = _table_and_batch([seqs[0]], [150])
+    assert torch.equal(_cpu_attend(pool, alone_table, layer, q, alone, mode), outs[0])
+
+
+@needs_bf16
+def test_bf16_prefill_scores_by_vdpbf16ps_where_the_cpu_has_them() -> None:
+    """On a CPU with AVX512-BF16 a bf16 pool's prefill chunks take path 3 by default: scores by vdpbf16ps,
+    which round their sums their own way, so their bits differ from path 2's (float32 FMAs on the same
+    bf16 operands) within float32 rounding; decode tokens run the same tiles either way."""
+    pool, table, batch, q = _window_step(BF16)
+    layer = AttentionLayer(0.5)
+    pairs = _cpu_attend(pool, table, layer, q, batch, AVX512_BF16)
+    floats = _cpu_attend(pool, table, layer, q, batch, AVX512)
+    assert kernel_path(64) == AVX512_BF16
+    decode_rows = [s for s, n in zip(batch.extend_start_loc_cpu, batch.extend_lens_cpu) if n == 1]
+    assert torch.equal(pairs[decode_rows], floats[decode_rows])
+    assert not torch.equal(pairs, floats)
+    torch.testing.assert_close(pairs, floats, **TOL)

@@ -18,6 +18,7 @@ from radixlm_runtime.executor.memory import (
     ScratchShape,
     StepLimits,
     activation_reserve,
+    kv_dtype_for,
     kv_pool_size,
     kv_pool_tokens,
     peak_bytes,
@@ -27,6 +28,7 @@ from radixlm_runtime.executor.memory import (
 from radixlm_runtime.executor.model_runner import ModelRunner
 from radixlm_runtime.executor.step_io import build_batch
 from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.layers.linear_kernels import BF16, FP32
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.sampling.sampler import SamplingBatchInfo
 from radixlm_runtime.step import StepPlan
@@ -151,6 +153,24 @@ def test_pool_size_from_the_flags_and_the_available_memory(
     assert measured == []
     assert size(CUDA) == int(8 * GIB * 0.9) // per_token
     assert measured == [limits]
+
+
+def test_bf16_arithmetic_on_the_cpu_keeps_kv_in_bf16_and_twice_the_tokens(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 arithmetic on the CPU (float32 tensors, BF16 linears) the KV pool is bf16, so the pool
+    sized from memory holds twice the tokens; everywhere else it is the model's dtype."""
+    assert kv_dtype_for(torch.float32, BF16, CPU) == torch.bfloat16
+    assert kv_dtype_for(torch.float32, FP32, CPU) == torch.float32
+    assert kv_dtype_for(torch.bfloat16, FP32, CUDA) == torch.bfloat16
+    assert kv_dtype_for(torch.float16, FP32, CUDA) == torch.float16
+    model = ModelConfig.from_dir(tiny_llama_dir)
+    limits = StepLimits(max_step_tokens=64, context_len=512, max_running_requests=8, graph_batch=0)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 10 * GIB)
+    for dtype, element in ((torch.float32, 4), (torch.bfloat16, 2)):
+        per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
+        tokens = kv_pool_size(EngineConfig(), model, dtype, CPU, limits, no_scratch)
+        assert tokens == int(10 * GIB * 0.15) // per_token
 
 
 def test_step_limits_follow_the_engine_flags() -> None:

@@ -305,6 +305,16 @@ def test_kv_pool_bytes_per_token() -> None:
     assert KVPool.bytes_per_token_for(3, 2, 8, torch.float32) == 2 * expected
 
 
+def test_a_bf16_pool_holds_a_token_in_half_the_bytes() -> None:
+    """--dtype bfloat16 on CPU keeps K/V in bf16: half a float32 pool's bytes per token, so the same
+    memory holds twice the tokens."""
+    pools = {dtype: KVPool(16, 3, 2, 8, dtype, "cpu") for dtype in (torch.float32, torch.bfloat16)}
+    assert 2 * pools[torch.bfloat16].bytes_per_token() == pools[torch.float32].bytes_per_token()
+    assert KVPool.bytes_per_token_for(3, 2, 8, torch.bfloat16) == 2 * 3 * 2 * 8 * 2
+    for buf in pools[torch.bfloat16].k_buffers + pools[torch.bfloat16].v_buffers:
+        assert buf.dtype == torch.bfloat16 and buf.element_size() == 2 and torch.all(buf[0] == 0)
+
+
 def test_req_to_token_table_starts_zeroed() -> None:
     table = ReqToTokenTable(max_reqs=3, max_context_len=5, device="cpu")
     assert table.max_reqs == 3 and table.max_context_len == 5
@@ -348,11 +358,13 @@ def test_req_to_token_table_write_of_nothing_is_a_noop() -> None:
     assert torch.all(table.req_to_token == 0)
 
 
-def test_copy_from_moves_every_layer_between_pools(test_device: torch.device) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_from_moves_every_layer_between_pools(test_device: torch.device, dtype: torch.dtype) -> None:
     """The host tier's copies: the device pool's slots into host slots and back, K and V of every
-    layer, bit for bit; the other slots untouched."""
-    device = KVPool(8, 3, 2, 4, torch.float32, test_device)
-    host = KVPool(6, 3, 2, 4, torch.float32, "cpu")
+    layer, bit for bit; the other slots untouched. Both tiers of a bf16 pool (--dtype bfloat16 on CPU)
+    are bf16."""
+    device = KVPool(8, 3, 2, 4, dtype, test_device)
+    host = KVPool(6, 3, 2, 4, dtype, "cpu")
     for buf in device.k_buffers + device.v_buffers + host.k_buffers + host.v_buffers:
         buf.copy_(torch.randn(buf.shape))
     before = [b.clone() for b in host.k_buffers + host.v_buffers]
@@ -365,3 +377,15 @@ def test_copy_from_moves_every_layer_between_pools(test_device: torch.device) ->
     device.copy_from(host, [6, 2], [5, 8])
     for mine, theirs in zip(device.k_buffers + device.v_buffers, host.k_buffers + host.v_buffers):
         assert torch.equal(mine[[5, 8]].cpu(), theirs[[6, 2]])
+
+
+def test_copy_from_a_float32_pool_rounds_into_a_bf16_one() -> None:
+    """Copies land in the receiving pool's dtype: a float32 pool's slots copied into a bf16 pool are
+    rounded as set_kv rounds them (to nearest even)."""
+    src = KVPool(4, 2, 1, 4, torch.float32, "cpu")
+    dst = KVPool(4, 2, 1, 4, torch.bfloat16, "cpu")
+    for buf in src.k_buffers + src.v_buffers:
+        buf.copy_(torch.randn(buf.shape))
+    dst.copy_from(src, [1, 3], [4, 2])
+    for mine, theirs in zip(dst.k_buffers + dst.v_buffers, src.k_buffers + src.v_buffers):
+        assert torch.equal(mine[[4, 2]], theirs[[1, 3]].to(torch.bfloat16))

@@ -61,8 +61,10 @@ def _outputs(
         attention_backend=attention_backend,
     )
     try:
-        # Kernel linears on the cpu backend.
+        # Kernel linears on the cpu backend; --dtype bfloat16 (bf16 arithmetic) keeps its KV in bf16.
         assert (engine.runner.model.cpu_decoder is not None) == (attention_backend == "auto")
+        kv_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        assert engine.runner.kv_pool.dtype == kv_dtype
         if not native:
             engine.runner.model.cpu_decoder = None
         params = [
@@ -107,7 +109,8 @@ def test_bf16_matches_the_python_layers_bit_for_bit(
     arch: str, quantization: str, model_dirs: dict[str, Path]
 ) -> None:
     """--dtype bfloat16 (bf16 pair panels, or int4 weights multiplied in bf16 from the panel threshold
-    on): the C++ loop chains the same kernels as the Python layers, to the bit."""
+    on, and a bf16 KV pool, which `_outputs` checks): the C++ loop chains the same kernels as the Python
+    layers, to the bit."""
     model_dir = model_dirs[arch]
     native = _outputs(model_dir, quantization, native=True, dtype="bfloat16")
     assert native == _outputs(model_dir, quantization, native=False, dtype="bfloat16")

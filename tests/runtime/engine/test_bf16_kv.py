@@ -1,0 +1,137 @@
+"""--dtype bfloat16 on the CPU keeps the KV cache in bf16 (executor/memory.py's kv_dtype_for), end to end
+on the tiny Llama: the device pool and the host tier hold K/V in bf16, the C++ attention and the one-call
+decoder read them; a prompt served from the radix cache, or from the host tier after eviction, gives the
+same greedy tokens and logprobs as one served fresh by an engine without a cache (--deterministic:
+every kernel then batch- and chunk-invariant); the torch backend serves the same pool. On a CPU
+without bf16 dot products --dtype bfloat16 runs float32, the KV pool included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import radixlm_runtime as rt
+from radixlm_runtime.attention.cpu_backend import KV_TYPES, CpuAttentionBackend
+from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
+from radixlm_runtime.executor import model_runner
+from radixlm_runtime.layers.linear_kernels import BF16, bf16_available
+
+needs_bf16 = pytest.mark.skipif(
+    not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
+)
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+PREFIX = "The council of the harbour town met every spring to discuss the fishing season. " * 2
+PROMPTS = [PREFIX + f"Question {i}: what did they decide?" for i in range(4)] + ["hello world " * 20]
+
+
+def _engine(model_dir: Path, **flags: Any) -> rt.Engine:
+    flags = {"max_total_tokens": 4096, **flags}
+    return rt.Engine(str(model_dir), device="cpu", dtype="bfloat16", log_level="warning", **flags)
+
+
+def _generate(engine: rt.Engine, prompts: list[str]) -> list[tuple[list[int], list[float], int]]:
+    """Greedy tokens, their logprobs and the prompt's cached tokens, per prompt."""
+    outs = engine.generate(prompts, GREEDY, return_logprob=True)
+    return [
+        (
+            o["output_ids"],
+            [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+            o["meta_info"]["cached_tokens"],
+        )
+        for o in outs
+    ]
+
+
+@needs_bf16
+def test_the_pool_and_the_host_tier_hold_bf16(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, kv_host_tokens=1024)
+    try:
+        runner = engine.runner
+        assert runner.compute == BF16 and runner.dtype == torch.float32
+        assert runner.kv_pool.dtype == runner.host_pool.dtype == torch.bfloat16
+        assert all(b.dtype == torch.bfloat16 for b in runner.kv_pool.k_buffers + runner.kv_pool.v_buffers)
+        assert type(runner.attn_backend) is CpuAttentionBackend
+        decoder = runner.model.cpu_decoder
+        assert decoder is not None and decoder.kv_type == KV_TYPES[torch.bfloat16]
+        (ids, _, _), *_ = _generate(engine, PROMPTS[:1])
+        assert len(ids) == GREEDY["max_new_tokens"]
+    finally:
+        engine.shutdown()
+
+
+@needs_bf16
+@pytest.mark.parametrize("native", [True, False], ids=["one-call-decoder", "python-layers"])
+def test_cached_equals_uncached_under_deterministic(tiny_llama_dir: Path, native: bool) -> None:
+    """Each prompt served twice by a caching engine (the second time its prefix from the radix cache)
+    gives the tokens and logprobs of an engine without a cache, to the bit."""
+    fresh = _engine(tiny_llama_dir, deterministic=True, disable_radix_cache=True)
+    cached = _engine(tiny_llama_dir, deterministic=True)
+    try:
+        if not native:
+            cached.runner.model.cpu_decoder = None
+        assert cached.runner.kv_pool.dtype == fresh.runner.kv_pool.dtype == torch.bfloat16
+        want = _generate(fresh, PROMPTS)
+        first = _generate(cached, PROMPTS)
+        again = _generate(cached, PROMPTS)
+    finally:
+        fresh.shutdown()
+        cached.shutdown()
+    assert all(n > 0 for _, _, n in again)
+    assert [(ids, lps) for ids, lps, _ in again] == [(ids, lps) for ids, lps, _ in want]
+    assert [(ids, lps) for ids, lps, _ in first] == [(ids, lps) for ids, lps, _ in want]
+
+
+@needs_bf16
+def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Path) -> None:
+    """A pool too small for the prompts: their prefixes go to the bf16 host tier and come back from it
+    (copies between two bf16 pools), with the tokens and logprobs of an engine without a cache."""
+    prompts = [f"document {i} " + "the theater then an answer abc " * 6 + f" question {i}" for i in range(8)]
+    fresh = _engine(tiny_llama_dir, deterministic=True, disable_radix_cache=True)
+    tiered = _engine(tiny_llama_dir, deterministic=True, max_total_tokens=300, kv_host_tokens=4096)
+    try:
+        want = _generate(fresh, prompts)
+        for p in prompts:
+            _generate(tiered, [p])
+        got = [_generate(tiered, [p])[0] for p in prompts]
+        info = tiered.get_server_info()
+    finally:
+        fresh.shutdown()
+        tiered.shutdown()
+    assert [(ids, lps) for ids, lps, _ in got] == [(ids, lps) for ids, lps, _ in want]
+    assert info["host_hit_tokens"] > 0
+
+
+@needs_bf16
+def test_the_torch_backend_reads_the_bf16_pool(tiny_llama_dir: Path) -> None:
+    """attention_backend='torch' on the same bf16 pool (K/V widened as gathered): the prompt's logprobs
+    within bf16 rounding of the C++ kernels' (which round the queries to bf16 too)."""
+
+    def prompt_logprobs(backend: str) -> list[float]:
+        engine = _engine(tiny_llama_dir, attention_backend=backend)
+        try:
+            assert engine.runner.kv_pool.dtype == torch.bfloat16
+            kind = TorchAttentionBackend if backend == "torch" else CpuAttentionBackend
+            assert type(engine.runner.attn_backend) is kind
+            outs = engine.generate(PROMPTS, {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=0)
+        finally:
+            engine.shutdown()
+        return [lp for o in outs for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]
+
+    ours, theirs = prompt_logprobs("cpu"), prompt_logprobs("torch")
+    assert len(ours) == len(theirs) > 100
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.05
+
+
+def test_without_bf16_dot_products_the_kv_stays_float32(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_runner, "bf16_available", lambda: False)
+    engine = _engine(tiny_llama_dir, kv_host_tokens=512)
+    try:
+        assert engine.runner.kv_pool.dtype == engine.runner.host_pool.dtype == torch.float32
+    finally:
+        engine.shutdown()
