@@ -12,7 +12,6 @@
 // The target attributes of the SIMD paths, beside the run-time checks for exactly those features.
 #define SIMD_AVX2 __attribute__((target("avx2,fma")))
 #define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
-// (layers/linear_cpu.cpp defines SIMD_BF16 too, to the same tokens, which a unity build of both allows.)
 #define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 namespace simd {

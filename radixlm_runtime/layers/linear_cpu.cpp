@@ -741,20 +741,8 @@ SIMD_VNNI void panel8_dispatch(const int8_t* panels, const float* scales, const 
 // of two bf16 are exact in float32); CPUs round inside vdpbf16ps in their own way, so it is the reference
 // for tests within a rounding, not bit for bit.
 
-#define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-
-bool cpu_has_avx512_bf16() {
-  __builtin_cpu_init();
-  return simd::cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
-}
-
-// float32 -> bf16, rounding to nearest even (NaN stays a quiet NaN), as torch's .to(bfloat16).
-inline uint16_t bf16_of(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using simd::bf16_round;
+using simd::cpu_has_avx512_bf16;
 
 inline float float_bits(uint32_t u) {
   float f;
@@ -771,14 +759,14 @@ SIMD_BF16 void round_rows_bf16_avx512(const float* x, int64_t count, uint16_t* o
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
     _mm512_storeu_si512(out + i, reinterpret_cast<const __m512i&>(v));
   }
-  for (; i < count; ++i) out[i] = bf16_of(x[i]);
+  for (; i < count; ++i) out[i] = bf16_round(x[i]);
 }
 
 const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec) {
   static thread_local std::vector<uint16_t> buf;
   if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
   if (vec) round_rows_bf16_avx512(x, count, buf.data());
-  else for (int64_t i = 0; i < count; ++i) buf[i] = bf16_of(x[i]);
+  else for (int64_t i = 0; i < count; ++i) buf[i] = bf16_round(x[i]);
   return buf.data();
 }
 
