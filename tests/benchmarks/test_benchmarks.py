@@ -348,6 +348,18 @@ def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
     assert sum("target >= 70%" in n for n in linear_cpu["notes"]) == len(kernels)
 
 
+def test_contention(out_dir: Path) -> None:
+    """Each radixlm thread policy runs idle and beside a busy loop on the last core; the ratio is busy over
+    idle, held against the 2x target."""
+    result = run_tiny("bench_contention.py", out_dir, "contention")
+    assert result["busy_core"] == os.cpu_count() - 1
+    assert set(result["walls"]) == {"radixlm", "radixlm_fixed"}
+    for name, walls in result["walls"].items():
+        assert len(walls["idle"]) == len(walls["busy"]) == result["sizes"]["rounds"] == 1
+        assert result["ratios"][name] == pytest.approx(min(walls["busy"]) / min(walls["idle"]))
+    assert sum("target <= 2x" in n for n in result["notes"]) == 2
+
+
 def test_prefill_cpu(out_dir: Path) -> None:
     """Each system prefills fresh prompts with nothing cached; llama.cpp at both flash-attention settings
     (its faster kept); radixlm's ratios against llama.cpp on the same GGUF. int8 activations and
