@@ -19,27 +19,15 @@ from radixlm_runtime.layers.linear_kernels import act8_available, bf16_available
 PREFIX = "The council of the harbour town met every spring to discuss the fishing season. " * 3
 PROMPTS = [PREFIX + f"Question {i}: what did they decide?" for i in range(14)] + ["hello world " * 30]
 
+needs_bf16 = pytest.mark.skipif(not bf16_available(), reason="no bf16 dot products (AVX512-BF16)")
+needs_act8 = pytest.mark.skipif(not act8_available(), reason="no SIMD path for int8 activations")
 ARITHMETIC = [
+    pytest.param({"dtype": "bfloat16", "quantization": "none"}, marks=needs_bf16, id="bf16-float-weights"),
     pytest.param(
-        {"dtype": "bfloat16", "quantization": "none"},
-        marks=pytest.mark.skipif(not bf16_available(), reason="no bf16 dot products (AVX512-BF16)"),
-        id="bf16-float-weights",
+        {"dtype": "bfloat16", "quantization": "int4"}, marks=needs_bf16, id="bf16-int4-not-invariant"
     ),
-    pytest.param(
-        {"dtype": "bfloat16", "quantization": "int4"},
-        marks=pytest.mark.skipif(not bf16_available(), reason="no bf16 dot products (AVX512-BF16)"),
-        id="bf16-int4-not-invariant",
-    ),
-    pytest.param(
-        {"cpu_act_quant": "int8", "quantization": "int4"},
-        marks=pytest.mark.skipif(not act8_available(), reason="no AVX512-VNNI"),
-        id="act8-int4",
-    ),
-    pytest.param(
-        {"cpu_act_quant": "int8", "quantization": "int8"},
-        marks=pytest.mark.skipif(not act8_available(), reason="no AVX512-VNNI"),
-        id="act8-int8",
-    ),
+    pytest.param({"cpu_act_quant": "int8", "quantization": "int4"}, marks=needs_act8, id="act8-int4"),
+    pytest.param({"cpu_act_quant": "int8", "quantization": "int8"}, marks=needs_act8, id="act8-int8"),
 ]
 
 
