@@ -1018,11 +1018,11 @@ const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int
   qx.dx.resize(m * chunks);
   qx.dxs.resize(m * chunks);
   qx.isum.resize(m * chunks);
+  auto* quantize = width == 512 ? quantize_chunk_avx512 : width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
 #pragma omp parallel for num_threads(m >= 64 ? threads : 1) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t at = r * k + c * kChunk, s = r * chunks + c;
-      auto* quantize = width == 512 ? quantize_chunk_avx512 : width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
       quantize(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s], qx.isum[s]);
     }
   }

@@ -46,6 +46,16 @@ class LinearKernelError(RuntimeError):
     """The CPU linear kernels cannot be built or loaded on this machine."""
 
 
+def _panels(rows: torch.Tensor, dtype: torch.dtype, lead: int = 1) -> torch.Tensor:
+    """rows [N, *rest] in panels of PANEL rows, the layout every panel kernel reads: N padded with zero
+    rows to a multiple of PANEL, and each panel's rows moved behind its first `lead` other dimensions,
+    [ceil(N / PANEL), *rest[:lead], PANEL, *rest[lead:]], in `dtype` (cast on the copy)."""
+    n = rows.shape[0]
+    padded = rows.new_zeros((-(-n // PANEL) * PANEL, *rows.shape[1:]), dtype=dtype)
+    padded[:n] = rows
+    return padded.view(-1, PANEL, *rows.shape[1:]).movedim(1, 1 + lead).contiguous()
+
+
 @dataclass
 class FloatPanels:
     """A float32 [out_features, in_features] weight as linear_cpu.cpp's panels: [ceil(N / 16), K, 16],
@@ -56,11 +66,7 @@ class FloatPanels:
 
     @classmethod
     def pack(cls, weight: torch.Tensor) -> FloatPanels:
-        n, k = weight.shape
-        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
-        padded[:n] = weight.detach()
-        panels = padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
-        return cls(panels, n)
+        return cls(_panels(weight.detach(), torch.float32), weight.shape[0])
 
     @property
     def in_features(self) -> int:
@@ -89,10 +95,7 @@ class BF16Panels:
         n, k = weight.shape
         if k % 2:
             raise ValueError(f"bf16 pair panels need an even in_features, got {k}")
-        padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.bfloat16)
-        padded[:n] = weight.detach()
-        panels = padded.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
-        return cls(panels, n)
+        return cls(_panels(weight.detach().view(n, k // 2, 2), torch.bfloat16), n)
 
     @property
     def in_features(self) -> int:
@@ -249,14 +252,10 @@ class Int8Panels:
         if not cls.fits(weight):
             raise ValueError("row panels hold int8 weights without mins or input order, in groups of 32k")
         n, k = weight.out_features, weight.in_features
-        rows = -(-n // PANEL) * PANEL
-        codes = torch.zeros(rows, k, dtype=torch.int8)
-        codes[:n] = weight.qweight
-        scales = torch.zeros(rows, k // CHUNK)
-        scales[:n] = weight.scales.repeat_interleave(weight.group_size // CHUNK, dim=1)
+        scales = weight.scales.repeat_interleave(weight.group_size // CHUNK, dim=1)
         return cls(
-            codes.view(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous(),
-            scales.view(-1, PANEL, k // CHUNK).transpose(1, 2).contiguous(),
+            _panels(weight.qweight.view(n, k // 2, 2), torch.int8),
+            _panels(scales, torch.float32),
             n,
         )
 
@@ -292,14 +291,11 @@ class Act8Panels:
     def pack(cls, weight: QuantizedWeight) -> Act8Panels:
         if not cls.fits(weight):
             raise ValueError("int8-activation panels hold weights in column order, in groups of 32k")
-        n, k = weight.out_features, weight.in_features
-        rows, chunks = -(-n // PANEL) * PANEL, k // CHUNK
+        n, chunks = weight.out_features, weight.in_features // CHUNK
         if weight.bits == 4:
             codes = weight.qweight.view(n, chunks, 4, 4)  # (chunk, vector h, byte): GGUF's own bytes
         else:
             codes = (weight.qweight.to(torch.int16) + 128).to(torch.uint8).view(n, chunks, 8, 4)
-        padded = torch.zeros(rows, *codes.shape[1:], dtype=torch.uint8)
-        padded[:n] = codes
         per_chunk = weight.group_size // CHUNK
         scales = weight.scales.repeat_interleave(per_chunk, dim=1)
         mins = (
@@ -307,16 +303,10 @@ class Act8Panels:
             if weight.mins is None
             else weight.mins.repeat_interleave(per_chunk, dim=1)
         )
-
-        def panelled(t: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(rows, chunks)
-            out[:n] = t
-            return out.view(-1, PANEL, chunks).transpose(1, 2).contiguous()
-
         return cls(
-            padded.view(-1, PANEL, *codes.shape[1:]).permute(0, 2, 3, 1, 4).contiguous(),
-            panelled(scales),
-            panelled(mins),
+            _panels(codes, torch.uint8, lead=2),
+            _panels(scales, torch.float32),
+            _panels(mins, torch.float32),
             weight.bits,
             n,
         )
