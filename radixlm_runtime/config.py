@@ -97,6 +97,21 @@ class EngineConfig:
         "go when it is full. It lives in host memory (pinned on CUDA), as many bytes per token as "
         "the pool.",
     )
+    kv_disk_dir: str | None = flag(
+        None,
+        "Directory of the disk KV tier under the host tier (needs --kv-host-tokens): cached prefixes "
+        "leaving the host tier are written there (one file per radix-tree node, a checksummed header "
+        "and raw tensor bytes, written atomically) instead of dropped, and read back through the host "
+        "tier when a request's prefix is there. Entries live in a subdirectory per model identity (a "
+        "digest of the weights and config, the numeric settings and the KV layout), so a server started "
+        "again on the same model and directory serves the prefixes it finds there, and another model or "
+        "KV format never reads them. A file that fails its checksum is deleted and its tokens recomputed.",
+    )
+    kv_disk_bytes: int = flag(
+        8 * 2**30,
+        "Size cap of the disk KV tier in bytes of KV (headers aside); the least recently used entries "
+        "go when it is full. Default 8 GiB.",
+    )
     mem_fraction_static: float | None = flag(
         None,
         "Fraction of available memory after the weights are loaded given to the KV cache pool when "
@@ -153,6 +168,10 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.kv_host_tokens < 0:
             raise ValueError(f"kv_host_tokens must be >= 0, got {self.kv_host_tokens}")
+        if self.kv_disk_bytes <= 0:
+            raise ValueError(f"kv_disk_bytes must be > 0, got {self.kv_disk_bytes}")
+        if self.kv_disk_dir is not None and self.kv_host_tokens == 0:
+            raise ValueError("kv_disk_dir needs a host tier to load through: set kv_host_tokens > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +231,14 @@ class SchedulerConfig:
         "it), 'write_through' as soon as it is cached (every computed prefix is copied, and evicting "
         "it later costs no copy).",
         ("write_back", "write_through"),
+    )
+    kv_disk_write_policy: str = flag(
+        "write_through",
+        "With --kv-disk-dir, when a cached prefix's KV is written to the disk tier: 'write_through' as "
+        "soon as it is cached (default: everything the server computed survives a restart or a crash, "
+        "and leaving the host tier costs no write), 'write_back' when it is evicted from the host tier "
+        "(less disk traffic; what is still in the pool or the host tier at shutdown is lost).",
+        ("write_through", "write_back"),
     )
     disable_overlap_schedule: bool = flag(
         False,

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from radixlm_runtime.sampling.params import SamplingParams
 
 # (logprob, token id) pairs, most likely first.
 TopLogprobs = list[tuple[float, int]]
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """One file of the disk KV tier found at start: `tokens` are the ids of the path from the root of
+    the tree through the tokens stored, which are its last len(slots), in disk slots `slots`."""
+
+    tokens: tuple[int, ...]
+    slots: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,10 @@ class RunnerInfo:
     max_reqs: int  # rows of the request-to-token table
     eos_token_ids: tuple[int, ...]
     host_kv_tokens: int = 0  # slots of the host KV tier (1..host_kv_tokens); 0: no host tier
+    disk_kv_tokens: int = 0  # slots of the disk KV tier (1..disk_kv_tokens); 0: no disk tier
+    # What the disk tier held at start (a restart): the tree rebuilds itself from these.
+    disk_entries: tuple[DiskEntry, ...] = ()
+    kv_bytes_per_token: int = 0  # of every tier (the bytes a tier move of one token copies)
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
     # the next step meanwhile (overlap scheduling).
     async_launch: bool = False
@@ -102,23 +115,43 @@ class ForwardItem:
         return [] if self.sample is None else [self.sample, *self.draft_samples]
 
 
+# Where a token's KV can live: the device pool, the host tier, the disk tier (kvcache/radix_cache.py).
+Tier = Literal["device", "host", "disk"]
+
+
 @dataclass(slots=True)
 class KVCopy:
-    """A batch of KV moves between the device pool and the host tier, every layer's K and V:
-    `to_host`: host[dst[i]] = device[src[i]]; else device[dst[i]] = host[src[i]]. A batch never
-    writes one slot twice, so it can run as one gather and one scatter."""
+    """A batch of KV moves between tiers, every tensor the pool holds per token:
+    dst_tier[dst[i]] = src_tier[src[i]]. A batch never writes one slot twice, so it can run as one
+    gather and one scatter. A copy to the disk tier is one entry (one file), and carries `tokens`:
+    the ids of the path from the root through the copied tokens (its last len(dst)), stored beside
+    the KV so that a restarted server can rebuild the tree from the disk tier."""
 
-    to_host: bool
+    src_tier: Tier
+    dst_tier: Tier
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
+    tokens: list[int] | None = None
+
+
+@dataclass(slots=True)
+class KVDrop:
+    """Disk tier slots the tree let go: the executor forgets them (an entry's file is deleted once
+    none of its slots is held)."""
+
+    slots: list[int]
+
+
+# A move of KV between tiers, in the order the tree recorded them.
+TierOp = KVCopy | KVDrop
 
 
 @dataclass
 class StepPlan:
     items: list[ForwardItem]
-    # Run in order before the forward: KV demoted to the host tier by the evictions that made room
-    # for this step, and cached prefixes brought back from it (radix_cache.py).
-    copies: list[KVCopy] = field(default_factory=list)
+    # Run in order before the forward: KV demoted to lower tiers by the evictions that made room
+    # for this step, and cached prefixes brought back from them (radix_cache.py).
+    copies: list[TierOp] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -154,3 +187,13 @@ class Executor(Protocol):
     def launch(self, plan: StepPlan) -> Any: ...
 
     def collect(self, handle: Any) -> StepResult: ...
+
+    def move_kv(self, ops: list[TierOp]) -> list[int]:
+        """Runs tier moves now rather than before a step's forward (loads from the disk tier, which
+        the scheduler must see succeed before it plans on them). Returns the disk slots whose data
+        failed its checksum: those copies were not made."""
+        ...
+
+    def close(self) -> None:
+        """Finishes what is still being written to the disk tier."""
+        ...

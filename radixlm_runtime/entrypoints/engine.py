@@ -129,6 +129,9 @@ class Engine:
         return {"model_path": str(self.model_dir), **self.scheduler.info()}
 
     def shutdown(self) -> None:
+        """Finishes the disk tier's writes and lets go of the runtime."""
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
 

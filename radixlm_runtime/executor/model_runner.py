@@ -14,6 +14,7 @@ from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
+from radixlm_runtime.executor.kv_tiers import KVTiers
 from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_dtype_for, kv_pool_size
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
 from radixlm_runtime.forward_batch import ForwardBatch
@@ -23,7 +24,7 @@ from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
-from radixlm_runtime.step import KVCopy, RunnerInfo, SampleSpec, StepPlan, StepResult
+from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult, TierOp
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 from radixlm_runtime.utils.transfer import to_device
@@ -102,6 +103,11 @@ class ModelRunner:
         )
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
+        numerics = {"dtype": str(self.dtype), "compute": self.compute, "kv": str(self.kv_dtype)}
+        numerics.update(quantization=config.quantization, cpu_act_quant=config.cpu_act_quant)
+        self.tiers = KVTiers.build(
+            self.kv_pool, self.host_pool, config.kv_disk_dir, config.kv_disk_bytes, model_dir, numerics
+        )
         self.req_to_token = ReqToTokenTable(
             config.max_running_requests + 8, self.context_len + 8, self.device
         )
@@ -115,6 +121,9 @@ class ModelRunner:
             max_reqs=config.max_running_requests,
             eos_token_ids=tuple(self.config.eos_token_ids),
             host_kv_tokens=config.kv_host_tokens,
+            disk_kv_tokens=self.tiers.disk_tokens,
+            disk_entries=self.tiers.disk_entries,
+            kv_bytes_per_token=self.kv_pool.bytes_per_token(),
             async_launch=self.device.type == "cuda",
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
@@ -149,14 +158,14 @@ class ModelRunner:
         logger.info("host KV tier: %d tokens (%.2f GiB, %s)", size, gib, pool.dtype)
         return pool
 
-    def _copy_kv(self, copies: list[KVCopy]) -> None:
-        """Runs a step's tier copies, in order, before its forward."""
-        assert self.host_pool is not None, "KV copies planned without a host tier"
-        for c in copies:
-            if c.to_host:
-                self.host_pool.copy_from(self.kv_pool, c.src, c.dst)
-            else:
-                self.kv_pool.copy_from(self.host_pool, c.src, c.dst)
+    @torch.inference_mode()
+    def move_kv(self, ops: list[TierOp]) -> list[int]:
+        """Runs tier moves now (reads from the disk tier); the disk slots that failed their checksum."""
+        return self.tiers.run(ops)
+
+    def close(self) -> None:
+        """Finishes the disk tier's pending writes."""
+        self.tiers.close()
 
     def open_scratch(self, shape: ScratchShape) -> Scratch:
         """Steps on a KV pool and table of their own, for measuring the largest steps before the real
@@ -222,7 +231,9 @@ class ModelRunner:
         if self.governor is not None:
             self._govern_threads(self.governor)
         if plan.copies:
-            self._copy_kv(plan.copies)
+            # A step's moves read no disk entry (the scheduler reads those through move_kv first).
+            failed = self.tiers.run(plan.copies)
+            assert not failed, "a step planned on a disk read that failed"
         batch, writes = build_batch(plan, self.device)
         if writes is not None:
             self.req_to_token.write(*writes)

@@ -50,6 +50,18 @@ class TokenAllocator:
             allocated[s] = 1
         return out
 
+    def claim(self, slots: list[int]) -> None:
+        """Takes these particular free slots (a tier restored at start, whose slots the executor
+        numbered); raises RuntimeError where one is not free."""
+        allocated = self._allocated
+        bad = [s for s in slots if not 1 <= s <= self.size or allocated[s]]
+        if bad or len(set(slots)) != len(slots):
+            raise RuntimeError(f"claiming slots that are not free: {bad[:16] or 'a slot twice'}")
+        for s in slots:
+            allocated[s] = 1
+        self._free = [s for s in sorted(self._free + self._released, reverse=True) if not allocated[s]]
+        self._released = []
+
     def free(self, slots: list[int]) -> None:
         """Returns slots to the free list; raises RuntimeError on a double free or an invalid slot."""
         if not slots:

@@ -66,17 +66,35 @@ class KVPool:
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
 
+    def token_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every buffer indexed by slot, named: what a tier copies and stores per token."""
+        return [(f"k{i}", k) for i, k in enumerate(self.k_buffers)] + [
+            (f"v{i}", v) for i, v in enumerate(self.v_buffers)
+        ]
+
+    def gather(self, slots: list[int]) -> list[torch.Tensor]:
+        """Copies of every per-token tensor's rows at `slots`, on the CPU, in token_tensors order."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return [t[idx].cpu() for _, t in self.token_tensors()]
+
+    def scatter(self, slots: list[int], rows: list[torch.Tensor]) -> None:
+        """Writes rows (token_tensors order, as `gather` returns them) into `slots` (none twice)."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        non_blocking = self.device.type == "cuda"
+        for (_, mine), r in zip(self.token_tensors(), rows, strict=True):
+            mine[idx] = r.to(self.device, mine.dtype, non_blocking=non_blocking)
+
     def copy_from(self, other: KVPool, src: list[int], dst: list[int]) -> None:
-        """Every layer's K and V of other's slots `src` into this pool's slots `dst` (between the
+        """Every per-token tensor of other's slots `src` into this pool's slots `dst` (between the
         device pool and the host tier, either way; `dst` holds no slot twice), in this pool's dtype (the
         tiers share one, so that is a plain copy)."""
         src_idx = torch.tensor(src, dtype=torch.int64, device=other.device)
         dst_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        pairs = zip(self.k_buffers + self.v_buffers, other.k_buffers + other.v_buffers, strict=True)
+        pairs = zip(self.token_tensors(), other.token_tensors(), strict=True)
         # Into the GPU asynchronously; out of it synchronously, since the host scatter reads the data.
         non_blocking = self.device.type == "cuda"
-        for mine, theirs in pairs:
-            mine[dst_idx] = theirs[src_idx].to(self.device, self.dtype, non_blocking=non_blocking)
+        for (_, mine), (_, theirs) in pairs:
+            mine[dst_idx] = theirs[src_idx].to(self.device, mine.dtype, non_blocking=non_blocking)
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

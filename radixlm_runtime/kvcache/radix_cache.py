@@ -4,13 +4,31 @@ Ownership model: a slot inside the tree belongs to the tree and is freed only by
 Callers lock the node their prefix ends in while a request runs, which pins the whole path. Slots
 are host integers: matching, inserting and evicting never touch the device.
 
-Tiers: with a host allocator, eviction from the device pool demotes a node to the host tier (its
-KV copied to host slots) instead of dropping it, and a match that runs into host-resident nodes
-can `load` them back into fresh device slots. The copies are recorded here as plain data and run
-by the executor before the next forward (`take_copies`, step.KVCopy), in the order recorded, so a
-slot freed and reused within one step is read before it is overwritten. The device-resident nodes
-always form a prefix-closed subtree: a node on the device has every ancestor on the device, so a
-path is some device nodes, then host-only ones. The size counters count device tokens only.
+Tiers: a node's KV lives in the device pool (`value`), the host tier (`host_value`), the disk tier
+(`disk_value`), or several of these; each is a list of that tier's slots (host integers, handed out
+by one TokenAllocator per tier) or None.
+- Eviction from the device pool demotes a node to the host tier (its KV copied to host slots) instead
+  of dropping it; eviction from the host tier demotes a host-only node to the disk tier (written to a
+  file by the executor) instead of dropping it; eviction from the disk tier drops it. With
+  write-through a node is copied to the host tier (`write_through`) or written to disk
+  (`disk_write_through`, so that what was computed survives a restart) as soon as it is cached,
+  and leaving a tier then costs no copy.
+- A match walks every tier. Host-resident nodes at the end of it are loaded back into fresh device
+  slots (`load`). Disk-only ones are first read into host slots (`fetch`) through a callback that
+  runs the moves at once and reports the disk slots whose file failed its checksum: those nodes are
+  dropped (recomputed), never served.
+- The copies are recorded here as plain data (step.KVCopy, step.KVDrop for disk slots let go) and
+  run by the executor in the order recorded, before the next forward (`take_copies`), so a slot
+  freed and reused within one step is read before it is overwritten.
+- Tiers nest: the device nodes form a prefix-closed subtree (a node on the device has its parent on
+  the device), and so do the nodes in memory (device or host): a path is some device nodes, then
+  host-only ones, then disk-only ones.
+- Each tier evicts least recently used first from a heap of its candidates, checked lazily when
+  popped, so evicting k nodes costs O(k log n) whatever the size of the tree.
+- A restarted server rebuilds the disk part of a fresh tree from the entries the executor found in
+  its disk directory (`restore`: each entry names its path's token ids).
+The size counters (`evictable_size`, `protected_size`) count device tokens; `host_size` and
+`disk_size` the slots held in the lower tiers.
 
 Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
 computed by a request that asked for them: a token's logprob depends only on the tokens before it,
@@ -24,13 +42,15 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
-from radixlm_runtime.step import KVCopy, TopLogprobs
+from radixlm_runtime.step import DiskEntry, KVCopy, KVDrop, Tier, TierOp, TopLogprobs
 
 # (access time, node id, node): heap entries of eviction candidates, least recently used first.
 _Entry = tuple[float, int, "TreeNode"]
+# Runs tier moves at once; returns the disk slots whose data failed its checksum (Executor.move_kv).
+Mover = Callable[[list[TierOp]], list[int]]
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -44,7 +64,7 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
 
 class TreeNode:
     """One edge of the tree: `key` tokens and where their KV is: device pool slots (`value`), host
-    tier slots (`host_value`), or both; None where not in that tier."""
+    tier slots (`host_value`), disk tier slots (`disk_value`), or several; None where not in that tier."""
 
     __slots__ = (
         "children",
@@ -52,6 +72,7 @@ class TreeNode:
         "key",
         "value",
         "host_value",
+        "disk_value",
         "lock_ref",
         "last_access_time",
         "id",
@@ -76,6 +97,7 @@ class TreeNode:
         self.key = key
         self.value = value
         self.host_value: list[int] | None = None
+        self.disk_value: list[int] | None = None
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
         self.id = next(TreeNode._ids)
@@ -93,22 +115,30 @@ class TreeNode:
         return self.value is not None
 
     @property
+    def in_memory(self) -> bool:
+        """On the device or in the host tier: loadable without reading the disk."""
+        return self.value is not None or self.host_value is not None
+
+    @property
     def tier(self) -> str:
-        """'device', 'host' or 'device+host' (the dashboard shows it)."""
-        if self.host_value is None:
-            return "device"
-        return "device+host" if self.value is not None else "host"
+        """The tiers holding the node's KV, '+'-joined: 'device', 'host', 'disk', 'device+host',
+        'host+disk', ... (the dashboard shows it)."""
+        places = (("device", self.value), ("host", self.host_value), ("disk", self.disk_value))
+        return "+".join(name for name, slots in places if slots is not None)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, tier={self.tier})"
 
 
 class RadixCache:
-    """Prefix cache with LRU eviction of unlocked leaves, O(1) size accounting and an optional host tier.
+    """Prefix cache with LRU eviction of unlocked leaves, O(1) size accounting and optional host and
+    disk tiers.
 
-    Eviction candidates sit in heaps of (access time, id, node), least recently used first,
-    creation order breaking ties: device candidates are unlocked nodes with no child on the device,
-    host candidates are nodes with a host copy that is not the only copy of a locked or inner node.
+    Eviction candidates sit in one heap per tier of (access time, id, node), least recently used
+    first, creation order breaking ties: device candidates are unlocked nodes with no child on the
+    device; host candidates are nodes with a host copy that is spare (the node is on the device) or
+    the only in-memory copy of an unlocked node with no child in memory; disk candidates are nodes
+    with a disk copy that is spare (the node is in memory) or the only copy of an unlocked leaf.
     An entry is pushed whenever a node may have become a candidate or was touched, and checked when
     popped: entries of nodes since detached, locked or given children are dropped, those of nodes
     touched since are queued again at their new time. So evicting costs O(k log n) for the k nodes
@@ -119,11 +149,18 @@ class RadixCache:
         allocator: TokenAllocator,
         host_allocator: TokenAllocator | None = None,
         write_through: bool = False,
+        disk_allocator: TokenAllocator | None = None,
+        disk_write_through: bool = False,
     ) -> None:
+        if disk_allocator is not None and host_allocator is None:
+            raise ValueError("a disk tier needs a host tier to load through")
         self.allocator = allocator
         self.host_allocator = host_allocator
+        self.disk_allocator = disk_allocator
         # Copy a node's KV to the host tier when it is cached, not when it leaves the device.
         self.write_through = write_through and host_allocator is not None
+        # Write a node's KV to the disk tier when it is cached, not when it leaves the host tier.
+        self.disk_write_through = disk_write_through and disk_allocator is not None
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
         self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
@@ -132,13 +169,18 @@ class RadixCache:
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
         self._lru: list[_Entry] = []
         self._host_lru: list[_Entry] = []
-        self._copies: list[KVCopy] = []
+        self._disk_lru: list[_Entry] = []
+        self._copies: list[TierOp] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
         self._protected_size = 0
         self._host_size = 0
-        # Tokens moved since start: demoted to the host tier, loaded back, dropped from it.
+        self._disk_size = 0
+        # Tokens moved since start: demoted to the host tier, loaded back, dropped from it; written
+        # to the disk tier, read back, dropped from it, and dropped for a failed checksum.
         self.stored_tokens = self.loaded_tokens = self.host_evicted_tokens = 0
+        self.disk_stored_tokens = self.disk_loaded_tokens = self.disk_evicted_tokens = 0
+        self.disk_failed_tokens = 0
 
     def _tick(self) -> float:
         return float(next(self._clock))
@@ -185,14 +227,33 @@ class RadixCache:
         return pos, node
 
     def host_suffix(self, node: TreeNode) -> tuple[int, TreeNode]:
-        """Tokens at the end of node's path that are on the host only, and the deepest node of the
-        path on the device (the root when none is)."""
+        """Tokens at the end of node's path that are not on the device (on the host, or on disk
+        only), and the deepest node of the path on the device (the root when none is)."""
         n = 0
         while not node.on_device:
             n += len(node.key)
             assert node.parent is not None, "host_suffix on a node detached from the tree"
             node = node.parent
         return n, node
+
+    def disk_suffix(self, node: TreeNode) -> tuple[int, TreeNode]:
+        """Tokens at the end of node's path that are on disk only, and the deepest node of the path
+        in memory (the root when none is)."""
+        n = 0
+        while not node.in_memory and node is not self.root_node:
+            n += len(node.key)
+            assert node.parent is not None, "disk_suffix on a node detached from the tree"
+            node = node.parent
+        return n, node
+
+    def path_key(self, node: TreeNode) -> list[int]:
+        """Token ids from the root down to node."""
+        parts: list[list[int]] = []
+        while node is not self.root_node:
+            parts.append(node.key)
+            assert node.parent is not None, "path_key on a node detached from the tree"
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
 
     def path_slots(self, node: TreeNode) -> list[int]:
         """Device KV slots of every token from the root down to node (on the device), in order."""
@@ -239,6 +300,8 @@ class RadixCache:
                 self._candidate(leaf)
                 if self.write_through:
                     self._back_up(leaf)
+                if self.disk_write_through:
+                    self._back_up_disk(leaf, "device")
                 return on_device
             n = _common_prefix_len(child.key, key, pos)
             if n < len(child.key):
@@ -289,6 +352,9 @@ class RadixCache:
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
             self._host_candidate(upper)
+        if child.disk_value is not None:
+            upper.disk_value, child.disk_value = child.disk_value[:n], child.disk_value[n:]
+            self._disk_candidate(upper)
         child.key = child.key[n:]
         if child.value is not None:
             child.value = child.value[n:]
@@ -331,6 +397,7 @@ class RadixCache:
                     self._protected_size -= len(node.key)
                 self._candidate(node)
                 self._host_candidate(node)
+                self._disk_candidate(node)
             assert node.parent is not None, "dec_lock_ref on a node detached from the tree"
             node = node.parent
 
@@ -386,7 +453,8 @@ class RadixCache:
         else:
             self._evictable_size += len(slots)
         self._candidate(node)
-        self._host_candidate(node)  # its host copy is now a spare one
+        self._host_candidate(node)  # its copies in the lower tiers are now spare ones
+        self._disk_candidate(node)
 
     # -- the host tier -----------------------------------------------------------------------
     def load(self, node: TreeNode) -> int:
@@ -417,7 +485,7 @@ class RadixCache:
                 assert host_node.host_value is not None
                 part = slots[offset : offset + len(host_node.key)]
                 offset += len(part)
-                self._record(False, host_node.host_value, part)
+                self._record("host", "device", host_node.host_value, part)
                 self._give_device_slots(host_node, part)
             self.loaded_tokens += n
             return n
@@ -425,12 +493,17 @@ class RadixCache:
             self.dec_lock_ref(node)
 
     def _demote(self, node: TreeNode) -> bool:
-        """Keeps node's KV in the host tier as it leaves the device (copied there unless a copy is
-        there already); False when there is no host tier or no room in it."""
+        """Keeps node's KV in a lower tier as it leaves the device: the host tier (copied there
+        unless a copy is there already), else, where no child is in memory (the tiers nest), the
+        disk tier. False when neither has it nor has room for it."""
         if node.host_value is None and not self._back_up(node):
-            return False
+            if any(c.in_memory for c in node.children.values()):
+                return False
+            if node.disk_value is None and not self._back_up_disk(node, "device"):
+                return False
         node.value = None
         self._host_candidate(node)
+        self._disk_candidate(node)
         return True
 
     def _back_up(self, node: TreeNode) -> bool:
@@ -439,7 +512,7 @@ class RadixCache:
         host = self._alloc_host(len(node.key))
         if host is None:
             return False
-        self._record(True, node.value, host)
+        self._record("device", "host", node.value, host)
         node.host_value = host
         self._host_size += len(host)
         self.stored_tokens += len(host)
@@ -456,7 +529,8 @@ class RadixCache:
 
     def _evict_host(self, num_tokens: int) -> None:
         """Frees host slots, least recently used first: spare copies of nodes on the device, and
-        host-only leaves, which leave the tree."""
+        the last in-memory copies of nodes with no child in memory, which go to the disk tier where
+        it takes them (or hold a copy there already) and leave the tree otherwise."""
         freed = 0
         while freed < num_tokens and self._host_lru:
             touched, _, node = heapq.heappop(self._host_lru)
@@ -468,13 +542,18 @@ class RadixCache:
             assert node.host_value is not None
             freed += len(node.host_value)
             self.host_evicted_tokens += len(node.host_value)
+            parent = node.parent
+            assert parent is not None
             if node.on_device:
                 self._free_host(node)
+            elif node.disk_value is not None or self._back_up_disk(node, "host"):
+                self._free_host(node)
+                self._host_candidate(parent)
+                self._disk_candidate(node)
             else:
-                parent = node.parent
-                assert parent is not None
                 self._drop(node)
                 self._host_candidate(parent)
+                self._disk_candidate(parent)
 
     def _host_candidate(self, node: TreeNode) -> None:
         if self._is_host_candidate(node):
@@ -485,10 +564,12 @@ class RadixCache:
     @staticmethod
     def _is_host_candidate(node: TreeNode) -> bool:
         """A node in the tree with a host copy that is spare (the node is on the device too), or
-        the only copy of an unlocked host-only leaf."""
+        the only in-memory copy of an unlocked node with no child in memory."""
         if node.host_value is None or node.parent is None:
             return False
-        return node.on_device or (node.lock_ref == 0 and not node.children)
+        if node.on_device:
+            return True
+        return node.lock_ref == 0 and not any(c.in_memory for c in node.children.values())
 
     def _free_host(self, node: TreeNode) -> None:
         assert node.host_value is not None and self.host_allocator is not None
@@ -498,7 +579,7 @@ class RadixCache:
 
     def _drop(self, node: TreeNode) -> None:
         """Takes node (its device slots already freed by the caller, if it had any) and everything
-        below it, host-only by the tiers' invariant, out of the tree."""
+        below it, in the lower tiers only by the tiers' invariant, out of the tree."""
         assert node.parent is not None
         del node.parent.children[node.key[0]]
         stack = [node]
@@ -507,25 +588,183 @@ class RadixCache:
             assert n is node or not n.on_device, "a device node below one leaving the device"
             if n.host_value is not None:
                 self._free_host(n)
+            if n.disk_value is not None:
+                self._free_disk(n)
             del self._nodes[n.id]
             n.parent = None
             stack.extend(n.children.values())
 
-    def _record(self, to_host: bool, src: list[int], dst: list[int]) -> None:
-        """Appends a copy to the pending ones; a new batch where this one would write a slot twice."""
+    def _record(self, src_tier: Tier, dst_tier: Tier, src: list[int], dst: list[int]) -> None:
+        """Appends a copy to the pending ones; a new batch where this one would write a slot twice.
+        (A batch reads one tier and writes another, so no copy in it reads what another writes.)"""
         last = self._copies[-1] if self._copies else None
-        if last is None or last.to_host != to_host or not self._copy_dsts.isdisjoint(dst):
-            last = KVCopy(to_host)
+        joins = (
+            isinstance(last, KVCopy)
+            and last.tokens is None
+            and (last.src_tier, last.dst_tier) == (src_tier, dst_tier)
+            and self._copy_dsts.isdisjoint(dst)
+        )
+        if not joins or not isinstance(last, KVCopy):
+            last = KVCopy(src_tier, dst_tier)
             self._copies.append(last)
             self._copy_dsts = set()
         last.src.extend(src)
         last.dst.extend(dst)
         self._copy_dsts.update(dst)
 
-    def take_copies(self) -> list[KVCopy]:
-        """The copies recorded since the last call, for the next step to run before its forward."""
+    def take_copies(self) -> list[TierOp]:
+        """The tier moves recorded since the last call, for the next step to run before its forward."""
         copies, self._copies, self._copy_dsts = self._copies, [], set()
         return copies
+
+    # -- the disk tier -----------------------------------------------------------------------
+    def fetch(self, node: TreeNode, move: Mover) -> int:
+        """Reads the disk-only nodes of node's path into host slots, from the top down as far as the
+        host tier has room, running the moves at once through `move` (the executor), so that `load`
+        can bring them onto the device next. A node whose data fails its checksum leaves the tree,
+        with everything below it: it is recomputed, never served. Returns the tokens read."""
+        if self.disk_suffix(node)[0] == 0:
+            return 0
+        path: list[TreeNode] = []
+        walk = node
+        while not walk.in_memory and walk is not self.root_node:
+            path.append(walk)
+            assert walk.parent is not None
+            walk = walk.parent
+        fetched: list[TreeNode] = []
+        # Locked while making room in the host tier: that must take no part of this path.
+        self.inc_lock_ref(node)
+        try:
+            for disk_node in reversed(path):
+                host = self._alloc_host(len(disk_node.key))
+                if host is None:
+                    break
+                assert disk_node.disk_value is not None
+                self._record("disk", "host", disk_node.disk_value, host)
+                disk_node.host_value = host
+                self._host_size += len(host)
+                fetched.append(disk_node)
+        finally:
+            self.dec_lock_ref(node)
+        if not fetched:
+            return 0
+        failed = set(move(self.take_copies()))
+        got = 0
+        for disk_node in fetched:
+            if disk_node.parent is None:
+                continue  # left the tree below a node that failed
+            assert disk_node.disk_value is not None
+            if failed.isdisjoint(disk_node.disk_value):
+                got += len(disk_node.key)
+                self._host_candidate(disk_node)
+                self._disk_candidate(disk_node)
+                continue
+            self.disk_failed_tokens += len(disk_node.key)
+            parent = disk_node.parent
+            self._drop(disk_node)
+            self._host_candidate(parent)
+            self._disk_candidate(parent)
+        self.disk_loaded_tokens += got
+        return got
+
+    def restore(self, entries: Iterable[DiskEntry]) -> None:
+        """Rebuilds the disk tier of a fresh tree from the entries the executor found on disk at
+        start: each becomes a disk-only node under the path its tokens name. An entry whose path
+        above it is in no entry is dropped (unreachable), and so are tokens another entry holds."""
+        assert self.disk_allocator is not None and self.num_nodes() == 1, "restore into a fresh tree"
+        for entry in sorted(entries, key=lambda e: len(e.tokens)):
+            slots, tokens = list(entry.slots), list(entry.tokens)
+            self.disk_allocator.claim(slots)
+            self._disk_size += len(slots)
+            start = len(tokens) - len(slots)
+            length, node = self.match_node(tokens)
+            if length < start:
+                self._release_disk(slots)
+                continue
+            self._release_disk(slots[: length - start])
+            if length < len(tokens):
+                leaf = TreeNode(tokens[length:], None, node, self._tick())
+                leaf.disk_value = slots[length - start :]
+                node.children[tokens[length]] = leaf
+                self._nodes[leaf.id] = leaf
+                self._disk_candidate(leaf)
+
+    def _back_up_disk(self, node: TreeNode, src_tier: Tier) -> bool:
+        """Writes a node's KV from the device or the host tier to fresh disk slots (one entry, with
+        its path's tokens); False when there is no disk tier or no room in it."""
+        src = node.value if src_tier == "device" else node.host_value
+        assert src is not None and node.disk_value is None
+        disk = self._alloc_disk(len(node.key))
+        if disk is None:
+            return False
+        self._copies.append(KVCopy(src_tier, "disk", list(src), disk, self.path_key(node)))
+        node.disk_value = disk
+        self._disk_size += len(disk)
+        self.disk_stored_tokens += len(disk)
+        self._disk_candidate(node)
+        return True
+
+    def _alloc_disk(self, n: int) -> list[int] | None:
+        if self.disk_allocator is None or n > self.disk_allocator.size:
+            return None
+        short = n - self.disk_allocator.available_size()
+        if short > 0:
+            self._evict_disk(short)
+        return self.disk_allocator.alloc(n)
+
+    def _evict_disk(self, num_tokens: int) -> None:
+        """Frees disk slots, least recently used first: spare copies of nodes in memory, and
+        disk-only leaves, which leave the tree."""
+        freed = 0
+        while freed < num_tokens and self._disk_lru:
+            touched, _, node = heapq.heappop(self._disk_lru)
+            if not self._is_disk_candidate(node):
+                continue
+            if node.last_access_time != touched:
+                self._disk_candidate(node)
+                continue
+            assert node.disk_value is not None and node.parent is not None
+            freed += len(node.disk_value)
+            self.disk_evicted_tokens += len(node.disk_value)
+            if node.in_memory:
+                self._free_disk(node)
+            else:
+                parent = node.parent
+                self._drop(node)
+                self._disk_candidate(parent)
+                self._host_candidate(parent)
+
+    def _disk_candidate(self, node: TreeNode) -> None:
+        if self._is_disk_candidate(node):
+            heapq.heappush(self._disk_lru, (node.last_access_time, node.id, node))
+            if len(self._disk_lru) > 2 * len(self._nodes) + 64:
+                self._disk_lru = self._rebuilt(self._is_disk_candidate)
+
+    @staticmethod
+    def _is_disk_candidate(node: TreeNode) -> bool:
+        """A node in the tree with a disk copy that is spare (the node is in memory too), or the
+        only copy of an unlocked leaf."""
+        if node.disk_value is None or node.parent is None:
+            return False
+        return node.in_memory or (node.lock_ref == 0 and not node.children)
+
+    def _free_disk(self, node: TreeNode) -> None:
+        assert node.disk_value is not None
+        self._release_disk(node.disk_value)
+        node.disk_value = None
+
+    def _release_disk(self, slots: list[int]) -> None:
+        """Returns disk slots to the free list and tells the executor to let go of their data."""
+        if not slots:
+            return
+        assert self.disk_allocator is not None
+        self.disk_allocator.free(slots)
+        self._disk_size -= len(slots)
+        last = self._copies[-1] if self._copies else None
+        if isinstance(last, KVDrop):
+            last.slots.extend(slots)
+        else:
+            self._copies.append(KVDrop(list(slots)))
 
     def _rebuilt(self, is_candidate: Callable[[TreeNode], bool]) -> list[_Entry]:
         heap = [(n.last_access_time, n.id, n) for n in self._nodes.values() if is_candidate(n)]
@@ -547,33 +786,40 @@ class RadixCache:
         """Host tier slots the tree holds."""
         return self._host_size
 
+    def disk_size(self) -> int:
+        """Disk tier slots the tree holds."""
+        return self._disk_size
+
     def reset(self) -> None:
-        """Returns every cached slot of both tiers to its allocator; refuses while a request still
-        pins a path."""
+        """Returns every cached slot of every tier to its allocator (the disk tier's data is let
+        go too); refuses while a request still pins a path. Pending copies stay queued: they only
+        write slots that are free now."""
         if self._protected_size:
             raise RuntimeError(f"reset with {self._protected_size} tokens still locked")
         values: list[int] = []
         host: list[int] = []
+        disk: list[int] = []
         stack = list(self.root_node.children.values())
         while stack:
             node = stack.pop()
             values.extend(node.value or ())
             host.extend(node.host_value or ())
+            disk.extend(node.disk_value or ())
             stack.extend(node.children.values())
             node.parent = None
         self.allocator.free(values)
         if self.host_allocator is not None:
             self.host_allocator.free(host)
+        self._release_disk(disk)
         self.root_node.children = {}
         self._nodes = {self.root_node.id: self.root_node}
-        self._lru, self._host_lru = [], []
-        self.take_copies()
+        self._lru, self._host_lru, self._disk_lru = [], [], []
         self._evictable_size = self._host_size = 0
 
     def pretty_print(self) -> str:
         lines = [
             f"RadixCache total={self.total_size()} evictable={self._evictable_size} "
-            f"protected={self._protected_size} host={self._host_size}"
+            f"protected={self._protected_size} host={self._host_size} disk={self._disk_size}"
         ]
         stack: list[tuple[TreeNode, int]] = [
             (c, 1) for c in sorted(self.root_node.children.values(), key=lambda c: c.key[0], reverse=True)
@@ -582,7 +828,7 @@ class RadixCache:
             node, depth = stack.pop()
             lines.append(
                 f"{'  ' * depth}key={node.key} value={node.value} host={node.host_value} "
-                f"lock_ref={node.lock_ref} t={node.last_access_time:g}"
+                f"disk={node.disk_value} lock_ref={node.lock_ref} t={node.last_access_time:g}"
             )
             children = sorted(node.children.values(), key=lambda c: c.key[0], reverse=True)
             stack.extend((c, depth + 1) for c in children)

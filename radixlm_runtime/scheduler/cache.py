@@ -1,16 +1,20 @@
 """Glue between requests and the KV memory's bookkeeping: the radix tree, the slot and table-row
-free lists (the device pool's and the host tier's) and the program sessions pinning KV. Every slot
+free lists (the device pool's, the host tier's and the disk tier's) and the program sessions
+pinning KV. Every slot
 a request touches is accounted for here, so that when a request finishes, is retracted or is
 aborted its slots either join the tree or return to the free list. All of it is host data: the
 executor owns the tensors."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
-from radixlm_runtime.kvcache.radix_cache import RadixCache, TreeNode
+from radixlm_runtime.kvcache.radix_cache import Mover, RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
-from radixlm_runtime.step import KVCopy
+from radixlm_runtime.step import DiskEntry, TierOp
 
 
 class CacheManager:
@@ -25,12 +29,30 @@ class CacheManager:
         session_pin_fraction: float = 0.5,
         host_allocator: TokenAllocator | None = None,
         write_through: bool = False,
+        disk_allocator: TokenAllocator | None = None,
+        disk_write_through: bool = False,
+        move: Mover | None = None,
+        disk_entries: Sequence[DiskEntry] = (),
     ) -> None:
+        """`move` runs tier moves at once (Executor.move_kv): reads from the disk tier go through it.
+        `disk_entries`: what the disk tier held at start, which the tree is rebuilt from."""
         self.allocator = allocator
         self.rows = rows
-        self.tree = None if disable_radix_cache else RadixCache(allocator, host_allocator, write_through)
-        # Prompt tokens admitted from the device pool and loaded back from the host tier.
-        self.device_hit_tokens = self.host_hit_tokens = 0
+        self.tree = (
+            None
+            if disable_radix_cache
+            else RadixCache(allocator, host_allocator, write_through, disk_allocator, disk_write_through)
+        )
+        if disk_allocator is not None and move is None:
+            raise ValueError("a disk tier needs the executor's move_kv to read it")
+        self.move = move
+        if self.tree is not None and disk_allocator is not None:
+            self.tree.restore(disk_entries)
+        # Prompt tokens admitted from the device pool and loaded back from the host and disk tiers;
+        # reads of the disk tier (each one move_kv call) and the seconds they took.
+        self.device_hit_tokens = self.host_hit_tokens = self.disk_hit_tokens = 0
+        self.disk_reads = 0
+        self.disk_read_seconds = 0.0
         self.sessions = SessionTable(self.tree, session_timeout_s, int(session_pin_fraction * allocator.size))
 
     # -- capacity -----------------------------------------------------------------------------
@@ -45,15 +67,16 @@ class CacheManager:
             self.tree.evict(short)
         return self.allocator.alloc(n)
 
-    def take_copies(self) -> list[KVCopy]:
-        """Host-tier copies the tree recorded since the last step, for the next one to run first."""
+    def take_copies(self) -> list[TierOp]:
+        """Tier moves the tree recorded since the last step, for the next one to run first."""
         return self.tree.take_copies() if self.tree is not None else []
 
     # -- request lifecycle --------------------------------------------------------------------
     def admit(self, req: Req) -> bool:
         """Gives req a table row and its matched prefix's slots, and pins that prefix. A part of the
-        prefix found on the host tier is loaded back, or, where the device has no room for it,
-        left out of the prefix (recomputed)."""
+        prefix found on the disk tier is read into the host tier first; a part found on the host
+        tier is loaded back. What finds no room (or fails its checksum on disk) is left out of the
+        prefix (recomputed)."""
         idx = self.rows.alloc()
         if idx is None:
             return False
@@ -63,14 +86,19 @@ class CacheManager:
                 # Loading an earlier request's prefix this step may have demoted or dropped part of
                 # the match found while waiting: find it again.
                 req.prefix_len, req.last_node = self.tree.match_node(req.token_ids[: req.prefix_len])
+            from_disk = self._fetch(req) if self.tree.disk_allocator is not None else 0
             host_len, device_node = self.tree.host_suffix(req.last_node)
             if host_len and not self.tree.load(req.last_node):
                 req.last_node, req.prefix_len = device_node, req.prefix_len - host_len
-                host_len = 0
+                host_len = from_disk = 0
             if req.cached_tokens < 0:
-                self.host_hit_tokens += min(host_len, req.prompt_len)
-                self.device_hit_tokens += min(req.prefix_len - host_len, req.prompt_len)
-            req.load_len = 0
+                # Within the prompt: the disk part is the prefix's last, the device part its first.
+                device_len = min(req.prefix_len - host_len, req.prompt_len)
+                disk_len = max(min(req.prefix_len, req.prompt_len) - (req.prefix_len - from_disk), 0)
+                self.device_hit_tokens += device_len
+                self.disk_hit_tokens += disk_len
+                self.host_hit_tokens += min(req.prefix_len, req.prompt_len) - device_len - disk_len
+            req.load_len = req.disk_len = 0
         has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
         req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []
         req.prefix_len = req.kv_len = len(req.kv_slots)
@@ -82,6 +110,25 @@ class CacheManager:
         if self.tree is not None and req.last_node is not None:
             self.tree.inc_lock_ref(req.last_node)
         return True
+
+    def _fetch(self, req: Req) -> int:
+        """Reads the disk-only end of req's match into the host tier; what finds no room or fails
+        its checksum is cut from the match. Returns the tokens read that the match keeps."""
+        assert self.tree is not None and self.move is not None and req.last_node is not None
+        if not self.tree.disk_suffix(req.last_node)[0]:
+            return 0
+        t0 = time.perf_counter()
+        # The nodes read are the top of the disk-only part, each below the one before: what the
+        # match keeps of them after failures (which drop everything below) is all of what was read.
+        got = self.tree.fetch(req.last_node, self.move)
+        self.disk_reads += 1
+        self.disk_read_seconds += time.perf_counter() - t0
+        # A node that failed its checksum left the tree with everything below it: match again.
+        req.prefix_len, req.last_node = self.tree.match_node(req.token_ids[: req.prefix_len])
+        disk_len, memory_node = self.tree.disk_suffix(req.last_node)
+        if disk_len:
+            req.last_node, req.prefix_len = memory_node, req.prefix_len - disk_len
+        return got
 
     def cache_unfinished(self, req: Req) -> None:
         """Publishes the KV computed so far (a finished prefill chunk) in the tree, so requests

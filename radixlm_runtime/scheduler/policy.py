@@ -16,6 +16,15 @@ LPM_MAX_QUEUE = 256
 # What a prefix token on the host tier is worth in LPM order, a device token being worth 1: loading
 # it back is a copy, far cheaper than recomputing it, but dearer than a hit in the pool.
 HOST_HIT_WEIGHT = 0.5
+# And a token on the disk tier only: a file read and a checksum before that copy, still cheaper than
+# recomputing it (a forward through every layer), dearer than a host hit.
+DISK_HIT_WEIGHT = 0.25
+
+
+def hit_value(req: Req) -> float:
+    """req's cached prefix in device-token equivalents (LPM's key)."""
+    host_only = req.load_len - req.disk_len
+    return req.prefix_len - (1 - HOST_HIT_WEIGHT) * host_only - (1 - DISK_HIT_WEIGHT) * req.disk_len
 
 
 @dataclass(frozen=True)
@@ -76,12 +85,13 @@ class SchedulePolicy:
                 matched, node = self.tree.match_node(key[:limit])
         req.prefix_len, req.last_node = matched, node
         req.load_len = self.tree.host_suffix(node)[0]
+        req.disk_len = self.tree.disk_suffix(node)[0] if req.load_len else 0
 
     def _policy_order(self, waiting: list[Req]) -> list[Req]:
         if self.policy == "fcfs" or (self.policy == "lpm" and len(waiting) > LPM_MAX_QUEUE):
             return list(waiting)
         if self.policy == "lpm":
-            return sorted(waiting, key=lambda r: -(r.prefix_len - (1 - HOST_HIT_WEIGHT) * r.load_len))
+            return sorted(waiting, key=lambda r: -hit_value(r))
         return self._dfs_weight(waiting)
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:

@@ -51,7 +51,8 @@ class Req:
     # everything published by cache_unfinished.
     prefix_len: int = 0
     last_node: TreeNode | None = None
-    load_len: int = 0  # of the match while waiting: trailing tokens on the host tier only
+    load_len: int = 0  # of the match while waiting: trailing tokens not on the device (host or disk)
+    disk_len: int = 0  # of those, the trailing ones on the disk tier only
     kv_len: int = 0  # tokens whose KV is in the pool
     table_synced: int = 0  # leading entries of kv_slots the executor's table row already holds
 

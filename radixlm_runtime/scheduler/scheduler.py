@@ -52,14 +52,19 @@ class Scheduler:
         self.config = config
         self.eos_ids = eos_ids
         self.stats = SchedulerStats()
+        info = self.runner_info
         self.cache = CacheManager(
-            TokenAllocator(self.runner_info.max_total_tokens),
-            RowAllocator(self.runner_info.max_reqs),
+            TokenAllocator(info.max_total_tokens),
+            RowAllocator(info.max_reqs),
             config.disable_radix_cache,
             config.session_timeout_s,
             config.session_pin_fraction,
-            TokenAllocator(self.runner_info.host_kv_tokens) if self.runner_info.host_kv_tokens else None,
+            TokenAllocator(info.host_kv_tokens) if info.host_kv_tokens else None,
             config.kv_host_write_policy == "write_through",
+            TokenAllocator(info.disk_kv_tokens) if info.disk_kv_tokens else None,
+            config.kv_disk_write_policy == "write_through",
+            runner.move_kv,
+            info.disk_entries,
         )
         self.drafter = (
             Drafter(
@@ -152,18 +157,38 @@ class Scheduler:
             **vars(self.stats),
         }
 
-    def _tier_info(self) -> dict[str, int]:
-        """The host KV tier: its size and use, and the tokens moved through it since start."""
+    def _tier_info(self) -> dict[str, int | float]:
+        """The host and disk KV tiers: their size and use, the prompt tokens served from each, and
+        the tokens and bytes moved through them since start; the disk tier's reads and their time."""
         tree = self.cache.tree
+        moved = {
+            "host_stored": tree.stored_tokens if tree is not None else 0,
+            "host_loaded": tree.loaded_tokens if tree is not None else 0,
+            "disk_stored": tree.disk_stored_tokens if tree is not None else 0,
+            "disk_loaded": tree.disk_loaded_tokens if tree is not None else 0,
+        }
+        per_token = self.runner_info.kv_bytes_per_token
         return {
             "host_tier_tokens": self.runner_info.host_kv_tokens,
             "cached_tokens_on_host": tree.host_size() if tree is not None else 0,
+            "disk_tier_tokens": self.runner_info.disk_kv_tokens,
+            "kv_bytes_per_token": per_token,
+            "cached_tokens_on_disk": tree.disk_size() if tree is not None else 0,
             "device_hit_tokens": self.cache.device_hit_tokens,
             "host_hit_tokens": self.cache.host_hit_tokens,
-            "host_stored_tokens": tree.stored_tokens if tree is not None else 0,
-            "host_loaded_tokens": tree.loaded_tokens if tree is not None else 0,
+            "disk_hit_tokens": self.cache.disk_hit_tokens,
+            **{f"{k}_tokens": v for k, v in moved.items()},
+            **{f"{k}_bytes": v * per_token for k, v in moved.items()},
             "host_evicted_tokens": tree.host_evicted_tokens if tree is not None else 0,
+            "disk_evicted_tokens": tree.disk_evicted_tokens if tree is not None else 0,
+            "disk_failed_tokens": tree.disk_failed_tokens if tree is not None else 0,
+            "disk_reads": self.cache.disk_reads,
+            "disk_read_seconds": self.cache.disk_read_seconds,
         }
+
+    def close(self) -> None:
+        """Lets the executor finish what it still writes to the disk tier."""
+        self.runner.close()
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:

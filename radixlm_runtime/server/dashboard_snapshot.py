@@ -170,6 +170,8 @@ def tree_snapshot(
         "max_total_tokens": scheduler.runner_info.max_total_tokens,
         "host_tokens": tree.host_size(),
         "host_tier_tokens": scheduler.runner_info.host_kv_tokens,
+        "disk_tokens": tree.disk_size(),
+        "disk_tier_tokens": scheduler.runner_info.disk_kv_tokens,
     }
 
 

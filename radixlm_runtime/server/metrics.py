@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 from radixlm_runtime.io.finish import FinishKind
 
@@ -32,6 +32,8 @@ KV_GAUGES = (
     ("free_tokens", "radixlm_kv_pool_free_tokens", "Free KV pool slots."),
     ("host_tier_tokens", "radixlm_kv_host_tier_size_tokens", "Slots of the host KV tier (0: none)."),
     ("cached_tokens_on_host", "radixlm_kv_host_tier_cached_tokens", "Tokens cached in the host tier."),
+    ("disk_tier_tokens", "radixlm_kv_disk_tier_size_tokens", "Slots of the disk KV tier (0: none)."),
+    ("cached_tokens_on_disk", "radixlm_kv_disk_tier_cached_tokens", "Tokens cached in the disk tier."),
 )
 KV_COUNTERS = (
     ("device_hit_tokens", "radixlm_kv_pool_hit_tokens", "Prompt tokens admitted from the KV pool."),
@@ -39,6 +41,28 @@ KV_COUNTERS = (
     ("host_stored_tokens", "radixlm_kv_host_tier_stored_tokens", "Tokens copied to the host tier."),
     ("host_loaded_tokens", "radixlm_kv_host_tier_loaded_tokens", "Tokens copied back from the host tier."),
     ("host_evicted_tokens", "radixlm_kv_host_tier_evicted_tokens", "Tokens dropped from the host tier."),
+    ("host_stored_bytes", "radixlm_kv_host_tier_stored_bytes", "KV bytes copied to the host tier."),
+    ("host_loaded_bytes", "radixlm_kv_host_tier_loaded_bytes", "KV bytes copied back from the host tier."),
+    ("disk_hit_tokens", "radixlm_kv_disk_tier_hit_tokens", "Prompt tokens read back from the disk tier."),
+    ("disk_stored_tokens", "radixlm_kv_disk_tier_stored_tokens", "Tokens written to the disk tier."),
+    ("disk_loaded_tokens", "radixlm_kv_disk_tier_loaded_tokens", "Tokens read back from the disk tier."),
+    ("disk_evicted_tokens", "radixlm_kv_disk_tier_evicted_tokens", "Tokens dropped from the disk tier."),
+    (
+        "disk_failed_tokens",
+        "radixlm_kv_disk_tier_failed_tokens",
+        "Tokens dropped: disk entry corrupt.",
+    ),
+    ("disk_stored_bytes", "radixlm_kv_disk_tier_stored_bytes", "KV bytes written to the disk tier."),
+    ("disk_loaded_bytes", "radixlm_kv_disk_tier_loaded_bytes", "KV bytes read back from the disk tier."),
+)
+# (count key, sum key, metric, help): summaries of latencies the scheduler process totals.
+KV_SUMMARIES = (
+    (
+        "disk_reads",
+        "disk_read_seconds",
+        "radixlm_kv_disk_tier_load_seconds",
+        "Wall time of reading a request's prefix from the disk tier into the host tier.",
+    ),
 )
 
 
@@ -59,6 +83,11 @@ class KVCollector:
         for key, name, help_text in KV_COUNTERS:
             if key in self.info:
                 yield CounterMetricFamily(name, help_text, value=self.info[key])
+        for count, total, name, help_text in KV_SUMMARIES:
+            if count in self.info:
+                yield SummaryMetricFamily(
+                    name, help_text, count_value=self.info[count], sum_value=self.info[total]
+                )
 
 
 class ServerMetrics:

@@ -130,6 +130,7 @@ class SchedulerProcess:
         }
 
     def close(self) -> None:
+        self.scheduler.close()
         self.pull.close(linger=0)
         self.push.close(linger=1000)
         self.ctx.term()

@@ -1,22 +1,33 @@
-"""Stateful property test of the radix cache with a host tier, driven the way CacheManager drives it.
+"""Stateful property test of the radix cache with host and disk tiers, driven the way CacheManager
+drives it.
 
 Beside the tree, the test keeps the KV itself: a device memory and a host memory of "contents", one
-per slot, where a computed token's content names its whole prefix. Copies the tree records are run
-in order before each step's "forward" (which writes the new tokens' contents), as the executor
-runs them. After every step: each cached token's content, in whichever tiers hold it, is the one
-written for its prefix (a loaded prefix is bit-identical to what was stored, nothing stale is
-served); every slot of each tier is in exactly one place; the counters count the device tier.
+per slot, where a computed token's content names its whole prefix, and a model of the executor's
+disk store: entries (files) of contents with the path tokens written beside them, disk slots mapped
+to (entry, row), an entry deleted once none of its slots is held. Copies the tree records are run in
+order before each step's "forward" (which writes the new tokens' contents), as the executor runs
+them; a read from a corrupted entry writes garbage and is reported failed. A restart rebuilds a
+fresh tree from the surviving entries, renumbered, as the executor's scan does.
+
+After every step: each cached token's content, in whichever tiers hold it, is the one written for
+its prefix (a loaded prefix is bit-identical to what was stored, nothing stale or corrupt is
+served); every slot of each tier is in exactly one place (free or one node: nothing leaked, nothing
+held twice); the tiers nest; the counters count what the tree holds.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlm_runtime.kvcache import RadixCache, TokenAllocator, TreeNode
+from radixlm_runtime.step import DiskEntry, KVDrop, TierOp
 
 Prefix = tuple[int, ...]
+GARBAGE: Prefix = (-1,)
 
 keys = st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8) | st.lists(
     st.integers(min_value=0, max_value=1), min_size=1, max_size=8
@@ -36,31 +47,99 @@ def _nodes(cache: RadixCache) -> list[tuple[TreeNode, Prefix]]:
     return out
 
 
+@dataclass
+class _File:
+    tokens: list[int]
+    contents: list[Prefix]
+    live: int
+    corrupt: bool = False
+
+
 class TieredCacheMachine(RuleBasedStateMachine):
     @initialize(
-        size=st.sampled_from([12, 24]), host=st.sampled_from([8, 16, 48]), write_through=st.booleans()
+        size=st.sampled_from([12, 24]),
+        host=st.sampled_from([8, 16, 48]),
+        disk=st.sampled_from([0, 8, 32]),
+        write_through=st.booleans(),
+        disk_write_through=st.booleans(),
     )
-    def setup(self, size: int, host: int, write_through: bool) -> None:
+    def setup(self, size: int, host: int, disk: int, write_through: bool, disk_write_through: bool) -> None:
+        self.sizes = (size, host, disk)
+        self.policies = (write_through, disk_write_through)
+        self.files: dict[int, _File] = {}
+        self.next_file = 0
+        self._fresh_cache([], {})
+
+    def _fresh_cache(self, entries: list[DiskEntry], where: dict[int, tuple[int, int]]) -> None:
+        """A new tree (a new process) over the disk entries found at start, `where` their rows are."""
+        size, host, disk = self.sizes
         self.alloc = TokenAllocator(size)
         self.host_alloc = TokenAllocator(host)
-        self.cache = RadixCache(self.alloc, self.host_alloc, write_through)
+        self.disk_alloc = TokenAllocator(disk) if disk else None
+        self.cache = RadixCache(
+            self.alloc, self.host_alloc, self.policies[0], self.disk_alloc, self.policies[1]
+        )
         self.device: list[Prefix | None] = [None] * (size + 1)
         self.host: list[Prefix | None] = [None] * (host + 1)
+        self.where = where  # disk slot -> (file, row)
         self.loaded = 0
+        if self.disk_alloc is not None:
+            self.cache.restore(entries)
+            self._run_ops(self.cache.take_copies())
 
-    def _run_copies(self) -> None:
-        for copy in self.cache.take_copies():
-            assert len(copy.dst) == len(set(copy.dst)), "a batch writes a slot twice"
-            src_mem, dst_mem = (self.device, self.host) if copy.to_host else (self.host, self.device)
-            values = [src_mem[s] for s in copy.src]
-            for d, v in zip(copy.dst, values, strict=True):
+    # -- the executor's side ------------------------------------------------------------------
+    def _run_ops(self, ops: list[TierOp]) -> list[int]:
+        failed: list[int] = []
+        for op in ops:
+            if isinstance(op, KVDrop):
+                for s in op.slots:
+                    fid, _ = self.where.pop(s)
+                    self.files[fid].live -= 1
+                    if self.files[fid].live == 0:
+                        del self.files[fid]
+                continue
+            assert len(op.dst) == len(set(op.dst)), "a batch writes a slot twice"
+            values = [self._read(op.src_tier, s, failed) for s in op.src]
+            if op.dst_tier == "disk":
+                assert op.tokens is not None, "a disk entry without its path's tokens"
+                start = len(op.tokens) - len(op.dst)
+                # The tokens written beside the KV name the prefix each row was computed for.
+                assert values == [tuple(op.tokens[: start + i + 1]) for i in range(len(op.dst))]
+                fid, self.next_file = self.next_file, self.next_file + 1
+                self.files[fid] = _File(list(op.tokens), list(values), len(op.dst))
+                for row, s in enumerate(op.dst):
+                    assert s not in self.where, "a disk slot written while held"
+                    self.where[s] = (fid, row)
+                continue
+            dst_mem = self.device if op.dst_tier == "device" else self.host
+            for d, v in zip(op.dst, values, strict=True):
                 dst_mem[d] = v
+        return failed
 
+    def _read(self, tier: str, slot: int, failed: list[int]) -> Prefix | None:
+        if tier == "device":
+            return self.device[slot]
+        if tier == "host":
+            return self.host[slot]
+        fid, row = self.where[slot]
+        if self.files[fid].corrupt:
+            failed.append(slot)
+            return GARBAGE
+        return self.files[fid].contents[row]
+
+    # -- rules ----------------------------------------------------------------------------------
     @rule(key=keys)
     def run_request(self, key: list[int]) -> None:
-        """Admission (match, load the host part or fall back to the device part, lock), the step's
-        copies, a forward writing the new tokens, insertion and release, as one request does."""
+        """Admission (match, read the disk part into the host tier, load the host part or fall back
+        to what is on the device, lock), the step's copies, a forward writing the new tokens,
+        insertion and release, as one request does."""
         length, node = self.cache.match_node(key)
+        if self.cache.disk_suffix(node)[0]:
+            self.cache.fetch(node, self._run_ops)
+            length, node = self.cache.match_node(key[:length])
+            disk_len, memory_node = self.cache.disk_suffix(node)
+            if disk_len:
+                length, node = length - disk_len, memory_node
         host_len, device_node = self.cache.host_suffix(node)
         if host_len:
             if self.cache.load(node):
@@ -75,8 +154,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
         if short > 0:
             self.cache.evict(short)
         fresh = self.alloc.alloc(need)
-        self._run_copies()
-        # The loaded and matched prefix reads exactly what was written for it.
+        self._run_ops(self.cache.take_copies())
+        # The loaded and matched prefix reads exactly what was written for it: never garbage.
         assert [self.device[s] for s in prefix] == [tuple(key[: i + 1]) for i in range(length)]
         if fresh is None:
             self.cache.dec_lock_ref(node)
@@ -87,13 +166,14 @@ class TieredCacheMachine(RuleBasedStateMachine):
         already = self.cache.insert(key, value)
         self.alloc.free(value[length:already])
         self.cache.dec_lock_ref(node)
-        self._run_copies()
+        self._run_ops(self.cache.take_copies())
 
     @rule(key=keys)
     def match(self, key: list[int]) -> None:
         length, node = self.cache.match_node(key)
         host_len, device_node = self.cache.host_suffix(node)
-        assert 0 <= host_len <= length
+        disk_len, _ = self.cache.disk_suffix(node)
+        assert 0 <= disk_len <= host_len <= length
         slots = self.cache.path_slots(device_node)
         assert len(slots) == length - host_len
 
@@ -104,15 +184,47 @@ class TieredCacheMachine(RuleBasedStateMachine):
         freed = self.cache.evict(n)
         assert freed >= min(n, evictable)
         assert self.alloc.available_size() == available + freed
-        self._run_copies()
+        self._run_ops(self.cache.take_copies())
+
+    @precondition(lambda self: self.files)
+    @rule(pick=st.integers(min_value=0))
+    def corrupt_file(self, pick: int) -> None:
+        fids = sorted(self.files)
+        self.files[fids[pick % len(fids)]].corrupt = True
+
+    @precondition(lambda self: self.disk_alloc is not None)
+    @rule()
+    def restart(self) -> None:
+        """A new process on the same directory: every file survives whole (rows whose slots were
+        let go included), the newest first as far as the disk tier holds them, renumbered."""
+        self._run_ops(self.cache.take_copies())
+        capacity, kept, total = self.sizes[2], {}, 0
+        for fid in sorted(self.files, reverse=True):
+            if total + len(self.files[fid].contents) <= capacity:
+                kept[fid] = self.files[fid]
+                total += len(self.files[fid].contents)
+        entries: list[DiskEntry] = []
+        self.files = {}
+        slot = 1
+        where: dict[int, tuple[int, int]] = {}
+        for fid, f in sorted(kept.items()):
+            n = len(f.contents)
+            entries.append(DiskEntry(tuple(f.tokens), tuple(range(slot, slot + n))))
+            where.update({slot + row: (fid, row) for row in range(n)})
+            self.files[fid] = _File(f.tokens, f.contents, n, f.corrupt)
+            slot += n
+        self._fresh_cache(entries, where)
 
     @rule()
     def reset(self) -> None:
         self.cache.reset()
+        self._run_ops(self.cache.take_copies())
         assert self.alloc.available_size() == self.alloc.size
         assert self.host_alloc.available_size() == self.host_alloc.size
-        assert self.cache.host_size() == 0 and self.cache.num_nodes() == 1
+        assert self.cache.host_size() == 0 and self.cache.disk_size() == 0 and self.cache.num_nodes() == 1
+        assert not self.files and not self.where
 
+    # -- invariants -----------------------------------------------------------------------------
     @precondition(lambda self: self.loaded)
     @invariant()
     def loads_are_counted(self) -> None:
@@ -123,27 +235,36 @@ class TieredCacheMachine(RuleBasedStateMachine):
         for node, path in _nodes(self.cache):
             start = len(path) - len(node.key)
             want = [path[: start + i + 1] for i in range(len(node.key))]
-            assert node.value is not None or node.host_value is not None, "a node in no tier"
+            assert node.tier, "a node in no tier"
             if node.value is not None:
                 assert [self.device[s] for s in node.value] == want
             if node.host_value is not None:
                 assert [self.host[s] for s in node.host_value] == want
+            if node.disk_value is not None:
+                rows = [self.where[s] for s in node.disk_value]
+                assert [self.files[fid].contents[row] for fid, row in rows] == want
 
     @invariant()
     def tiers_nest(self) -> None:
-        """The device tier is prefix-closed: a node on the device has its parent on the device."""
+        """The device tier is prefix-closed, and so are the device and host tiers together."""
         for node, _ in _nodes(self.cache):
             assert node.parent is not None
             if node.on_device:
                 assert node.parent.on_device
+            if node.in_memory and node.parent is not self.cache.root_node:
+                assert node.parent.in_memory
 
     @invariant()
     def slots_are_partitioned(self) -> None:
         nodes = [n for n, _ in _nodes(self.cache)]
-        for alloc, tree_slots in (
+        tiers = [
             (self.alloc, [s for n in nodes for s in n.value or ()]),
             (self.host_alloc, [s for n in nodes for s in n.host_value or ()]),
-        ):
+        ]
+        if self.disk_alloc is not None:
+            tiers.append((self.disk_alloc, [s for n in nodes for s in n.disk_value or ()]))
+            assert set(self.where) == set(tiers[-1][1]), "the executor holds other disk slots than the tree"
+        for alloc, tree_slots in tiers:
             free = alloc.alloc(alloc.available_size())
             assert free is not None
             alloc.free(free)
@@ -152,11 +273,12 @@ class TieredCacheMachine(RuleBasedStateMachine):
             assert set(everything) == set(range(1, alloc.size + 1)), "a slot leaked"
 
     @invariant()
-    def counters_count_the_device_tier(self) -> None:
+    def counters_count_the_tiers(self) -> None:
         nodes = [n for n, _ in _nodes(self.cache)]
         assert self.cache.total_size() == sum(len(n.key) for n in nodes if n.on_device)
         assert self.cache.protected_size() == 0  # nothing holds a lock between steps
         assert self.cache.host_size() == sum(len(n.host_value or ()) for n in nodes)
+        assert self.cache.disk_size() == sum(len(n.disk_value or ()) for n in nodes)
         assert self.cache.num_nodes() == len(nodes) + 1
         assert all(self.cache.node(n.id) is n for n in nodes)
 

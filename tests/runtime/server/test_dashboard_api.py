@@ -26,8 +26,12 @@ FEEDS = ["overview", "tree", "requests", "programs", "metrics", "node/1", "reque
 
 
 # -- the radix tree's hit counter and the snapshots, without a server -----------------------------
-def make_tree(keys: list[list[int]], host_tokens: int = 0) -> RadixCache:
-    tree = RadixCache(TokenAllocator(10_000), TokenAllocator(host_tokens) if host_tokens else None)
+def make_tree(keys: list[list[int]], host_tokens: int = 0, disk_tokens: int = 0) -> RadixCache:
+    tree = RadixCache(
+        TokenAllocator(10_000),
+        TokenAllocator(host_tokens) if host_tokens else None,
+        disk_allocator=TokenAllocator(disk_tokens) if disk_tokens else None,
+    )
     for key in keys:
         slots = tree.allocator.alloc(len(key))
         assert slots is not None
@@ -42,6 +46,7 @@ def fake_scheduler(tree: RadixCache | None) -> Any:
         runner_info=SimpleNamespace(
             max_total_tokens=10_000,
             host_kv_tokens=tree.host_allocator.size if tree and tree.host_allocator else 0,
+            disk_kv_tokens=tree.disk_allocator.size if tree and tree.disk_allocator else 0,
         ),
         constraints=[],
     )
@@ -95,6 +100,19 @@ def test_tree_shows_each_nodes_tier() -> None:
     assert tree.load(older) == 1
     node = dashboard_snapshot.answer(sched, log, DashboardReq(0, "node", node_id=older.id))["node"]
     assert node["tier"] == "device+host"
+
+
+def test_tree_shows_nodes_on_the_disk_tier() -> None:
+    """A host tier of one token: the second node evicted from the pool pushes the first to disk."""
+    tree = make_tree([[1, 2, 3], [1, 2, 4]], host_tokens=1, disk_tokens=100)
+    _, older = tree.match_node([1, 2, 3])
+    _, newer = tree.match_node([1, 2, 4])
+    assert tree.evict(2) == 2
+    sched, log = fake_scheduler(tree), dashboard_snapshot.RequestLog()
+    snap = dashboard_snapshot.answer(sched, log, DashboardReq(0, "tree"))
+    tiers = dict(zip(snap["nodes"]["id"], snap["nodes"]["tier"], strict=True))
+    assert tiers[older.id] == "disk" and tiers[newer.id] == "host"
+    assert snap["disk_tokens"] == 1 and snap["disk_tier_tokens"] == 100
 
 
 def test_lock_holders_and_node_users() -> None:

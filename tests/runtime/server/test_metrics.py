@@ -170,6 +170,24 @@ def test_kv_figures_come_from_the_schedulers_info() -> None:
     assert value(s, "radixlm_kv_host_tier_stored_tokens_total") == 40
 
 
+def test_disk_tier_figures_and_load_latency() -> None:
+    m = ServerMetrics()
+    m.kv.observe(
+        {"disk_tier_tokens": 1000, "cached_tokens_on_disk": 300, "disk_hit_tokens": 120}
+        | {"disk_stored_tokens": 300, "disk_loaded_tokens": 150, "disk_evicted_tokens": 5}
+        | {"disk_failed_tokens": 2, "disk_stored_bytes": 3000, "disk_loaded_bytes": 1500}
+        | {"disk_reads": 4, "disk_read_seconds": 0.5}
+    )
+    s = parse(m.render().decode())
+    assert value(s, "radixlm_kv_disk_tier_size_tokens") == 1000
+    assert value(s, "radixlm_kv_disk_tier_cached_tokens") == 300
+    assert value(s, "radixlm_kv_disk_tier_hit_tokens_total") == 120
+    assert value(s, "radixlm_kv_disk_tier_failed_tokens_total") == 2
+    assert value(s, "radixlm_kv_disk_tier_loaded_bytes_total") == 1500
+    assert value(s, "radixlm_kv_disk_tier_load_seconds_count") == 4
+    assert value(s, "radixlm_kv_disk_tier_load_seconds_sum") == pytest.approx(0.5)
+
+
 def test_a_scrape_carries_the_schedulers_kv_figures(server: Server) -> None:
     samples = scrape(server)
     info = server.info()

@@ -71,7 +71,8 @@ export class CacheView {
     const matches = this.query ? snap.nodes.filter((n) => n.match).length : null;
     fill($("tree-summary"),
       `${snap.total_tokens} tokens cached of ${snap.max_total_tokens} (${snap.evictable_tokens} evictable, ${snap.protected_tokens} protected)` +
-        (snap.host_tier_tokens ? `; host tier ${snap.host_tokens} of ${snap.host_tier_tokens}` : ""),
+        (snap.host_tier_tokens ? `; host tier ${snap.host_tokens} of ${snap.host_tier_tokens}` : "") +
+        (snap.disk_tier_tokens ? `; disk tier ${snap.disk_tokens} of ${snap.disk_tier_tokens}` : ""),
       ` · ${snap.nodes.length} nodes${snap.truncated ? " (truncated: raise the node limit)" : ""}`,
       ` · snapshot ${age(Math.max(0, Date.now() / 1000 - snap.taken_at))}`,
       matches === null ? "" : ` · ${matches} nodes match "${this.query}"`,
@@ -96,7 +97,7 @@ export class CacheView {
     el("span", { class: "badge hits", title: "requests admitted with a cached prefix through this node" }, `${node.hits} hits`),
     lock,
     isRoot || node.tier === "device" ? null
-      : el("span", { class: "badge", title: "where its KV is: the device pool, the host tier or both" }, node.tier),
+      : el("span", { class: "badge", title: "where its KV is: the device pool, the host tier, the disk tier, or several" }, node.tier),
     el("span", { class: "text" }, isRoot ? "" : oneLine(node.text)),
     el("span", { class: "muted" }, isRoot ? "" : age(node.age_s)),
     small ? el("span", { class: "muted" }, `+${small} small (${smallTokens} tok)`) : null,

@@ -1,0 +1,80 @@
+"""The executor's side of the KV tiers: it runs the moves the radix tree records (step.KVCopy,
+step.KVDrop) between the device pool, the host tier (a KVPool in host memory) and the disk tier
+(kvcache/disk_tier.py), in order. The tree decides what moves where with slot integers only; the
+data is touched here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from radixlm_runtime.kvcache.disk_tier import DiskStore, layout_of, model_identity
+from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.step import DiskEntry, KVDrop, Tier, TierOp
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class KVTiers:
+    def __init__(self, pool: KVPool, host: KVPool | None, disk: DiskStore | None) -> None:
+        self.pool = pool
+        self.host = host
+        self.disk = disk
+        # What the disk tier held at start, for the scheduler's tree to rebuild itself from.
+        self.disk_entries: tuple[DiskEntry, ...] = tuple(disk.scan()) if disk is not None else ()
+
+    @classmethod
+    def build(
+        cls,
+        pool: KVPool,
+        host: KVPool | None,
+        disk_dir: str | None,
+        disk_bytes: int,
+        model_path: Path,
+        numerics: dict[str, Any],
+    ) -> KVTiers:
+        """The tiers of `pool`; the disk tier's entries keyed by the model's files, the `numerics`
+        that change its KV (dtype, arithmetic, quantization) and the pool's layout."""
+        if disk_dir is None:
+            return cls(pool, host, None)
+        layout = layout_of(pool.token_tensors())
+        identity = model_identity(model_path, numerics, layout)
+        capacity = disk_bytes // pool.bytes_per_token()
+        store = DiskStore(Path(disk_dir), identity, layout, capacity)
+        logger.info("disk KV tier: %s, %d tokens (%.2f GiB)", store.dir, capacity, disk_bytes / 2**30)
+        return cls(pool, host, store)
+
+    @property
+    def disk_tokens(self) -> int:
+        return self.disk.capacity_tokens if self.disk is not None else 0
+
+    def _tier(self, tier: Tier) -> KVPool:
+        if tier == "device":
+            return self.pool
+        assert tier == "host" and self.host is not None, f"a KV copy through the {tier} tier, which is off"
+        return self.host
+
+    def run(self, ops: list[TierOp]) -> list[int]:
+        """Runs the moves in order; returns the disk slots whose entry failed its checksum (their
+        destination slots are left zero: the tree drops them)."""
+        failed: list[int] = []
+        for op in ops:
+            if isinstance(op, KVDrop):
+                assert self.disk is not None
+                self.disk.drop(op.slots)
+            elif op.dst_tier == "disk":
+                assert self.disk is not None and op.tokens is not None
+                self.disk.write(op.dst, op.tokens, self._tier(op.src_tier).gather(op.src))
+            elif op.src_tier == "disk":
+                assert self.disk is not None
+                rows, bad = self.disk.read(op.src)
+                failed.extend(bad)
+                self._tier(op.dst_tier).scatter(op.dst, rows)
+            else:
+                self._tier(op.dst_tier).copy_from(self._tier(op.src_tier), op.src, op.dst)
+        return failed
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()

@@ -1,0 +1,296 @@
+"""The disk KV tier's storage: one file per entry (a node's KV written as it reached the tier), in a
+directory of its own per model identity, so that a server started again on the same model and
+directory serves the prefixes it finds there.
+
+An entry file is `MAGIC`, the header's length (4 bytes, little-endian), a JSON header and the raw
+bytes of every tensor the pool holds per token, tensor after tensor (no pickle). The header names
+the identity (the model's weights and config, the KV dtype and layout), the path's token ids (the
+stored tokens are its last `num_tokens`), the tensors' names, dtypes and per-token shapes, and a
+BLAKE2b digest of the payload. A file is written to a temporary name, fsynced and renamed, so a
+crash leaves no half-written entry; at start, files of another identity or layout, or shorter or
+longer than their header says, are deleted; a payload whose digest does not match is reported when
+read (never served) and the file deleted.
+
+The radix tree (scheduler) hands out disk slots, one per token; this store maps each slot to a row
+of an entry and deletes an entry's file once none of its slots is held. Writes run on a thread of
+their own: a step waits only for the gather of the rows it stores, and reads of an entry still being
+written are served from memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixlm_runtime.step import DiskEntry
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAGIC = b"RLMKV1\n"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+SUFFIX = ".kv"
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
+_DTYPES.update({str(d): d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None})
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor the pool holds per token: its name, dtype and the shape of one token's row."""
+
+    name: str
+    dtype: str
+    row_shape: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        n = 1
+        for d in self.row_shape:
+            n *= d
+        return n * torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+
+def layout_of(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    """The specs of a pool's per-token tensors (KVPool.token_tensors)."""
+    return [TensorSpec(name, str(t.dtype), tuple(t.shape[1:])) for name, t in tensors]
+
+
+def model_identity(model_path: Path, settings: dict[str, Any], layout: Sequence[TensorSpec]) -> str:
+    """A digest of everything the stored KV depends on: the model's files (weights, config), the
+    numeric settings (dtype, arithmetic, quantization) and the pool's layout."""
+    h = hashlib.blake2b(digest_size=20)
+    files = [model_path] if model_path.is_file() else sorted(p for p in model_path.rglob("*") if p.is_file())
+    for path in files:
+        if path.name == "config.json" or path.suffix in _WEIGHT_SUFFIXES:
+            h.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                h.update(hashlib.file_digest(f, "blake2b").digest())
+    h.update(json.dumps(settings, sort_keys=True).encode())
+    h.update(json.dumps([(s.name, s.dtype, s.row_shape) for s in layout]).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _Entry:
+    path: Path
+    num_tokens: int
+    live: int  # slots of this entry the tree holds
+    rows: list[torch.Tensor] | None = None  # while its write is queued: the data, per tensor
+
+
+class DiskStore:
+    """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens."""
+
+    def __init__(self, root: Path, identity: str, layout: list[TensorSpec], capacity_tokens: int) -> None:
+        self.dir = Path(root) / identity[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.identity = identity
+        self.layout = layout
+        self.capacity_tokens = capacity_tokens
+        self.token_bytes = sum(s.row_bytes for s in layout)
+        self._slots: dict[int, tuple[_Entry, int]] = {}  # disk slot -> (entry, row)
+        self._names = (f"{time.time_ns():x}-{os.getpid()}-{i}" for i in range(1 << 62))
+        # ("write", entry, tokens) and ("delete", entry, None), in order; None stops the thread.
+        self._jobs: queue.Queue[tuple[str, _Entry, list[int] | None] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+        # Since start: bytes written and read, entries that failed their checksum.
+        self.bytes_written = self.bytes_read = self.corrupt_entries = 0
+
+    # -- start ---------------------------------------------------------------------------------
+    def scan(self) -> list[DiskEntry]:
+        """The entries a previous run left, newest first as far as the capacity holds them, with
+        disk slots numbered from 1 in order; every other file in the directory is deleted."""
+        found: list[tuple[float, Path, dict[str, Any]]] = []
+        for path in self.dir.iterdir():
+            header = self._valid_header(path) if path.suffix == SUFFIX else None
+            if header is None:
+                logger.warning(
+                    "disk KV tier: deleting %s (not a valid entry of this model and layout)", path.name
+                )
+                path.unlink(missing_ok=True)
+                continue
+            found.append((path.stat().st_mtime, path, header))
+        found.sort(key=lambda f: f[0], reverse=True)
+        entries: list[DiskEntry] = []
+        total = 0
+        for _, path, header in found:
+            n = header["num_tokens"]
+            if total + n > self.capacity_tokens:
+                path.unlink(missing_ok=True)
+                continue
+            entry = _Entry(path, n, n)
+            slots = tuple(range(total + 1, total + n + 1))
+            for row, slot in enumerate(slots):
+                self._slots[slot] = (entry, row)
+            entries.append(DiskEntry(tuple(header["tokens"]), slots))
+            total += n
+        if entries:
+            logger.info("disk KV tier: %d entries, %d tokens found in %s", len(entries), total, self.dir)
+        return entries
+
+    def _valid_header(self, path: Path) -> dict[str, Any] | None:
+        """The header of an entry file of this identity and layout whose size matches it, else None."""
+        try:
+            with path.open("rb") as f:
+                header, payload_at = self._read_header(f)
+            size = path.stat().st_size
+        except (OSError, ValueError):
+            return None
+        if header.get("identity") != self.identity or header.get("tensors") != self._layout_json():
+            return None
+        n = header.get("num_tokens")
+        tokens = header.get("tokens")
+        if not isinstance(n, int) or not isinstance(tokens, list) or not 0 < n <= len(tokens):
+            return None
+        return header if size == payload_at + n * self.token_bytes else None
+
+    @staticmethod
+    def _read_header(f: Any) -> tuple[dict[str, Any], int]:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError("not a KV entry file")
+        length = int.from_bytes(f.read(4), "little")
+        raw = f.read(length)
+        if len(raw) != length:
+            raise ValueError("truncated header")
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+        return header, len(MAGIC) + 4 + length
+
+    def _layout_json(self) -> list[list[Any]]:
+        return [[s.name, s.dtype, list(s.row_shape)] for s in self.layout]
+
+    # -- moves ---------------------------------------------------------------------------------
+    def write(self, slots: list[int], tokens: list[int], rows: list[torch.Tensor]) -> None:
+        """Stores one entry: `rows[i]` holds tensor i's rows of the tokens in `slots` (on the CPU,
+        owned by the store from now on), `tokens` the path through them. Returns at once; the file
+        is written on the writer thread."""
+        entry = _Entry(self.dir / f"{next(self._names)}{SUFFIX}", len(slots), len(slots), rows)
+        for row, slot in enumerate(slots):
+            if slot in self._slots:
+                raise RuntimeError(f"disk slot {slot} written while held")
+            self._slots[slot] = (entry, row)
+        self._jobs.put(("write", entry, tokens))
+
+    def read(self, slots: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+        """The rows of these slots, per tensor ([len(slots), *row_shape] each; rows of failed slots
+        are left zero), and the slots whose entry failed its checksum: that entry is deleted and
+        none of its rows is returned."""
+        out = [torch.zeros((len(slots), *s.row_shape), dtype=_DTYPES[s.dtype]) for s in self.layout]
+        by_entry: dict[int, tuple[_Entry, list[int], list[int]]] = {}
+        for i, slot in enumerate(slots):
+            entry, row = self._slots[slot]
+            by_entry.setdefault(id(entry), (entry, [], []))[1].append(i)
+            by_entry[id(entry)][2].append(row)
+        failed: list[int] = []
+        for entry, positions, rows in by_entry.values():
+            data = self._entry_rows(entry)
+            if data is None:
+                failed.extend(slots[i] for i in positions)
+                continue
+            pos = torch.tensor(positions, dtype=torch.int64)
+            idx = torch.tensor(rows, dtype=torch.int64)
+            for dst, src in zip(out, data, strict=True):
+                dst[pos] = src[idx]
+        return out, failed
+
+    def _entry_rows(self, entry: _Entry) -> list[torch.Tensor] | None:
+        """An entry's rows per tensor: from memory while its write is pending, else from its file,
+        checked against its digest (None when that fails, the file then deleted)."""
+        rows = entry.rows
+        if rows is not None:
+            return rows
+        try:
+            blob = entry.path.read_bytes()
+            header, payload_at = self._read_header(io.BytesIO(blob))
+        except (OSError, ValueError):
+            header, payload_at, blob = {}, 0, b""
+        payload = memoryview(blob)[payload_at:]
+        expected = entry.num_tokens * self.token_bytes
+        if len(payload) != expected or hashlib.blake2b(payload).hexdigest() != header.get("blake2b"):
+            self.corrupt_entries += 1
+            logger.warning(
+                "disk KV tier: %s failed its checksum; dropped, its tokens are recomputed", entry.path.name
+            )
+            entry.path.unlink(missing_ok=True)
+            return None
+        self.bytes_read += len(payload)
+        out: list[torch.Tensor] = []
+        offset = 0
+        buf = bytearray(payload)
+        for spec in self.layout:
+            size = entry.num_tokens * spec.row_bytes
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=offset)
+            out.append(flat.view(_DTYPES[spec.dtype]).reshape(entry.num_tokens, *spec.row_shape))
+            offset += size
+        return out
+
+    def drop(self, slots: list[int]) -> None:
+        """Lets go of these slots; an entry none of whose slots is held is deleted."""
+        for slot in slots:
+            entry, _ = self._slots.pop(slot)
+            entry.live -= 1
+            if entry.live == 0:
+                self._jobs.put(("delete", entry, None))
+
+    def held_tokens(self) -> int:
+        return len(self._slots)
+
+    # -- the writer thread ---------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            op, entry, tokens = job
+            try:
+                if tokens is not None:
+                    self._write_file(entry, tokens)
+                else:
+                    entry.path.unlink(missing_ok=True)
+            except OSError:
+                # The entry stays readable from memory; it is not on disk for a restart.
+                logger.exception("disk KV tier: %s %s failed", op, entry.path.name)
+            finally:
+                self._jobs.task_done()
+        self._jobs.task_done()
+
+    def _write_file(self, entry: _Entry, tokens: list[int]) -> None:
+        rows = entry.rows
+        assert rows is not None
+        payload = b"".join(r.contiguous().view(torch.uint8).numpy().tobytes() for r in rows)
+        header = {
+            "identity": self.identity,
+            "tensors": self._layout_json(),
+            "num_tokens": entry.num_tokens,
+            "tokens": tokens,
+            "blake2b": hashlib.blake2b(payload).hexdigest(),
+        }
+        raw = json.dumps(header).encode()
+        tmp = entry.path.with_suffix(".tmp")
+        with tmp.open("wb") as f:
+            f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, entry.path)
+        self.bytes_written += len(payload)
+        entry.rows = None
+
+    def flush(self) -> None:
+        """Waits until every queued write and delete is done."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finishes the queued writes and stops the writer thread."""
+        self._jobs.put(None)
+        self._writer.join()
