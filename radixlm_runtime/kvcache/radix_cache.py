@@ -436,7 +436,8 @@ class RadixCache:
             if len(self._lru) > 2 * len(self._nodes) + 64:
                 self._lru = self._rebuilt(self._is_device_candidate)
 
-    def _is_device_candidate(self, node: TreeNode) -> bool:
+    @staticmethod
+    def _is_device_candidate(node: TreeNode) -> bool:
         """An unlocked node on the device, in the tree, with no child on the device."""
         return (
             node.on_device

@@ -470,3 +470,30 @@ def test_later_inserts_fill_in_unknown_logprobs_only() -> None:
     assert _known(logprobs) == [None, -2.0, -3.0, None]
     assert tops[2] == [(-3.0, 3), (-4.0, 1)]
     _check_accounting(alloc, cache)
+
+
+@pytest.mark.parametrize("leaves", [50, 2000])
+def test_eviction_cost_does_not_grow_with_the_tree(leaves: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evicting one node from each tier (device -> host -> disk -> dropped) checks a handful of
+    heap entries, as many with 2,000 leaves as with 50: no tier walks its leaves."""
+    alloc, host, disk = TokenAllocator(leaves), TokenAllocator(leaves // 2), TokenAllocator(leaves // 4)
+    cache = RadixCache(alloc, host, disk_allocator=disk)
+    for token in range(leaves):
+        _insert_new(alloc, cache, [token])
+    # Fill the lower tiers: every device eviction now pushes one node down each tier.
+    assert cache.evict(leaves // 2 + leaves // 4) == leaves // 2 + leaves // 4
+    assert host.available_size() == 0 and disk.available_size() == 0
+    checks = 0
+    for name in ("_is_device_candidate", "_is_host_candidate", "_is_disk_candidate"):
+        check = getattr(RadixCache, name)
+
+        def counted(node: TreeNode, check=check) -> bool:
+            nonlocal checks
+            checks += 1
+            return check(node)
+
+        monkeypatch.setattr(RadixCache, name, staticmethod(counted))
+    dropped = cache.disk_evicted_tokens
+    assert cache.evict(1) == 1
+    assert cache.disk_evicted_tokens == dropped + 1  # one node left the tree from the disk tier
+    assert checks <= 16
