@@ -620,10 +620,31 @@ class RadixCache:
 
     # -- the disk tier -----------------------------------------------------------------------
     def fetch(self, node: TreeNode, move: Mover) -> int:
-        """Reads the disk-only nodes of node's path into host slots, from the top down as far as the
-        host tier has room, running the moves at once through `move` (the executor), so that `load`
-        can bring them onto the device next. A node whose data fails its checksum leaves the tree,
-        with everything below it: it is recomputed, never served. Returns the tokens read."""
+        """Reads the disk-only nodes of node's path back, from the top down, running the moves at
+        once through `move` (the executor): into host slots, from where `load` brings them onto the
+        device. Where the host tier cannot hold them all, each part read is loaded onto the device
+        before the next is read (its host copies are then spare and give their room). A node whose
+        data fails its checksum leaves the tree, with everything below it: it is recomputed, never
+        served. Returns the tokens read, which are the top of the disk-only part."""
+        total = 0
+        while True:
+            if total:
+                _, memory_node = self.disk_suffix(node)
+                # Locked so that making room on the device takes nothing of the path below.
+                self.inc_lock_ref(node)
+                loaded = self.load(memory_node)
+                self.dec_lock_ref(node)
+                if not loaded:
+                    break
+            got = self._fetch_to_host(node, move)
+            total += got
+            if not got or node.parent is None or not self.disk_suffix(node)[0]:
+                break
+        return total
+
+    def _fetch_to_host(self, node: TreeNode, move: Mover) -> int:
+        """One part of `fetch`: as many disk-only nodes of node's path as the host tier has room
+        for, read into it."""
         if self.disk_suffix(node)[0] == 0:
             return 0
         path: list[TreeNode] = []

@@ -86,18 +86,22 @@ class CacheManager:
                 # Loading an earlier request's prefix this step may have demoted or dropped part of
                 # the match found while waiting: find it again.
                 req.prefix_len, req.last_node = self.tree.match_node(req.token_ids[: req.prefix_len])
-            from_disk = self._fetch(req) if self.tree.disk_allocator is not None else 0
+            # Where the match leaves the device and the host tier: [0, on_device) was in the pool,
+            # [in_memory, in_memory + from_disk) is read from disk now, the rest between from the host.
+            on_device = req.prefix_len - self.tree.host_suffix(req.last_node)[0]
+            in_memory, from_disk = req.prefix_len, 0
+            if self.tree.disk_allocator is not None:
+                in_memory, from_disk = self._fetch(req)
             host_len, device_node = self.tree.host_suffix(req.last_node)
             if host_len and not self.tree.load(req.last_node):
                 req.last_node, req.prefix_len = device_node, req.prefix_len - host_len
-                host_len = from_disk = 0
             if req.cached_tokens < 0:
-                # Within the prompt: the disk part is the prefix's last, the device part its first.
-                device_len = min(req.prefix_len - host_len, req.prompt_len)
-                disk_len = max(min(req.prefix_len, req.prompt_len) - (req.prefix_len - from_disk), 0)
+                cached = min(req.prefix_len, req.prompt_len)
+                device_len = min(on_device, cached)
+                disk_len = max(min(cached, in_memory + from_disk) - in_memory, 0)
                 self.device_hit_tokens += device_len
                 self.disk_hit_tokens += disk_len
-                self.host_hit_tokens += min(req.prefix_len, req.prompt_len) - device_len - disk_len
+                self.host_hit_tokens += cached - device_len - disk_len
             req.load_len = req.disk_len = 0
         has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
         req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []
@@ -111,16 +115,19 @@ class CacheManager:
             self.tree.inc_lock_ref(req.last_node)
         return True
 
-    def _fetch(self, req: Req) -> int:
-        """Reads the disk-only end of req's match into the host tier; what finds no room or fails
-        its checksum is cut from the match. Returns the tokens read that the match keeps."""
+    def _fetch(self, req: Req) -> tuple[int, int]:
+        """Reads the disk-only end of req's match back (RadixCache.fetch); what finds no room or
+        fails its checksum is cut from the match. Returns where the disk-only part began and how
+        many of its tokens were read and kept."""
         assert self.tree is not None and self.move is not None and req.last_node is not None
-        if not self.tree.disk_suffix(req.last_node)[0]:
-            return 0
+        disk_len, _ = self.tree.disk_suffix(req.last_node)
+        if not disk_len:
+            return req.prefix_len, 0
+        start = req.prefix_len - disk_len
         t0 = time.perf_counter()
         # The nodes read are the top of the disk-only part, each below the one before: what the
         # match keeps of them after failures (which drop everything below) is all of what was read.
-        got = self.tree.fetch(req.last_node, self.move)
+        read = self.tree.fetch(req.last_node, self.move)
         self.disk_reads += 1
         self.disk_read_seconds += time.perf_counter() - t0
         # A node that failed its checksum left the tree with everything below it: match again.
@@ -128,7 +135,7 @@ class CacheManager:
         disk_len, memory_node = self.tree.disk_suffix(req.last_node)
         if disk_len:
             req.last_node, req.prefix_len = memory_node, req.prefix_len - disk_len
-        return got
+        return start, read
 
     def cache_unfinished(self, req: Req) -> None:
         """Publishes the KV computed so far (a finished prefill chunk) in the tree, so requests

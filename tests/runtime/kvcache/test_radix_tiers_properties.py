@@ -58,7 +58,7 @@ class _File:
 class TieredCacheMachine(RuleBasedStateMachine):
     @initialize(
         size=st.sampled_from([12, 24]),
-        host=st.sampled_from([8, 16, 48]),
+        host=st.sampled_from([4, 8, 16, 48]),
         disk=st.sampled_from([0, 8, 32]),
         write_through=st.booleans(),
         disk_write_through=st.booleans(),
@@ -284,8 +284,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
 
 TieredCacheMachine.TestCase.settings = settings(
-    max_examples=300,
-    stateful_step_count=40,
+    max_examples=500,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
