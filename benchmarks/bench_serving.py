@@ -131,20 +131,28 @@ def build_requests(num_requests: int, turns: int, num_shots: int) -> list[Reques
 
 def long_mix_requests(num_requests: int, long_tokens: int, turns: int, num_shots: int) -> list[Request]:
     """The requests above with every LONG_EVERY-th (from the middle of the first ten) replaced by a
-    long prompt: GSM8K questions in an order of its own, cut to exactly long_tokens tokens, so no two
-    long prompts share a cached prefix."""
+    long prompt (long_documents)."""
     reqs = build_requests(num_requests, turns, num_shots)
+    places = range(LONG_EVERY // 2, num_requests, LONG_EVERY)
+    for i, ids in zip(places, long_documents(len(places), long_tokens), strict=True):
+        reqs[i] = Request("long", "", ids)
+    return reqs
+
+
+def long_documents(count: int, tokens: int) -> list[list[int]]:
+    """`count` documents of exactly `tokens` token ids: GSM8K questions in an order of their own each
+    (seeded), so no two share a cached prefix."""
     tokenizer = load_tokenizer(resolve_model_path(None))
     questions = gsm8k_prompts(200, 0)[0]
     rng = random.Random(0)
-    for i in range(LONG_EVERY // 2, num_requests, LONG_EVERY):
+    docs: list[list[int]] = []
+    for _ in range(count):
         ids: list[int] = []
-        while len(ids) < long_tokens:
-            ids += tokenizer.encode(
-                "\n\n".join(rng.sample(questions, len(questions))), add_special_tokens=False
-            )
-        reqs[i] = Request("long", "", ids[:long_tokens])
-    return reqs
+        while len(ids) < tokens:
+            text = "\n\n".join(rng.sample(questions, len(questions)))
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        docs.append(ids[:tokens])
+    return docs
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:

@@ -245,16 +245,32 @@ def test_kv_tiers(out_dir: Path) -> None:
     result = run_tiny("bench_kv_tiers.py", out_dir, "kv_tiers")
     servers = result["servers"]
     off = servers["host_off"]
-    assert list(servers) == ["host_off", "write_back", "write_through"]
+    assert list(servers) == ["host_off", "write_back", "write_through", "host_disk"]
     assert result["pool_tokens"] < result["working_set_tokens"]
     assert off["host_hit_rate"] == 0 and off["host_loaded_tokens"] == 0 == off["host_stored_tokens"]
     for name, r in servers.items():
         assert r["requests"] == 12 and r["prompt_tokens"] == off["prompt_tokens"]
-        assert 0 <= r["device_hit_rate"] + r["host_hit_rate"] <= 1 and r["request_throughput"] > 0
+        hit_rate = r["device_hit_rate"] + r["host_hit_rate"] + r["disk_hit_rate"]
+        assert 0 <= hit_rate <= 1 and r["request_throughput"] > 0
         if name != "host_off":
             assert r["host_loaded_tokens"] > 0 and 0 < r["host_hit_rate"] <= 1
+        # Only the server with a disk tier writes to it and reads prefixes back from it.
+        assert (r["disk_loaded_tokens"] > 0 and r["disk_hit_rate"] > 0) == (name == "host_disk")
     # Write-through copies everything it caches; write-back only what the pool evicts.
     assert servers["write_through"]["host_stored_tokens"] >= servers["write_back"]["host_stored_tokens"]
+    assert servers["host_disk"]["disk_stored_tokens"] >= servers["host_disk"]["disk_loaded_tokens"]
+
+
+def test_kv_restart(out_dir: Path) -> None:
+    """After the restart every prompt's document comes from disk (all of the prompt but its last
+    token), and the generated tokens are the cold run's."""
+    result = run_tiny("bench_kv_restart.py", out_dir, "kv_restart")
+    cold, warm = result["cold"], result["restarted"]
+    assert len(cold["ttft_ms"]) == len(warm["ttft_ms"]) == result["sizes"]["prompts"] == 2
+    assert all(c <= 8 for c in cold["cached_tokens"])  # a few leading tokens shared by chance at most
+    assert warm["cached_tokens"] == [p - 1 for p in warm["prompt_tokens"]]
+    assert warm["disk_hit_tokens"] >= sum(warm["cached_tokens"]) - 8 and warm["disk_failed_tokens"] == 0
+    assert result["identical"] == [True, True] and result["ttft_speedup"] > 0
 
 
 def test_router(out_dir: Path) -> None:
