@@ -105,7 +105,8 @@ class EngineConfig:
         "tier when a request's prefix is there. Entries live in a subdirectory per model identity (a "
         "digest of the weights and config, the numeric settings and the KV layout), so a server started "
         "again on the same model and directory serves the prefixes it finds there, and another model or "
-        "KV format never reads them. A file that fails its checksum is deleted and its tokens recomputed.",
+        "KV format never reads them. A file that fails its checksum is deleted and its tokens recomputed. "
+        "One server per directory (a second one is refused): give each replica its own.",
     )
     kv_disk_bytes: int = flag(
         8 * 2**30,

@@ -39,7 +39,8 @@ class KVTiers:
         if disk_dir is None:
             return cls(pool, host, None)
         layout = layout_of(pool.token_tensors())
-        identity = model_identity(model_path, numerics, layout)
+        Path(disk_dir).mkdir(parents=True, exist_ok=True)
+        identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
         capacity = disk_bytes // pool.bytes_per_token()
         store = DiskStore(Path(disk_dir), identity, layout, capacity)
         logger.info("disk KV tier: %s, %d tokens (%.2f GiB)", store.dir, capacity, disk_bytes / 2**30)

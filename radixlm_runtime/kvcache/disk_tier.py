@@ -20,6 +20,7 @@ written are served from memory.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ from radixlm_runtime.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAGIC = b"RLMKV1\n"
+LOCK = ".lock"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SUFFIX = ".kv"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
@@ -67,16 +69,35 @@ def layout_of(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec(name, str(t.dtype), tuple(t.shape[1:])) for name, t in tensors]
 
 
-def model_identity(model_path: Path, settings: dict[str, Any], layout: Sequence[TensorSpec]) -> str:
+def model_identity(
+    model_path: Path, settings: dict[str, Any], layout: Sequence[TensorSpec], digests: Path | None = None
+) -> str:
     """A digest of everything the stored KV depends on: the model's files (weights, config), the
-    numeric settings (dtype, arithmetic, quantization) and the pool's layout."""
+    numeric settings (dtype, arithmetic, quantization) and the pool's layout. `digests`: a JSON file
+    remembering each file's digest by path, size and modification time, so that a restart does not
+    read gigabytes of weights again."""
+    known: dict[str, str] = {}
+    if digests is not None:
+        try:
+            known = json.loads(digests.read_text())
+        except (OSError, ValueError):
+            known = {}
     h = hashlib.blake2b(digest_size=20)
     files = [model_path] if model_path.is_file() else sorted(p for p in model_path.rglob("*") if p.is_file())
+    changed = False
     for path in files:
         if path.name == "config.json" or path.suffix in _WEIGHT_SUFFIXES:
-            h.update(path.name.encode() + b"\0")
-            with path.open("rb") as f:
-                h.update(hashlib.file_digest(f, "blake2b").digest())
+            stat = path.stat()
+            key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+            if key not in known:
+                with path.open("rb") as f:
+                    known[key] = hashlib.file_digest(f, "blake2b").hexdigest()
+                changed = True
+            h.update(path.name.encode() + b"\0" + known[key].encode())
+    if digests is not None and changed:
+        tmp = digests.with_name(f"{digests.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, digests)
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(json.dumps([(s.name, s.dtype, s.row_shape) for s in layout]).encode())
     return h.hexdigest()
@@ -96,6 +117,15 @@ class DiskStore:
     def __init__(self, root: Path, identity: str, layout: list[TensorSpec], capacity_tokens: int) -> None:
         self.dir = Path(root) / identity[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
+        # One server per directory: another one's scan would take this one's files for its own.
+        self._lock = (self.dir / LOCK).open("a")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(
+                f"kv_disk_dir: {self.dir} is in use by another server (one directory per server)"
+            ) from None
         self.identity = identity
         self.layout = layout
         self.capacity_tokens = capacity_tokens
@@ -115,6 +145,8 @@ class DiskStore:
         disk slots numbered from 1 in order; every other file in the directory is deleted."""
         found: list[tuple[float, Path, dict[str, Any]]] = []
         for path in self.dir.iterdir():
+            if path.name == LOCK:
+                continue
             header = self._valid_header(path) if path.suffix == SUFFIX else None
             if header is None:
                 logger.warning(
@@ -301,3 +333,4 @@ class DiskStore:
         """Finishes the queued writes and stops the writer thread."""
         self._jobs.put(None)
         self._writer.join()
+        self._lock.close()

@@ -169,6 +169,19 @@ def test_disk_tier_flags_are_validated(tmp_path: Path) -> None:
         rt.Engine(kv_disk_write_policy="never")
 
 
+def test_one_server_per_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A second engine on a directory in use is refused (its scan would take the first's files),
+    and gets it once the first has shut down; the weights are hashed once, not at every start."""
+    first = _engine(tiny_llama_dir, tmp_path)
+    with pytest.raises(ValueError, match="kv_disk_dir"):
+        _engine(tiny_llama_dir, tmp_path)
+    first.shutdown()
+    digests = (tmp_path / "file-digests.json").read_text()
+    assert "model.safetensors" in digests
+    _engine(tiny_llama_dir, tmp_path).shutdown()
+    assert (tmp_path / "file-digests.json").read_text() == digests
+
+
 def test_entries_hold_every_tensor_of_the_pool(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """An entry's header lists the pool's per-token tensors, and its payload is their raw bytes."""
     from radixlm_runtime.kvcache.disk_tier import DiskStore
