@@ -167,9 +167,8 @@ class RadixCache:
         # Every node in the tree by id, the root's included: the dashboard looks nodes up by id, and a
         # walk would cost the scheduler time in proportion to the tree.
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
-        self._lru: list[_Entry] = []
-        self._host_lru: list[_Entry] = []
-        self._disk_lru: list[_Entry] = []
+        # Per tier, its eviction candidates' heap entries (some stale: checked when popped).
+        self._heaps: dict[Tier, list[_Entry]] = {"device": [], "host": [], "disk": []}
         self._copies: list[TierOp] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
@@ -223,7 +222,7 @@ class RadixCache:
             child.accessed_at = wall
             node = child
             pos += n
-        self._candidate(node)
+        self._push("device", node)
         return pos, node
 
     def host_suffix(self, node: TreeNode) -> tuple[int, TreeNode]:
@@ -297,7 +296,7 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
-                self._candidate(leaf)
+                self._push("device", leaf)
                 if self.write_through:
                     self._back_up(leaf)
                 if self.disk_write_through:
@@ -315,7 +314,7 @@ class RadixCache:
             _learn_logprobs(child, logprobs, top, pos)
             node = child
             pos += n
-        self._candidate(node)
+        self._push("device", node)
         return on_device
 
     def path_logprobs(self, node: TreeNode) -> tuple[list[float], list[TopLogprobs | None]]:
@@ -351,10 +350,10 @@ class RadixCache:
             upper.top, child.top = child.top[:n], child.top[n:]
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
-            self._host_candidate(upper)
+            self._push("host", upper)
         if child.disk_value is not None:
             upper.disk_value, child.disk_value = child.disk_value[:n], child.disk_value[n:]
-            self._disk_candidate(upper)
+            self._push("disk", upper)
         child.key = child.key[n:]
         if child.value is not None:
             child.value = child.value[n:]
@@ -362,7 +361,7 @@ class RadixCache:
         upper.children[child.key[0]] = child
         parent.children[upper.key[0]] = upper
         self._nodes[upper.id] = upper
-        self._candidate(upper)
+        self._push("device", upper)
         return upper
 
     # -- hits and locks ----------------------------------------------------------------------
@@ -395,9 +394,9 @@ class RadixCache:
                 if node.on_device:
                     self._evictable_size += len(node.key)
                     self._protected_size -= len(node.key)
-                self._candidate(node)
-                self._host_candidate(node)
-                self._disk_candidate(node)
+                self._push("device", node)
+                self._push("host", node)
+                self._push("disk", node)
             assert node.parent is not None, "dec_lock_ref on a node detached from the tree"
             node = node.parent
 
@@ -411,13 +410,7 @@ class RadixCache:
             return 0
         freed: list[int] = []
         num_freed = 0
-        while num_freed < num_tokens and self._lru:
-            touched, _, node = heapq.heappop(self._lru)
-            if not self._is_device_candidate(node):
-                continue
-            if node.last_access_time != touched:
-                self._candidate(node)  # touched since: queued again at its new time
-                continue
+        while num_freed < num_tokens and (node := self._pop_lru("device")) is not None:
             assert node.value is not None and node.parent is not None
             freed.extend(node.value)
             num_freed += len(node.key)
@@ -425,16 +418,38 @@ class RadixCache:
             parent = node.parent
             if not self._demote(node):
                 self._drop(node)
-            self._candidate(parent)
+            self._push("device", parent)
         self.allocator.free(freed)
         return num_freed
 
-    def _candidate(self, node: TreeNode) -> None:
-        """Queues node for device eviction if it is a candidate now, at its current access time."""
-        if self._is_device_candidate(node):
-            heapq.heappush(self._lru, (node.last_access_time, node.id, node))
-            if len(self._lru) > 2 * len(self._nodes) + 64:
-                self._lru = self._rebuilt(self._is_device_candidate)
+    def _push(self, tier: Tier, node: TreeNode) -> None:
+        """Queues node for eviction from tier if it is a candidate there now, at its current access
+        time; rebuilds the heap from the tree when stale entries outnumber the nodes."""
+        is_candidate = self._is_candidate(tier)
+        if is_candidate(node):
+            heap = self._heaps[tier]
+            heapq.heappush(heap, (node.last_access_time, node.id, node))
+            if len(heap) > 2 * len(self._nodes) + 64:
+                self._heaps[tier] = self._rebuilt(is_candidate)
+
+    def _pop_lru(self, tier: Tier) -> TreeNode | None:
+        """Takes the least recently used eviction candidate of tier off its heap (None: there is
+        none): entries of nodes that are no longer candidates are dropped, those of nodes touched
+        since they were queued are queued again at their new time."""
+        while self._heaps[tier]:
+            touched, _, node = heapq.heappop(self._heaps[tier])
+            if not self._is_candidate(tier)(node):
+                continue
+            if node.last_access_time != touched:
+                self._push(tier, node)
+                continue
+            return node
+        return None
+
+    def _is_candidate(self, tier: Tier) -> Callable[[TreeNode], bool]:
+        if tier == "device":
+            return self._is_device_candidate
+        return self._is_host_candidate if tier == "host" else self._is_disk_candidate
 
     @staticmethod
     def _is_device_candidate(node: TreeNode) -> bool:
@@ -453,9 +468,9 @@ class RadixCache:
             self._protected_size += len(slots)
         else:
             self._evictable_size += len(slots)
-        self._candidate(node)
-        self._host_candidate(node)  # its copies in the lower tiers are now spare ones
-        self._disk_candidate(node)
+        self._push("device", node)
+        self._push("host", node)  # its copies in the lower tiers are now spare ones
+        self._push("disk", node)
 
     # -- the host tier -----------------------------------------------------------------------
     def load(self, node: TreeNode) -> int:
@@ -503,8 +518,8 @@ class RadixCache:
             if node.disk_value is None and not self._back_up_disk(node, "device"):
                 return False
         node.value = None
-        self._host_candidate(node)
-        self._disk_candidate(node)
+        self._push("host", node)
+        self._push("disk", node)
         return True
 
     def _back_up(self, node: TreeNode) -> bool:
@@ -517,7 +532,7 @@ class RadixCache:
         node.host_value = host
         self._host_size += len(host)
         self.stored_tokens += len(host)
-        self._host_candidate(node)
+        self._push("host", node)
         return True
 
     def _alloc_host(self, n: int) -> list[int] | None:
@@ -533,13 +548,7 @@ class RadixCache:
         the last in-memory copies of nodes with no child in memory, which go to the disk tier where
         it takes them (or hold a copy there already) and leave the tree otherwise."""
         freed = 0
-        while freed < num_tokens and self._host_lru:
-            touched, _, node = heapq.heappop(self._host_lru)
-            if not self._is_host_candidate(node):
-                continue
-            if node.last_access_time != touched:
-                self._host_candidate(node)
-                continue
+        while freed < num_tokens and (node := self._pop_lru("host")) is not None:
             assert node.host_value is not None
             freed += len(node.host_value)
             self.host_evicted_tokens += len(node.host_value)
@@ -549,18 +558,12 @@ class RadixCache:
                 self._free_host(node)
             elif node.disk_value is not None or self._back_up_disk(node, "host"):
                 self._free_host(node)
-                self._host_candidate(parent)
-                self._disk_candidate(node)
+                self._push("host", parent)
+                self._push("disk", node)
             else:
                 self._drop(node)
-                self._host_candidate(parent)
-                self._disk_candidate(parent)
-
-    def _host_candidate(self, node: TreeNode) -> None:
-        if self._is_host_candidate(node):
-            heapq.heappush(self._host_lru, (node.last_access_time, node.id, node))
-            if len(self._host_lru) > 2 * len(self._nodes) + 64:
-                self._host_lru = self._rebuilt(self._is_host_candidate)
+                self._push("host", parent)
+                self._push("disk", parent)
 
     @staticmethod
     def _is_host_candidate(node: TreeNode) -> bool:
@@ -678,14 +681,14 @@ class RadixCache:
             assert disk_node.disk_value is not None
             if failed.isdisjoint(disk_node.disk_value):
                 got += len(disk_node.key)
-                self._host_candidate(disk_node)
-                self._disk_candidate(disk_node)
+                self._push("host", disk_node)
+                self._push("disk", disk_node)
                 continue
             self.disk_failed_tokens += len(disk_node.key)
             parent = disk_node.parent
             self._drop(disk_node)
-            self._host_candidate(parent)
-            self._disk_candidate(parent)
+            self._push("host", parent)
+            self._push("disk", parent)
         self.disk_loaded_tokens += got
         return got
 
@@ -709,7 +712,7 @@ class RadixCache:
                 leaf.disk_value = slots[length - start :]
                 node.children[tokens[length]] = leaf
                 self._nodes[leaf.id] = leaf
-                self._disk_candidate(leaf)
+                self._push("disk", leaf)
 
     def _back_up_disk(self, node: TreeNode, src_tier: Tier) -> bool:
         """Writes a node's KV from the device or the host tier to fresh disk slots (one entry, with
@@ -723,7 +726,7 @@ class RadixCache:
         node.disk_value = disk
         self._disk_size += len(disk)
         self.disk_stored_tokens += len(disk)
-        self._disk_candidate(node)
+        self._push("disk", node)
         return True
 
     def _alloc_disk(self, n: int) -> list[int] | None:
@@ -738,13 +741,7 @@ class RadixCache:
         """Frees disk slots, least recently used first: spare copies of nodes in memory, and
         disk-only leaves, which leave the tree."""
         freed = 0
-        while freed < num_tokens and self._disk_lru:
-            touched, _, node = heapq.heappop(self._disk_lru)
-            if not self._is_disk_candidate(node):
-                continue
-            if node.last_access_time != touched:
-                self._disk_candidate(node)
-                continue
+        while freed < num_tokens and (node := self._pop_lru("disk")) is not None:
             assert node.disk_value is not None and node.parent is not None
             freed += len(node.disk_value)
             self.disk_evicted_tokens += len(node.disk_value)
@@ -753,14 +750,8 @@ class RadixCache:
             else:
                 parent = node.parent
                 self._drop(node)
-                self._disk_candidate(parent)
-                self._host_candidate(parent)
-
-    def _disk_candidate(self, node: TreeNode) -> None:
-        if self._is_disk_candidate(node):
-            heapq.heappush(self._disk_lru, (node.last_access_time, node.id, node))
-            if len(self._disk_lru) > 2 * len(self._nodes) + 64:
-                self._disk_lru = self._rebuilt(self._is_disk_candidate)
+                self._push("disk", parent)
+                self._push("host", parent)
 
     @staticmethod
     def _is_disk_candidate(node: TreeNode) -> bool:
@@ -835,7 +826,7 @@ class RadixCache:
         self._release_disk(disk)
         self.root_node.children = {}
         self._nodes = {self.root_node.id: self.root_node}
-        self._lru, self._host_lru, self._disk_lru = [], [], []
+        self._heaps = {tier: [] for tier in self._heaps}
         self._evictable_size = self._host_size = 0
 
     def pretty_print(self) -> str:

@@ -9,28 +9,14 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from test_host_tier import GREEDY, POOL, PROMPTS, reference
 
 import radixlm_runtime as rt
 
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-# Twelve prompts of ~45 tokens sharing nothing past their first token: together ~3x the pool below
-# and ~4x the host tier.
-PROMPTS = [f"document {i} " + "the theater then an answer abc " * 6 + f" question {i}" for i in range(12)]
-POOL = 400
+__all__ = ["reference"]  # the uncached engine's outputs, a fixture shared with test_host_tier
+
+# The host tier's workload (~3x the pool) and its uncached reference, with a host tier of ~1/4 of it.
 HOST = 160
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llama_dir: Path) -> list[dict]:
-    engine = rt.Engine(
-        str(tiny_llama_dir),
-        dtype="float32",
-        disable_radix_cache=True,
-        deterministic=True,
-        max_total_tokens=4096,
-        log_level="warning",
-    )
-    return engine.generate(PROMPTS, GREEDY, return_logprob=True)
 
 
 def _engine(model_dir: Path, disk_dir: Path, policy: str = "write_through", **kw: object) -> rt.Engine:
