@@ -525,7 +525,7 @@ class RadixCache:
     def _back_up(self, node: TreeNode) -> bool:
         """Copies a device node's KV to fresh host slots; False when the host tier has no room."""
         assert node.value is not None and node.host_value is None
-        host = self._alloc_host(len(node.key))
+        host = self._alloc("host", len(node.key))
         if host is None:
             return False
         self._record("device", "host", node.value, host)
@@ -535,13 +535,16 @@ class RadixCache:
         self._push("host", node)
         return True
 
-    def _alloc_host(self, n: int) -> list[int] | None:
-        if self.host_allocator is None or n > self.host_allocator.size:
+    def _alloc(self, tier: Tier, n: int) -> list[int] | None:
+        """n fresh slots of the host or disk tier, its least recently used entries evicted for room;
+        None where there is no such tier or no room in it."""
+        allocator = self.host_allocator if tier == "host" else self.disk_allocator
+        if allocator is None or n > allocator.size:
             return None
-        short = n - self.host_allocator.available_size()
+        short = n - allocator.available_size()
         if short > 0:
-            self._evict_host(short)
-        return self.host_allocator.alloc(n)
+            (self._evict_host if tier == "host" else self._evict_disk)(short)
+        return allocator.alloc(n)
 
     def _evict_host(self, num_tokens: int) -> None:
         """Frees host slots, least recently used first: spare copies of nodes on the device, and
@@ -661,7 +664,7 @@ class RadixCache:
         self.inc_lock_ref(node)
         try:
             for disk_node in reversed(path):
-                host = self._alloc_host(len(disk_node.key))
+                host = self._alloc("host", len(disk_node.key))
                 if host is None:
                     break
                 assert disk_node.disk_value is not None
@@ -719,7 +722,7 @@ class RadixCache:
         its path's tokens); False when there is no disk tier or no room in it."""
         src = node.value if src_tier == "device" else node.host_value
         assert src is not None and node.disk_value is None
-        disk = self._alloc_disk(len(node.key))
+        disk = self._alloc("disk", len(node.key))
         if disk is None:
             return False
         self._copies.append(KVCopy(src_tier, "disk", list(src), disk, self.path_key(node)))
@@ -728,14 +731,6 @@ class RadixCache:
         self.disk_stored_tokens += len(disk)
         self._push("disk", node)
         return True
-
-    def _alloc_disk(self, n: int) -> list[int] | None:
-        if self.disk_allocator is None or n > self.disk_allocator.size:
-            return None
-        short = n - self.disk_allocator.available_size()
-        if short > 0:
-            self._evict_disk(short)
-        return self.disk_allocator.alloc(n)
 
     def _evict_disk(self, num_tokens: int) -> None:
         """Frees disk slots, least recently used first: spare copies of nodes in memory, and
