@@ -2,7 +2,9 @@
 port of its own, behind the router on the server's --host/--port, in this process.
 
 Each replica is started as `python -m radixlm_runtime.launch_server` with the command line given
-here, but for --dp-size, --host and --port; it is stopped the way an operator stops a server
+here, but for --dp-size, --host and --port (and --kv-disk-dir, which each replica gets a subdirectory
+of, `replica-<i>`: a disk tier serves one server, and replica i finds its own after a restart); it
+is stopped the way an operator stops a server
 (SIGTERM, which drains it), after the router has stopped taking requests.
 """
 
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -26,7 +29,7 @@ logger = get_logger("radixlm_runtime.router.replicas")
 
 STARTUP_TIMEOUT_S = 600.0
 # Flags of this process alone, with their values.
-OWN_FLAGS = ("--dp-size", "--host", "--port")
+OWN_FLAGS = ("--dp-size", "--host", "--port", "--kv-disk-dir")
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -41,6 +44,12 @@ def replica_argv(argv: list[str]) -> list[str]:
         elif not arg.startswith(tuple(f"{f}=" for f in OWN_FLAGS)):
             out.append(arg)
     return out
+
+
+def replica_flags(args: ServerArgs, index: int) -> list[str]:
+    """The flags replica `index` gets of its own beside the shared command line."""
+    disk_dir = args.engine.kv_disk_dir
+    return [] if disk_dir is None else ["--kv-disk-dir", str(Path(disk_dir) / f"replica-{index}")]
 
 
 def _free_port() -> int:
@@ -78,9 +87,9 @@ def serve_data_parallel(args: ServerArgs, argv: list[str]) -> int:
     procs: list[subprocess.Popen] = []
     urls: list[str] = []
     try:
-        for _ in range(server.dp_size):
+        for i in range(server.dp_size):
             port = _free_port()
-            procs.append(subprocess.Popen([*child, "--port", str(port)]))
+            procs.append(subprocess.Popen([*child, *replica_flags(args, i), "--port", str(port)]))
             urls.append(f"http://127.0.0.1:{port}")
         for url, proc in zip(urls, procs, strict=True):
             _wait_healthy(url, proc)

@@ -16,7 +16,8 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from server_harness import child_pids, free_port, pid_alive  # noqa: E402
 
-from radixlm_runtime.router.replicas import replica_argv
+from radixlm_runtime.router.replicas import replica_argv, replica_flags
+from radixlm_runtime.server_args import ServerArgs
 
 
 def descendants(pid: int) -> list[int]:
@@ -31,6 +32,17 @@ def descendants(pid: int) -> list[int]:
 def test_replica_argv_drops_the_routers_own_flags() -> None:
     argv = ["--dp-size", "2", "--port=9", "--model-path", "m", "--host", "0.0.0.0", "--num-threads", "1"]
     assert replica_argv(argv) == ["--model-path", "m", "--num-threads", "1"]
+
+
+def test_each_replica_gets_a_disk_tier_directory_of_its_own() -> None:
+    argv = ["--dp-size", "2", "--kv-host-tokens", "64", "--kv-disk-dir", "/kv"]
+    assert replica_argv(argv) == ["--kv-host-tokens", "64"]
+    args = ServerArgs.from_kwargs(dp_size=2, kv_host_tokens=64, kv_disk_dir="/kv")
+    assert [replica_flags(args, i) for i in range(2)] == [
+        ["--kv-disk-dir", "/kv/replica-0"],
+        ["--kv-disk-dir", "/kv/replica-1"],
+    ]
+    assert replica_flags(ServerArgs.from_kwargs(dp_size=2), 0) == []
 
 
 def test_dp_size_serves_two_replicas_behind_one_port(tiny_llama_dir: Path, tmp_path: Path) -> None:
