@@ -238,7 +238,8 @@ class SchedulerConfig:
         "With --kv-disk-dir, when a cached prefix's KV is written to the disk tier: 'write_through' as "
         "soon as it is cached (default: everything the server computed survives a restart or a crash, "
         "and leaving the host tier costs no write), 'write_back' when it is evicted from the host tier "
-        "(less disk traffic; what is still in the pool or the host tier at shutdown is lost).",
+        "and at a graceful shutdown what is still only in memory, as far as the tier has free room (less "
+        "disk traffic; a crash loses what was only in memory).",
         ("write_through", "write_back"),
     )
     disable_overlap_schedule: bool = flag(

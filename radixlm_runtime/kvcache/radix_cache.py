@@ -26,7 +26,8 @@ by one TokenAllocator per tier) or None.
 - Each tier evicts least recently used first from a heap of its candidates, checked lazily when
   popped, so evicting k nodes costs O(k log n) whatever the size of the tree.
 - A restarted server rebuilds the disk part of a fresh tree from the entries the executor found in
-  its disk directory (`restore`: each entry names its path's token ids).
+  its disk directory (`restore`: each entry names its path's token ids); at shutdown, what is only
+  in memory is written first (`persist`), as far as the disk tier has room.
 The size counters (`evictable_size`, `protected_size`) count device tokens; `host_size` and
 `disk_size` the slots held in the lower tiers.
 
@@ -42,6 +43,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
@@ -716,6 +718,24 @@ class RadixCache:
                 node.children[tokens[length]] = leaf
                 self._nodes[leaf.id] = leaf
                 self._push("disk", leaf)
+
+    def persist(self) -> int:
+        """Writes every node held only in memory to the disk tier, parents first, as far as its free
+        slots go (nothing on disk is evicted for it): what a server still holds in memory when it
+        shuts down, for the next start. A node that does not fit is skipped with everything below
+        it, which a restart could not reach. Returns the tokens written."""
+        assert self.disk_allocator is not None
+        written = 0
+        queue = deque(self.root_node.children.values())
+        while queue:
+            node = queue.popleft()
+            if node.disk_value is None:
+                if len(node.key) > self.disk_allocator.available_size():
+                    continue
+                self._back_up_disk(node, "device" if node.on_device else "host")
+                written += len(node.key)
+            queue.extend(node.children.values())
+        return written
 
     def _back_up_disk(self, node: TreeNode, src_tier: Tier) -> bool:
         """Writes a node's KV from the device or the host tier to fresh disk slots (one entry, with

@@ -187,7 +187,13 @@ class Scheduler:
         }
 
     def close(self) -> None:
-        """Lets the executor finish what it still writes to the disk tier."""
+        """Shuts the disk tier down whole: what the tree holds only in memory is written to it (as far
+        as it has room), with the moves still pending (written by the next step otherwise), and the
+        executor finishes its writes."""
+        tree = self.cache.tree
+        if tree is not None and tree.disk_allocator is not None:
+            tree.persist()
+            self.runner.move_kv(tree.take_copies())
         self.runner.close()
 
     # -- the loop -----------------------------------------------------------------------------

@@ -69,13 +69,16 @@ def test_prefixes_past_pool_and_host_come_back_from_disk(
     assert not list(tmp_path.glob("*/*.tmp")), "a temporary file left behind"
 
 
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_a_restarted_engine_serves_prefixes_from_disk(
-    tiny_llama_dir: Path, reference: list[dict], tmp_path: Path
+    tiny_llama_dir: Path, reference: list[dict], tmp_path: Path, policy: str
 ) -> None:
-    first = _engine(tiny_llama_dir, tmp_path)
+    """Write-through wrote everything as it was cached; write-back writes what is still in memory
+    at shutdown."""
+    first = _engine(tiny_llama_dir, tmp_path, policy)
     _same_as_reference(_serve(first), reference)
     first.shutdown()
-    second = _engine(tiny_llama_dir, tmp_path)
+    second = _engine(tiny_llama_dir, tmp_path, policy)
     outs = _serve(second)
     _same_as_reference(outs, reference)
     # Every prompt but its last token was cached before the restart, and nothing else serves it now.

@@ -193,11 +193,15 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.files[fids[pick % len(fids)]].corrupt = True
 
     @precondition(lambda self: self.disk_alloc is not None)
-    @rule()
-    def restart(self) -> None:
+    @rule(graceful=st.booleans())
+    def restart(self, graceful: bool) -> None:
         """A new process on the same directory: every file survives whole (rows whose slots were
-        let go included), the newest first as far as the disk tier holds them, renumbered."""
-        self._run_ops(self.cache.take_copies())
+        let go included), the newest first as far as the disk tier holds them, renumbered. A
+        graceful shutdown first writes what is only in memory; a crash loses it (and the moves not
+        yet run)."""
+        if graceful:
+            self.cache.persist()
+            self._run_ops(self.cache.take_copies())
         capacity, kept, total = self.sizes[2], {}, 0
         for fid in sorted(self.files, reverse=True):
             if total + len(self.files[fid].contents) <= capacity:
