@@ -103,8 +103,12 @@ class ModelRunner:
         )
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
+        # What the bits of the KV depend on beside the weights: a restarted server reads the disk
+        # tier's entries only under the same (its cached runs then match its uncached ones).
         numerics = {"dtype": str(self.dtype), "compute": self.compute, "kv": str(self.kv_dtype)}
         numerics.update(quantization=config.quantization, cpu_act_quant=config.cpu_act_quant)
+        numerics.update(device=self.device.type, attention=config.attention_backend)
+        numerics.update(deterministic=config.deterministic)
         self.tiers = KVTiers.build(
             self.kv_pool, self.host_pool, config.kv_disk_dir, config.kv_disk_bytes, model_dir, numerics
         )

@@ -315,13 +315,17 @@ class DiskStore:
         }
         raw = json.dumps(header).encode()
         tmp = entry.path.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, entry.path)
+        try:
+            with tmp.open("wb") as f:
+                f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, entry.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # the disk full, say: the entry stays served from memory
+            raise
         self.bytes_written += sum(p.nbytes for p in parts)
         entry.rows = None
 
