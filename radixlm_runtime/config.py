@@ -166,25 +166,27 @@ class SchedulerConfig:
     )
     prefill_step_target_ms: float = flag(
         250.0,
-        "Wall time a step that carries prefill tokens is sized to: the step's token budget is what fits "
-        "it by the step times measured on this device while serving (a least-squares line of step time "
-        "over step tokens, recent steps weighing most), between 16 and --chunked-prefill-size tokens. "
-        "It bounds the gap a long prompt's chunk puts into running streams and the wait of requests "
-        "arriving behind it. 0: every step takes --chunked-prefill-size tokens, however long that takes.",
+        "Wall time a step carrying prefill is sized to while no request decodes (it bounds the wait "
+        "of requests arriving behind a long prompt's chunk); while requests decode, "
+        "--prefill-step-decode-ratio sizes it instead. Step times are measured on this device while "
+        "serving (a least-squares line of step time over step tokens, recent steps weighing most), and "
+        "the step's token budget is what fits, between 16 and --chunked-prefill-size tokens. "
+        "0: every step takes --chunked-prefill-size tokens, however long that takes.",
     )
     prefill_step_decode_ratio: float = flag(
         2.5,
-        "With --prefill-step-target-ms, a step carrying prefill may take up to this many times the "
-        "measured time of the running requests' decode step alone, where that is longer than the "
-        "target: on a slow or busy machine steps then still spend most of their time on prefill "
-        "instead of shrinking to a few tokens, and a stream's longest gaps stay within this factor "
-        "of a decode step. 0: the target alone.",
+        "With --prefill-step-target-ms, while requests decode, a step carrying prefill is sized to "
+        "this many times the measured time of their decode step alone: a long prompt's chunks then "
+        "stretch a running stream's gaps by at most this factor, on any device. 0: "
+        "--prefill-step-target-ms applies while requests decode too.",
     )
     disable_prefill_interleave: bool = flag(
         False,
         "Let a long prompt's remaining prefill chunks finish before another waiting request starts. By "
-        "default a waiting prompt that fits a step's budget whole runs ahead of them (the long prompt "
-        "keeps a quarter of each step's prefill budget, so it always advances).",
+        "default a waiting prompt that fits a step's budget whole, or is much shorter than the long "
+        "prompt's remainder, runs ahead of them (several prompts are then prefilled in chunks at "
+        "once, shortest remainder first; the one that started first keeps a quarter of each step's "
+        "prefill budget, so it always advances).",
     )
     schedule_policy: str = flag(
         "lpm",

@@ -130,7 +130,7 @@ class Scheduler:
 
     def num_live(self) -> int:
         a = self.admission
-        return len(a.waiting) + len(a.running) + len(self.constraints) + (a.chunked is not None)
+        return len(a.waiting) + len(a.running) + len(self.constraints) + len(a.partial)
 
     def info(self) -> dict[str, Any]:
         """KV memory and counters; when idle, free_tokens + cached_tokens_in_tree == max_total_tokens."""
@@ -145,7 +145,7 @@ class Scheduler:
             "evictable_tokens": tree.evictable_size() if tree is not None else 0,
             "protected_tokens": tree.protected_size() if tree is not None else 0,
             "num_running": len(a.running),
-            "num_waiting": len(a.waiting) + len(self.constraints) + (a.chunked is not None),
+            "num_waiting": len(a.waiting) + len(self.constraints) + len(a.partial),
             "num_sessions": len(self.cache.sessions),
             "pinned_tokens": self.cache.sessions.pinned_tokens(),
             **self._tier_info(),
@@ -302,8 +302,8 @@ class Scheduler:
             del req.kv_slots[req.kv_len :]
             req.table_synced = min(req.table_synced, req.kv_len)
             req.finished_reason = FinishReason.abort(f"internal error in the forward step: {error}")
-            if req is self.admission.chunked:
-                self.admission.chunked = None
+            if req in self.admission.partial:
+                self.admission.partial.remove(req)
             self._finish(req)
             failed.append(req)
         return failed
@@ -340,13 +340,13 @@ class Scheduler:
             return []
         a = self.admission
         rids, self._aborts = self._aborts, set()
-        live = [*a.waiting, *a.running, *([a.chunked] if a.chunked else [])]
+        live = [*a.waiting, *a.running, *a.partial]
         aborted = [r for r in live if r.rid in rids] + self.constraints.drop(rids)
         for req in aborted:
             req.finished_reason = FinishReason.abort("aborted by request")
             if req in a.waiting:
                 a.waiting.remove(req)
-            if req is a.chunked:
-                a.chunked = None
+            if req in a.partial:
+                a.partial.remove(req)
             self._finish(req)
         return aborted
