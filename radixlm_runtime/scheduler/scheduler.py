@@ -95,7 +95,7 @@ class Scheduler:
         """Queues one sample; a constrained one first compiles in the background while others run."""
         # Unseeded requests still get a seed of their own, so their draws never depend on the batch.
         seed = m.seed if m.seed is not None else self.config.random_seed * 1_000_003 + next(self._seeds)
-        req = Req.from_message(m, seed)
+        req = Req(m, seed)
         self.stats.num_requests += 1
         if req.session_id is not None:
             self.cache.sessions.open(req.session_id, req.rid)
