@@ -366,6 +366,14 @@ class ServerConfig:
         "With --dp-size > 1, how the router picks a replica (see radixlm-router).",
         ROUTER_POLICIES,
     )
+    ray_address: str | None = flag(
+        None,
+        "Place the --dp-size replicas on the Ray cluster at this address ('auto': the one `ray start` "
+        "runs on this machine) instead of on this machine: a placement group per replica, with "
+        "--num-threads CPUs (1 if unset), on one node. Each replica binds to its node's IP address and "
+        "the router here, on --host/--port, routes to them over HTTP; a replica whose process dies is "
+        "started again. Needs the ray extra: pip install 'radixlm[ray]'.",
+    )
     disable_dashboard: bool = flag(
         False,
         "Turn off the live dashboard (/dashboard and its /dashboard/api/* feeds): the radix tree, "
