@@ -236,7 +236,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
-      head_rows(p, h, padded, krow, vrow, w);
+      head_rows(p, h, padded, krow, vrow, sp.slots + b0, keys, w);
       if (p.pairs) {
         const uint32_t* qp = w.qpairs.data() + hi * (d / 2) * lanes;
         for_panel_tiles(panels, [&](auto np, int64_t c0) {
