@@ -3,8 +3,9 @@
 // KV store.
 //
 // Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
-//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers of float32 or bf16 (KvType; --dtype
-//                 bfloat16 on CPU halves the pool's bytes per token); slot 0 is a zeroed dummy.
+//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers of float32, bf16 or int8 (KvType; --dtype
+//                 bfloat16 on CPU halves the pool's bytes per token, --kv-cache-dtype int8 quarters them,
+//                 with k_scale, v_scale [slots, Hkv] float32 beside); slot 0 is a zeroed dummy.
 //   table         the request-to-token table, int64 [max_reqs, table_stride]: row `rows[r]`, columns
 //                 0 .. seq_lens[r] - 1 hold request r's KV slots, its new tokens' included (they are
 //                 stored before attention runs).
@@ -50,6 +51,16 @@
 // but vdpbf16ps rounds its sums its own way, so path 3 agrees with the others within float32 rounding,
 // not to the bit. It is batch-invariant as they are: each lane one chain over D in order, on either
 // vector width, whatever else shares its item or however its request was chunked.
+//
+// An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
+// token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
+// symmetrically (quantize_head: scale max |x| / 127, codes rounded to nearest even, pool.py's
+// quantize_int8 to the bit). Attention dequantizes as it reads, code x scale in float32, one rounding: the
+// scalar path element by element, the decode tiles in their registers as they load a row (load8, the
+// scale of each key's row beside its pointer), the rows-as-lanes kernels a block's rows of a head into the
+// scratch once for all the item's rows (head_rows). Queries stay float32. So every path gives over an
+// int8 pool the bits it gives over a float32 pool holding the dequantized K/V, and no dequantized copy of
+// the pool is ever made; a decode streams a quarter of the bytes.
 //
 // Per-layer features (transformers' semantics). A sliding window of W keys: token j at position p sees
 // keys p - W + 1 .. p, so an item's keys start at its first token's window (whole blocks before it are
