@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
-from radixlm_runtime.kvcache.pool import KVPool
+from radixlm_runtime.kvcache.pool import QUANTIZED_KV_DTYPES, KVPool
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
@@ -170,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
         first_new = torch.tensor([len(blk.slots) - blk.length - p for blk, p in zip(blocks, prefix_lens)])
         visible = first_new[:, None] + torch.minimum(torch.arange(1, num_rows + 1)[None], lengths[:, None])
         keys = torch.arange(suffix_len)[None, None, :]
-        mask_dtype = self.kv_pool.dtype if self.kv_pool.dtype.is_floating_point else torch.float32
+        mask_dtype = torch.float32 if self.kv_pool.dtype in QUANTIZED_KV_DTYPES else self.kv_pool.dtype
         suffix_mask = torch.zeros(len(blocks), num_rows, suffix_len, dtype=mask_dtype)
         suffix_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))
         all_rows = len(valid) == len(rows)

@@ -16,6 +16,8 @@ from radixlm_runtime.layers import fused_triton
 # beside the codes (KVPool.k_scales / v_scales). float8_e4m3fn (CUDA, sm89+): the values cast, no scale.
 INT8 = torch.int8
 FP8 = torch.float8_e4m3fn
+# Pool dtypes that are not arithmetic dtypes: read dequantized (int8) or cast (fp8) to the queries'.
+QUANTIZED_KV_DTYPES = (INT8, FP8)
 # The largest |value| float8_e4m3fn holds; larger K/V are clamped to it (a cast would give NaN).
 FP8_MAX = 448.0
 
