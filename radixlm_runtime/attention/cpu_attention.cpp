@@ -55,12 +55,14 @@
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
 // token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
 // symmetrically (quantize_head: scale max |x| / 127, codes rounded to nearest even, pool.py's
-// quantize_int8 to the bit). Attention dequantizes as it reads, code x scale in float32, one rounding: the
-// scalar path element by element, the decode tiles in their registers as they load a row (load8, the
-// scale of each key's row beside its pointer), the rows-as-lanes kernels a block's rows of a head into the
-// scratch once for all the item's rows (head_rows). Queries stay float32. So every path gives over an
-// int8 pool the bits it gives over a float32 pool holding the dequantized K/V, and no dequantized copy of
-// the pool is ever made; a decode streams a quarter of the bytes.
+// quantize_int8 to the bit). Attention reads the codes and factors the scales out of the dot products: a
+// score is k_scale x (q . codes), and P.V sums (p x v_scale) x codes, so a decode tile only converts codes
+// to float32 in its registers as it loads a row (load8), the rows-as-lanes kernels a block's rows of a
+// head into the scratch once for all the item's rows (head_rows), and the scales are one multiply per key
+// (scores) and per key and query row (weights): no dequantized copy of the pool is ever made, and a
+// decode streams a quarter of the bytes. Every path computes that formula (within float32 rounding of
+// attention over the dequantized K/V, codes x scales), each batch- and chunk-invariant as over a float32
+// pool. Queries stay float32.
 //
 // Per-layer features (transformers' semantics). A sliding window of W keys: token j at position p sees
 // keys p - W + 1 .. p, so an item's keys start at its first token's window (whole blocks before it are
@@ -169,7 +171,8 @@ void grow(std::vector<T>& v, int64_t n) {
 // One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
 struct Scratch {
   std::vector<float> q, s, acc, m, l, corr;
-  std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 pool
+  std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 or int8 pool
+  std::vector<float> ks, vs;  // an int8 pool's scales of a block's rows of one head
   std::vector<uint32_t> qpairs;  // path 3: the queries as bf16 pairs, [heads][D / 2][lanes]
   std::vector<const float*> kp, vp;
   std::vector<const uint16_t*> kb;  // path 3: a block's K rows of one head, bf16 in the pool
@@ -189,6 +192,8 @@ struct Scratch {
     grow(pos, rows);
     grow(qpairs, rows * heads * d / 2);
     grow(kf, kBlock * d);
+    grow(ks, kBlock);
+    grow(vs, kBlock);
     grow(vf, kBlock * d);
     grow(kp, kBlock);
     grow(vp, kBlock);
@@ -304,11 +309,10 @@ void store_outputs(const Problem& p, const Item& it, const Span& sp, int64_t h, 
 
 // ---------------------------------------------------------------- portable scalar path
 
-// A pool element as float32: a bf16's widening is exact; an int8 code times its scale is one rounding, the
-// dequantized value every path and the torch backend (pool.py's dequantize_int8) compute.
-inline float kv_float(float x, float) { return x; }
-inline float kv_float(uint16_t x, float) { return simd::bf16_widen(x); }
-inline float kv_float(int8_t x, float scale) { return static_cast<float>(x) * scale; }
+// A pool element as float32: a bf16's widening is exact, as is an int8 code's (its scale applied apart).
+inline float kv_float(float x) { return x; }
+inline float kv_float(uint16_t x) { return simd::bf16_widen(x); }
+inline float kv_float(int8_t x) { return static_cast<float>(x); }
 
 // T: the pool's element type (float, uint16_t for bf16, int8_t for int8 codes).
 template <typename T>
@@ -329,7 +333,8 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
       const float* qi = q + i * d;
       float* ai = acc + i * d;
       float s = 0.0f;
-      for (int64_t e = 0; e < d; ++e) s += qi[e] * kv_float(k[e], ks);
+      for (int64_t e = 0; e < d; ++e) s += qi[e] * kv_float(k[e]);
+      s *= ks;  // exact where it is 1 (not int8)
       if (cap > 0.0f) s = cap * tanhf(s / cap);
       float weight = 1.0f;
       if (s > m[i]) {
@@ -341,7 +346,8 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
         weight = expf(s - m[i]);
       }
       l[i] += weight;
-      for (int64_t e = 0; e < d; ++e) ai[e] += weight * kv_float(v[e], vs);
+      const float scaled = weight * vs;
+      for (int64_t e = 0; e < d; ++e) ai[e] += scaled * kv_float(v[e]);
     }
   }
   store_outputs(p, it, sp, h, acc, m, l);
@@ -407,33 +413,40 @@ inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t
 }
 
 // 8 elements of a KV row as float32 (kv_float's values): a float32 pool's loaded, a bf16 pool's widened in
-// the register, an int8 pool's codes converted and multiplied by their row's scale (`scale`, which the
-// others ignore).
-SIMD_AVX2 inline __m256 load8(const float* x, float) { return _mm256_loadu_ps(x); }
+// the register, an int8 pool's codes converted (their scale applied apart).
+SIMD_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 
-SIMD_AVX2 inline __m256 load8(const uint16_t* x, float) {
+SIMD_AVX2 inline __m256 load8(const uint16_t* x) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
-SIMD_AVX2 inline __m256 load8(const int8_t* x, float scale) {
+SIMD_AVX2 inline __m256 load8(const int8_t* x) {
   int64_t bytes;
   memcpy(&bytes, x, 8);
-  const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
-  return _mm256_mul_ps(codes, _mm256_set1_ps(scale));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
 }
 
-// n pool elements (of a row whose scale is `scale`) as float32, n a multiple of 8.
+// n pool elements as float32 (load8's), n a multiple of 8.
 template <typename T>
-SIMD_AVX2 inline void widen_row(const T* x, float scale, int64_t n, float* out) {
-  for (int64_t e = 0; e < n; e += 8) _mm256_storeu_ps(out + e, load8(x + e, scale));
+SIMD_AVX2 inline void widen_row(const T* x, int64_t n, float* out) {
+  for (int64_t e = 0; e < n; e += 8) _mm256_storeu_ps(out + e, load8(x + e));
+}
+
+// x[0 .. n) *= scale[0 .. n), n a multiple of 8: an int8 pool's scales applied to a row of scores or
+// weights, one per key.
+SIMD_AVX2 inline void scale_by(float* x, const float* scale, int64_t n) {
+  for (int64_t t = 0; t < n; t += 8) {
+    _mm256_storeu_ps(x + t, _mm256_mul_ps(_mm256_loadu_ps(x + t), _mm256_loadu_ps(scale + t)));
+  }
 }
 
 // Kv head h's K and V rows of a block (count rows, from block_rows, at slots[0 .. count), 0 past the
 // block's keys) as the rows-as-lanes kernels read them, w.kp[t] and w.vp[t] (D floats each): in place in a
-// float32 pool; a bf16 pool's widened (exact), an int8 pool's dequantized, into the scratch, once per block
-// and head for every query row of the item to read (the lanes kernels broadcast single elements, which
-// loads from a float row best). On path 3 (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it.
+// float32 pool; a bf16 pool's widened, an int8 pool's codes converted (exact, either), into the scratch,
+// once per block and head for every query row of the item to read (the lanes kernels broadcast single
+// elements, which loads from a float row best); an int8 pool's scales into w.ks / w.vs. On path 3
+// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it.
 SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char* const* krow,
                          const char* const* vrow, const int64_t* slots, int64_t keys, Scratch& w) {
   const int64_t d = p.head_dim;
@@ -448,17 +461,19 @@ SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char*
     w.vp[t] = vf;
     if (p.int8) {
       const int64_t slot = t < keys ? slots[t] : 0;
-      widen_row(reinterpret_cast<const int8_t*>(krow[t]) + h * d, p.scale_at(p.k_scale, slot, h), d, kf);
-      widen_row(reinterpret_cast<const int8_t*>(vrow[t]) + h * d, p.scale_at(p.v_scale, slot, h), d, vf);
+      widen_row(reinterpret_cast<const int8_t*>(krow[t]) + h * d, d, kf);
+      widen_row(reinterpret_cast<const int8_t*>(vrow[t]) + h * d, d, vf);
+      w.ks[t] = p.scale_at(p.k_scale, slot, h);
+      w.vs[t] = p.scale_at(p.v_scale, slot, h);
       continue;
     }
     const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
     if (p.pairs) {
       w.kb[t] = k;
     } else {
-      widen_row(k, 1.0f, d, kf);
+      widen_row(k, d, kf);
     }
-    widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, 1.0f, d, vf);
+    widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
   }
 }
 
@@ -484,8 +499,8 @@ SIMD_AVX2 inline __m256 lanes_below(int64_t count) {
 }
 
 // Scores of QT query rows (q, d floats apart) against KT keys at a time of kp[0 .. keys) (keys a
-// multiple of KT; rows of the pool's element type T, an int8 row t scaled by ks[t]) into s, a row per
-// query row, kBlock apart. QT * KT accumulators, so with 8 or more the FMA latency is hidden; the loops
+// multiple of KT; rows of the pool's element type T, an int8 row's scores multiplied by its scale ks[t])
+// into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the FMA latency is hidden; the loops
 // over them unroll fully, which keeps the arrays in registers.
 template <int QT, int KT, typename T>
 SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, const float* ks, int64_t keys, float* s,
@@ -501,7 +516,7 @@ SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, const 
     for (int64_t e = 0; e < d; e += 8) {
       __m256 kv[KT];
 #pragma GCC unroll 8
-      for (int c = 0; c < KT; ++c) kv[c] = load8(kp[t + c] + e, ks[t + c]);
+      for (int c = 0; c < KT; ++c) kv[c] = load8(kp[t + c] + e);
 #pragma GCC unroll 8
       for (int i = 0; i < QT; ++i) {
         const __m256 qv = _mm256_loadu_ps(q + i * d + e);
@@ -513,17 +528,20 @@ SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, const 
     for (int i = 0; i < QT; ++i) {
 #pragma GCC unroll 8
       for (int c = 0; c < KT; c += 4) {
-        _mm_storeu_ps(s + i * kBlock + t + c, hsum4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]));
+        __m128 sums = hsum4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]);
+        if constexpr (std::is_same_v<T, int8_t>) sums = _mm_mul_ps(sums, _mm_loadu_ps(ks + t + c));
+        _mm_storeu_ps(s + i * kBlock + t + c, sums);
       }
     }
   }
 }
 
 // acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart;
-// an int8 V row t scaled by vs[t]), NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
+// over an int8 pool the weights already carry V's scales), NV vectors of each row at a time: per key NV V
+// loads feed QT * NV FMAs.
 template <int QT, int NV, typename T>
-SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, const float* vs, int64_t keys, float* acc, int64_t d,
-                       int64_t e0, int64_t e1, Prefetcher& pf) {
+SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
+                       int64_t e1, Prefetcher& pf) {
   for (int64_t e = e0; e < e1; e += 8 * NV) {
     __m256 a[QT][NV];
 #pragma GCC unroll 8
@@ -535,7 +553,7 @@ SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, const float* vs, int6
       pf.step(1);
       __m256 v[NV];
 #pragma GCC unroll 8
-      for (int c = 0; c < NV; ++c) v[c] = load8(vp[t] + e + 8 * c, vs[t]);
+      for (int c = 0; c < NV; ++c) v[c] = load8(vp[t] + e + 8 * c);
 #pragma GCC unroll 8
       for (int i = 0; i < QT; ++i) {
         const __m256 w = _mm256_broadcast_ss(p + i * kBlock + t);
@@ -554,12 +572,11 @@ SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, const float* vs, int6
 // P.V for QT rows over all of d: several vectors per pass (3 rows: 2, to stay within 16 registers),
 // then the tail of d a vector at a time.
 template <int QT, typename T>
-SIMD_AVX2 void pv_rows(const float* p, const T* const* vp, const float* vs, int64_t keys, float* acc, int64_t d,
-                       Prefetcher& pf) {
+SIMD_AVX2 void pv_rows(const float* p, const T* const* vp, int64_t keys, float* acc, int64_t d, Prefetcher& pf) {
   constexpr int kNv = QT == 1 ? 8 : QT == 2 ? 4 : 2;
   const int64_t whole = d / (8 * kNv) * (8 * kNv);
-  pv_tile<QT, kNv>(p, vp, vs, keys, acc, d, 0, whole, pf);
-  pv_tile<QT, 1>(p, vp, vs, keys, acc, d, whole, d, pf);
+  pv_tile<QT, kNv>(p, vp, keys, acc, d, 0, whole, pf);
+  pv_tile<QT, 1>(p, vp, keys, acc, d, whole, d, pf);
 }
 
 // Online-softmax step of one query row over a block: s[0 .. visible) are its scores (visible >= 1),
@@ -606,9 +623,9 @@ SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float cap,
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays. No window
 // masks keys here: the row-major items are decode tokens, each alone, its keys starting at its window.
-// T: the pool's element type; a bf16 pool's K/V are widened, an int8 pool's dequantized, in the registers
-// as the tiles load them (a decode token's few query rows would not repay widening them into the scratch
-// first).
+// T: the pool's element type; a bf16 pool's K/V are widened, an int8 pool's codes converted, in the
+// registers as the tiles load them (a decode token's few query rows would not repay widening them into the
+// scratch first); an int8 pool's scales multiply the block's scores and, after the softmax, its weights.
 template <typename T, bool kCap>
 SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
@@ -658,11 +675,14 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
           std::fill(s + i * kBlock, s + i * kBlock + padded, 0.0f);
         }
       }
-      for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, vs, padded, acc + i * d, d, pf);
+      if constexpr (std::is_same_v<T, int8_t>) {
+        for (i = 0; i < rows; ++i) scale_by(s + i * kBlock, vs, padded);
+      }
+      for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, padded, acc + i * d, d, pf);
       switch (rows - i) {
-        case 3: pv_rows<3>(s + i * kBlock, vp, vs, padded, acc + i * d, d, pf); break;
-        case 2: pv_rows<2>(s + i * kBlock, vp, vs, padded, acc + i * d, d, pf); break;
-        case 1: pv_rows<1>(s + i * kBlock, vp, vs, padded, acc + i * d, d, pf); break;
+        case 3: pv_rows<3>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
+        case 2: pv_rows<2>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
+        case 1: pv_rows<1>(s + i * kBlock, vp, padded, acc + i * d, d, pf); break;
         default: break;
       }
     }

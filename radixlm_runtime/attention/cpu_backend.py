@@ -2,10 +2,10 @@
 of float32, (--dtype bfloat16) bf16 or (--kv-cache-dtype int8) int8. bf16: K/V rounded to bf16 as they
 are stored and widened back as they are read, the scores then dot products of bf16 operands (the queries
 rounded too) accumulated in float32, by vdpbf16ps on prefill chunks where the CPU has AVX512-BF16. int8:
-K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), dequantized (code x
-scale, in float32) in registers on decode and per block of keys on prefill, never as a copy of the pool:
-every path gives the bits it gives over a float32 pool of the dequantized values. Softmax and P.V in
-float32.
+K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
+float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
+scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
+attention over the dequantized values. Softmax and P.V in float32.
 
 Per layer the torch backend spends much of a step outside arithmetic: index_put of the new K/V,
 index_select gathers of every request's K/V, then torch's flash kernel, which with a cached prefix

@@ -34,8 +34,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scale in float32 (one rounding, as every attention kernel dequantizes), then cast to
-    dtype: a float32 pool of these values gives the int8 pool's results."""
+    """codes x scale in float32, then cast to dtype: the K/V an int8 pool stands for (the torch backend
+    and Triton kernels compute with these; the C++ kernels apply the scales once per key, within float32
+    rounding of them)."""
     return (codes.float() * scale.float()[..., None]).to(dtype)
 
 

@@ -114,8 +114,8 @@ def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Pa
 
 
 def test_the_torch_backend_reads_the_int8_pool(tiny_llama_dir: Path) -> None:
-    """attention_backend='torch' on the same int8 pool (dequantized as gathered, as the C++ kernels
-    dequantize): the prompt's logprobs within float32 rounding of the C++ kernels'; and int8 KV moves
+    """attention_backend='torch' on the same int8 pool (dequantized as gathered; the C++ kernels apply
+    the same scales per key): the prompt's logprobs within float32 rounding of the C++ kernels'; and int8 KV moves
     them away from float32 KV's, a little."""
 
     def prompt_logprobs(backend: str, kv_cache_dtype: str = "int8") -> list[float]:
