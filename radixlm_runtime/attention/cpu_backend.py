@@ -55,24 +55,7 @@ def _library() -> ctypes.CDLL:
     lib.ca_store_kv.restype = None
     # q, its stride, out, its stride, k_buf, v_buf, their scales, their KV type, Hq, Hkv, D, table, its
     # stride, requests, B, groups, their count, members, scale, window, softcap, mode, threads
-    lib.ca_decode.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        c_int,
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        i64,
-    ]
+    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, *[ptr] * 4, c_int, *[i64] * 3, ptr, i64, ptr, i64]
     lib.ca_decode.argtypes += [ptr, i64, ptr, f32, i64, f32, c_int, c_int]
     lib.ca_decode.restype = None
     return lib

@@ -102,7 +102,8 @@ def reference_attention(batch: Batch) -> torch.Tensor:
     return out
 
 
-def run_extend(batch: Batch) -> torch.Tensor:
+def run_extend(batch: Batch, **scales: torch.Tensor) -> torch.Tensor:
+    """`scales`: an int8 pool's k_scale and v_scale."""
     o = torch.full_like(batch.q, float("nan"))
     triton_kernels.extend_attention_fwd(
         batch.q,
@@ -116,11 +117,12 @@ def run_extend(batch: Batch) -> torch.Tensor:
         batch.extend_start_loc,
         int(batch.extend_lens.max()),
         batch.sm_scale,
+        **scales,
     )
     return o
 
 
-def run_decode(batch: Batch, num_kv_splits: int) -> torch.Tensor:
+def run_decode(batch: Batch, num_kv_splits: int, **scales: torch.Tensor) -> torch.Tensor:
     o = torch.full_like(batch.q, float("nan"))
     triton_kernels.decode_attention_fwd(
         batch.q,
@@ -132,6 +134,7 @@ def run_decode(batch: Batch, num_kv_splits: int) -> torch.Tensor:
         batch.seq_lens,
         batch.sm_scale,
         num_kv_splits=num_kv_splits,
+        **scales,
     )
     return o
 
@@ -243,22 +246,7 @@ def test_extend_reads_an_int8_pool(head_dim: int) -> None:
     unquantized one)."""
     batch = make_batch([0, 37, 70], [20, 5, 66], head_dim=head_dim, seed=3)
     int8, k_scale, v_scale = int8_batch(batch)
-    o = torch.full_like(int8.q, float("nan"))
-    triton_kernels.extend_attention_fwd(
-        int8.q,
-        o,
-        int8.k_buffer,
-        int8.v_buffer,
-        int8.req_to_token,
-        int8.req_pool_indices,
-        int8.seq_lens,
-        int8.extend_lens,
-        int8.extend_start_loc,
-        int(int8.extend_lens.max()),
-        int8.sm_scale,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    o = run_extend(int8, k_scale=k_scale, v_scale=v_scale)
     atol, rtol = tolerance(o.dtype)
     torch.testing.assert_close(o.cpu(), int8_reference(int8, k_scale, v_scale), atol=atol, rtol=rtol)
     torch.testing.assert_close(o.cpu(), reference_attention(batch), atol=0.05, rtol=0)
@@ -270,20 +258,7 @@ def test_decode_reads_an_int8_pool(num_kv_splits: int) -> None:
     dequantized pool."""
     batch = make_batch([0, 63, 130], [1, 1, 1], seed=4)
     int8, k_scale, v_scale = int8_batch(batch)
-    o = torch.full_like(int8.q, float("nan"))
-    triton_kernels.decode_attention_fwd(
-        int8.q,
-        o,
-        int8.k_buffer,
-        int8.v_buffer,
-        int8.req_to_token,
-        int8.req_pool_indices,
-        int8.seq_lens,
-        int8.sm_scale,
-        num_kv_splits=num_kv_splits,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    o = run_decode(int8, num_kv_splits, k_scale=k_scale, v_scale=v_scale)
     atol, rtol = tolerance(o.dtype)
     torch.testing.assert_close(o.cpu(), int8_reference(int8, k_scale, v_scale), atol=atol, rtol=rtol)
 
@@ -292,4 +267,4 @@ def test_an_int8_pool_needs_its_scales() -> None:
     batch = make_batch([0], [4], seed=5)
     int8, _, _ = int8_batch(batch)
     with pytest.raises(ValueError, match="int8 KV pool is read with its k_scale and v_scale"):
-        run_decode(replace(int8, extend_lens=torch.ones_like(int8.extend_lens)), num_kv_splits=1)
+        run_decode(int8, num_kv_splits=1)

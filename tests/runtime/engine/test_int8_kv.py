@@ -8,40 +8,23 @@ CPU. On the default model, int8 KV agrees with float32 KV on most greedy tokens 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_bf16_kv import GREEDY, PROMPTS, _generate, check_host_tier_round_trip
 
 import radixlm_runtime as rt
 from radixlm_runtime.attention.cpu_backend import KV_TYPES, CpuAttentionBackend
 from radixlm_runtime.attention.torch_backend import TorchAttentionBackend
-
-GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-PREFIX = "The council of the harbour town met every spring to discuss the fishing season. " * 2
-PROMPTS = [PREFIX + f"Question {i}: what did they decide?" for i in range(4)] + ["hello world " * 20]
 
 
 def _engine(model_dir: Path | None, **flags: Any) -> rt.Engine:
     flags = {"max_total_tokens": 4096, "kv_cache_dtype": "int8", **flags}
     path = None if model_dir is None else str(model_dir)
     return rt.Engine(path, device="cpu", dtype="float32", log_level="warning", **flags)
-
-
-def _generate(
-    engine: rt.Engine, prompts: list[str], params: dict[str, Any] = GREEDY
-) -> list[tuple[list[int], list[float], int]]:
-    """Greedy tokens, their logprobs and the prompt's cached tokens, per prompt."""
-    outs = engine.generate(prompts, params, return_logprob=True)
-    return [
-        (
-            o["output_ids"],
-            [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
-            o["meta_info"]["cached_tokens"],
-        )
-        for o in outs
-    ]
 
 
 def _tokens_and_logprobs(
@@ -95,28 +78,14 @@ def test_cached_and_batched_equal_uncached_and_alone_under_deterministic(
 
 
 def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Path) -> None:
-    """A pool too small for the prompts: their prefixes go to the int8 host tier (codes and scales) and
-    come back from it, with the tokens and logprobs of an engine without a cache."""
-    prompts = [f"document {i} " + "the theater then an answer abc " * 6 + f" question {i}" for i in range(8)]
-    fresh = _engine(tiny_llama_dir, deterministic=True, disable_radix_cache=True)
-    tiered = _engine(tiny_llama_dir, deterministic=True, max_total_tokens=300, kv_host_tokens=4096)
-    try:
-        want = _generate(fresh, prompts)
-        for p in prompts:
-            _generate(tiered, [p])
-        got = [_generate(tiered, [p])[0] for p in prompts]
-        info = tiered.get_server_info()
-    finally:
-        fresh.shutdown()
-        tiered.shutdown()
-    assert _tokens_and_logprobs(got) == _tokens_and_logprobs(want)
-    assert info["host_hit_tokens"] > 0
+    """Copies between two int8 pools, codes and scales."""
+    check_host_tier_round_trip(functools.partial(_engine, tiny_llama_dir))
 
 
 def test_the_torch_backend_reads_the_int8_pool(tiny_llama_dir: Path) -> None:
     """attention_backend='torch' on the same int8 pool (dequantized as gathered; the C++ kernels apply
-    the same scales per key): the prompt's logprobs within float32 rounding of the C++ kernels'; and int8 KV moves
-    them away from float32 KV's, a little."""
+    the same scales per key): the prompt's logprobs within float32 rounding of the C++ kernels'; and
+    int8 KV moves them away from float32 KV's, a little."""
 
     def prompt_logprobs(backend: str, kv_cache_dtype: str = "int8") -> list[float]:
         engine = _engine(tiny_llama_dir, attention_backend=backend, kv_cache_dtype=kv_cache_dtype)
@@ -154,7 +123,7 @@ def test_the_default_model_with_int8_kv_agrees_with_float32_kv() -> None:
     for kv in ("auto", "int8"):
         engine = _engine(None, kv_cache_dtype=kv)
         try:
-            outs[kv] = [ids for ids, _, _ in _generate(engine, prompts, params)]
+            outs[kv] = [o["output_ids"] for o in engine.generate(prompts, params)]
         finally:
             engine.shutdown()
     agreed = total = 0
