@@ -50,6 +50,7 @@ BENCHMARKS = [
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("kv_tiers", "bench_kv_tiers.py", "KV tiers: multi-tenant prefixes beyond the KV pool"),
+    Bench("kv_quant", "bench_kv_quant.py", "int8 KV cache: memory, few-shot accuracy, long-context decode"),
     Bench("router", "bench_router.py", "Data parallelism: two replicas behind the router, by policy"),
     Bench("invariance", "bench_invariance.py", "Batch and cache invariance, by default and --deterministic"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),

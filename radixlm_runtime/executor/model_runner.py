@@ -130,8 +130,9 @@ class ModelRunner:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV pools' dtype: bf16 under bf16 arithmetic on the CPU, else the model's (memory.py)."""
-        return kv_dtype_for(self.dtype, self.compute, self.device)
+        """The KV pools' dtype: --kv-cache-dtype's, or under 'auto' bf16 under bf16 arithmetic on the CPU,
+        else the model's (memory.py)."""
+        return kv_dtype_for(self.dtype, self.compute, self.device, self.engine_config.kv_cache_dtype)
 
     def _new_kv_pool(self, size: int) -> KVPool:
         c = self.config

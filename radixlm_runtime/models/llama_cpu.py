@@ -4,9 +4,9 @@ Serves a forward when the family declares `supports_cpu_decoder`, every layer's 
 loop has (pre-norm or Gemma's sandwich norms, per-head q/k norms, SwiGLU or GeGLU, a rotary table per
 layer type, per-layer windows and soft-caps), every decoder linear runs on the CPU linear kernels
 (float32 panels or weight-only int8/int4), the activations are float32 on the CPU and attention runs on
-the C++ CPU backend (over a float32 KV pool, or a bf16 one under --dtype bfloat16): then each layer is
-nothing but calls into the C++ kernels, and making them from C++ instead of Python takes the
-interpreter out of the step (a fifth of a single-stream int4 decode step).
+the C++ CPU backend (over a float32 KV pool, a bf16 one under --dtype bfloat16, or an int8 one under
+--kv-cache-dtype int8): then each layer is nothing but calls into the C++ kernels, and making them from
+C++ instead of Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step).
 The outputs are bit-identical to the Python path's: the same kernels in the same order. Everything else
 (embeddings and their scale, final norm, lm_head, --deterministic's per-token attention) stays in
 Python. A model with an op the loop lacks is refused with the reason logged, and its layers run from
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend, kv_type
+from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend, kv_type, layer_pointers
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers import fused_cpu
@@ -131,15 +131,18 @@ class LlamaCpuDecoder:
         for i, (layer, params, rotary) in enumerate(zip(model.layers, attn.layers, model.layer_rotary)):
             norms = [0 if norm is None else norm.weight.data_ptr() for norm in _norm_slots(layer)]
             bias = layer.self_attn.qkv_proj.bias
+            k_buf, v_buf, k_scale, v_scale = layer_pointers(attn.kv_pool, i)
             rows.append(
                 norms
                 + [
                     0 if bias is None else bias.data_ptr(),
-                    attn.kv_pool.k_buffers[i].data_ptr(),
-                    attn.kv_pool.v_buffers[i].data_ptr(),
+                    k_buf,
+                    v_buf,
                     params.sliding_window or 0,
                     rotary,
                     _ACTIVATIONS[type(layer.mlp.act)],
+                    k_scale,
+                    v_scale,
                 ]
                 + [f for lin in _linears(layer) for f in _linear_fields(lin)]
             )

@@ -257,6 +257,24 @@ def test_kv_tiers(out_dir: Path) -> None:
     assert servers["write_through"]["host_stored_tokens"] >= servers["write_back"]["host_stored_tokens"]
 
 
+def test_kv_quant(out_dir: Path) -> None:
+    """int8 KV: 3.76x float32's tokens per GiB at the default model's shape (codes plus two float32
+    scales per token and kv head), both decode runs serve every request from their cached prompts, and
+    the accuracy rows compare int8 with float32 KV on the same questions."""
+    result = run_tiny("bench_kv_quant.py", out_dir, "kv_quant")
+    mem = result["memory"]
+    assert mem["fp32"]["vs_fp32"] == 1 and mem["bf16"]["vs_fp32"] == 2
+    assert mem["int8"]["vs_fp32"] == pytest.approx(4 * 64 / (64 + 4))
+    for r in result["decode"].values():
+        assert r["output_tok_per_s"] > 0 and 0.9 < r["cache_hit_rate"] < 1
+    assert 0 <= result["decode_token_agreement"] <= 1
+    for task in ("gsm8k", "mmlu"):
+        a = result["accuracy"][task]
+        assert a["num_questions"] == 2 and set(a["correct"]) == {"fp32", "int8"}
+        assert a["gap_questions"] == abs(a["correct"]["int8"] - a["correct"]["fp32"])
+        assert 0 <= a["agreement"]["identical"] <= 1
+
+
 def test_router(out_dir: Path) -> None:
     """Every policy serves every request over both replicas; the cache-aware one keeps each tenant
     where its prefix is cached, so its hit rate is at least round-robin's."""
