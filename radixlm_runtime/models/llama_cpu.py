@@ -104,6 +104,8 @@ def _unsupported(model: DecoderForCausalLM) -> str | None:
         linears = _linears(layer)
         if any(lin.kernel_weight is None or lin.row_block for lin in linears):
             return f"layer {i} has a linear off the CPU linear kernels"
+        if any(lin.collective is not None for lin in linears):
+            return f"layer {i}'s linears are split across tensor-parallel ranks (the loop has no all-reduce)"
         if any(lin.bias is not None for lin in linears[1:]):
             return f"layer {i} has an o_proj or MLP bias"
         for norm in filter(None, _norm_slots(layer)):
