@@ -51,6 +51,7 @@ BENCHMARKS = [
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("kv_tiers", "bench_kv_tiers.py", "KV tiers: multi-tenant prefixes beyond the KV pool"),
     Bench("router", "bench_router.py", "Data parallelism: two replicas behind the router, by policy"),
+    Bench("tp", "bench_tp.py", "Tensor parallelism on CPU: TP2 against TP1, and the communication's share"),
     Bench("invariance", "bench_invariance.py", "Batch and cache invariance, by default and --deterministic"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),
