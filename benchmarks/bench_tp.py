@@ -6,8 +6,8 @@ On a 2-core machine two ranks take one core each (the cores / --tp-size by defau
 same arithmetic on the same cores as TP1 plus the communication: expect no speed-up; the figure that
 matters is the communication share. Rank 0's collective time counts the time it waits in them for
 rank 1 too (the ranks' work differs where the heads split unevenly: SmolLM2-135M's 3 KV heads go 2 + 1).
-TP1 runs its decoder layers in the one-call C++ decoder; under TP they run from Python (the C++ loop
-has no all-reduce point), which the "decoder" column says.
+Both run the decoder layers in the one-call C++ decoder (under TP it calls the all-reduces back
+between layers), or both from Python where it does not serve the model: the "decoder" column says.
 
 Each step is timed around the scheduler's `step` (plan, forward on every rank, sampling, bookkeeping).
 Prefill: one fresh prompt of --prompt-tokens tokens in one step; decode: --batch requests decoding

@@ -1,6 +1,7 @@
 """Tensor parallelism against one process: the plan's wire format, logits within 1e-4 of tp 1 on tiny
 random-init models (Llama; Qwen3 with per-head q/k norms; a Llama with 3 KV heads split 2 + 1 and
-int4 weights cut per rank), greedy tokens and cached runs equal; the default model's greedy outputs
+int4 weights cut per rank; Llama's layers from Python rather than the C++ decoder), greedy tokens
+and cached runs equal; the default model's greedy outputs
 with --tp-size 2 equal tp 1's on 20 of 20 prompts (slow)."""
 
 from __future__ import annotations
@@ -59,16 +60,21 @@ def _kv3_model_dir(out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama_kv3_int4"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "llama_kv3_int4", "llama_python_layers"])
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    """(tp 1 engine, tp 2 engine) on one model."""
+    """(tp 1 engine, tp 2 engine) on one model; the decoder layers in the one-call C++ decoder (its
+    all-reduces called back between layers), except with the torch attention backend (from Python)."""
     flags: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "log_level": "warning"}
     if request.param == "llama_kv3_int4":
         model_dir = _kv3_model_dir(tmp_path_factory.mktemp("tiny_kv3"))
         flags["quantization"] = "int4"
     else:
-        model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
+        model_dir = request.getfixturevalue(f"tiny_{request.param.split('_')[0]}_dir")
+    if request.param == "llama_python_layers":
+        flags["attention_backend"] = "torch"
     pair = (rt.Engine(str(model_dir), **flags), rt.Engine(str(model_dir), tp_size=2, **flags))
+    in_cpp = pair[1].runner.runner.model.cpu_decoder is not None
+    assert in_cpp == (request.param != "llama_python_layers")
     yield pair
     for engine in pair:
         engine.shutdown()
