@@ -133,7 +133,7 @@ class EngineConfig:
         1,
         "Tensor parallelism: run the model on this many rank processes (torch.distributed: gloo on CPU, "
         "NCCL on CUDA, one GPU a rank), each holding 1/N of every layer. q/k/v and gate/up are split by "
-        "output columns, o_proj and down_proj by input columns (one all-reduce after each), the embedding "
+        "output features, o_proj and down_proj by input features (one all-reduce after each), the embedding "
         "and lm_head by vocabulary rows. Query heads are split in whole KV-head groups, unevenly where the "
         "KV heads do not divide (3 KV heads on 2 ranks: 2 groups and 1); with fewer KV heads than ranks "
         "each KV head is replicated on N / kv_heads ranks, which split its group. Rank 0 runs the scheduler "

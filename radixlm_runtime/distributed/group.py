@@ -41,6 +41,8 @@ class TPGroup:
     def init(cls, rank: int, size: int, address: str, device: torch.device) -> TPGroup:
         """Joins the group at `address` (tcp://host:port, rank 0 listening there)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
         dist.init_process_group(
             backend, init_method=address, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
         )

@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from radixlm_runtime.config import EngineConfig
 from radixlm_runtime.distributed.group import TPGroup
@@ -139,6 +140,10 @@ class TensorParallelExecutor:
         log_level: str = "info",
         exit_on_rank_death: bool = False,
     ) -> None:
+        if resolve_device(config.device).type == "cuda" and torch.cuda.device_count() < config.tp_size:
+            raise ValueError(
+                f"tp_size {config.tp_size} needs one GPU a rank; {torch.cuda.device_count()} are visible"
+            )
         address = _free_address()
         ctx = mp.get_context("spawn")
         self.workers = [
