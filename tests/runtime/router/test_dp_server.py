@@ -14,18 +14,9 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_harness import child_pids, free_port, pid_alive  # noqa: E402
+from server_harness import descendants, free_port, pid_alive  # noqa: E402
 
 from radixlm_runtime.router.replicas import replica_argv
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 def test_replica_argv_drops_the_routers_own_flags() -> None:

@@ -9,16 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from server_harness import child_pids, launch_server, pid_alive
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        children = child_pids(todo.pop())
-        found += children
-        todo += children
-    return found
+from server_harness import child_pids, descendants, launch_server, pid_alive
 
 
 def _is_rank(pid: int) -> bool:
@@ -40,7 +31,7 @@ def test_killed_rank_exits_server_nonzero_with_nothing_left(
         scheduler = server.info()["scheduler_pid"]
         ranks = [pid for pid in child_pids(scheduler) if _is_rank(pid)]
         assert len(ranks) == 1, ranks
-        everything = _descendants(server.proc.pid)
+        everything = descendants(server.proc.pid)
         assert scheduler in everything and ranks[0] in everything
         os.kill(ranks[0] if victim else scheduler, signal.SIGKILL)
         code = server.proc.wait(timeout=60)
