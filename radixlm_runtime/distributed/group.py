@@ -21,9 +21,18 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
+def _broadcast_options() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    return opts
+
+
 @dataclass
 class TPGroup:
-    """This process's rank among `size`; the model's collectives go on `group`, plans on `control`."""
+    """This process's rank among `size`; the model's collectives go on `group`, plans on `control`.
+
+    The groups are process groups of their own, not torch.distributed's global default one, so a
+    process may hold more than one engine's group (and start another after one failed)."""
 
     rank: int
     size: int
@@ -37,28 +46,32 @@ class TPGroup:
     comm_calls: int = 0
     _plan_len: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.int64))
 
-    @classmethod
-    def init(cls, rank: int, size: int, address: str, device: torch.device) -> TPGroup:
-        """Joins the group at `address` (tcp://host:port, rank 0 listening there)."""
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
-        dist.init_process_group(
-            backend, init_method=address, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    @staticmethod
+    def open_store(size: int) -> dist.TCPStore:
+        """Rank 0's rendezvous store, on a free loopback port (`.port`), before the others start."""
+        return dist.TCPStore(
+            "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
         )
-        group = dist.group.WORLD
-        control = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-        return cls(rank, size, group, control, device)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    @staticmethod
+    def connect_store(port: int, size: int) -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+
+    @classmethod
+    def join(cls, rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
+        """Forms the groups with the other ranks through `store` (blocks until all have joined)."""
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, COLLECTIVE_TIMEOUT)
+        if device.type != "cuda":
+            return cls(rank, size, control, control, device)
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("model/", store), rank, size)
+        return cls(rank, size, group, control, device)
 
     # -- the model's collectives ----------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place: a row-parallel linear's partial sums."""
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         self._timed(t0)
         return x
 
@@ -67,14 +80,16 @@ class TPGroup:
         logits, each rank's block padded to one size), the padding cut off."""
         t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x.contiguous()]).wait()
         self._timed(t0)
         return torch.cat(parts, dim=-1)[..., :width]
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' values (the KV pool every rank can hold)."""
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.control.allreduce([t], opts).wait()
         return int(t.item())
 
     def _timed(self, t0: float) -> None:
@@ -88,16 +103,17 @@ class TPGroup:
     def send_bytes(self, data: bytes) -> None:
         """Rank 0: broadcasts one message (its length, then its bytes); empty means stop."""
         self._plan_len[0] = len(data)
-        dist.broadcast(self._plan_len, src=0, group=self.control)
+        self.control.broadcast([self._plan_len], _broadcast_options()).wait()
         if data:
-            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.control)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.control.broadcast([payload], _broadcast_options()).wait()
 
     def recv_bytes(self) -> bytes:
         """Ranks 1..: the next message rank 0 sends (empty: stop)."""
-        dist.broadcast(self._plan_len, src=0, group=self.control)
+        self.control.broadcast([self._plan_len], _broadcast_options()).wait()
         n = int(self._plan_len[0])
         if n == 0:
             return b""
         buf = torch.empty(n, dtype=torch.uint8)
-        dist.broadcast(buf, src=0, group=self.control)
+        self.control.broadcast([buf], _broadcast_options()).wait()
         return buf.numpy().tobytes()

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -83,12 +82,6 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return dataclasses.replace(config, num_threads=threads)
 
 
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def _die_with_parent(parent: int) -> None:
     """Linux: the kernel kills this process when its parent (rank 0) dies, however it dies."""
     try:
@@ -102,7 +95,7 @@ def _die_with_parent(parent: int) -> None:
 
 def run_worker(
     rank: int,
-    address: str,
+    port: int,
     model_dir: Path,
     config: EngineConfig,
     max_step_tokens: int,
@@ -117,7 +110,8 @@ def run_worker(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(log_level)
     try:
-        group = TPGroup.init(rank, config.tp_size, address, resolve_device(config.device))
+        store = TPGroup.connect_store(port, config.tp_size)
+        group = TPGroup.join(rank, config.tp_size, store, resolve_device(config.device))
         runner = ModelRunner(model_dir, config, max_step_tokens, group)
         logger.info("tensor-parallel rank %d/%d ready", rank, config.tp_size)
         while data := group.recv_bytes():
@@ -125,7 +119,6 @@ def run_worker(
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)
-    group.close()
 
 
 class TensorParallelExecutor:
@@ -144,14 +137,14 @@ class TensorParallelExecutor:
             raise ValueError(
                 f"tp_size {config.tp_size} needs one GPU a rank; {torch.cuda.device_count()} are visible"
             )
-        address = _free_address()
+        self.store = TPGroup.open_store(config.tp_size)
         ctx = mp.get_context("spawn")
         self.workers = [
             ctx.Process(
                 target=run_worker,
                 args=(
                     rank,
-                    address,
+                    self.store.port,
                     model_dir,
                     rank_config(config, rank),
                     max_step_tokens,
@@ -170,9 +163,8 @@ class TensorParallelExecutor:
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="radixlm-tp-monitor", daemon=True).start()
         try:
-            self.group = TPGroup.init(
-                0, config.tp_size, address, resolve_device(rank_config(config, 0).device)
-            )
+            device = resolve_device(rank_config(config, 0).device)
+            self.group = TPGroup.join(0, config.tp_size, self.store, device)
             self.runner = ModelRunner(model_dir, rank_config(config, 0), max_step_tokens, self.group)
         except BaseException:
             self._closing = True
@@ -234,4 +226,3 @@ class TensorParallelExecutor:
             for worker in self.workers:
                 worker.join(STOP_TIMEOUT_S)
         self._kill_workers()
-        self.group.close()

@@ -6,6 +6,7 @@ with --tp-size 2 equal tp 1's on 20 of 20 prompts (slow)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,23 @@ def test_greedy_tokens_equal_and_cached_equals_uncached(engines: tuple) -> None:
     cached = two.generate(PROMPTS, sampling_params=GREEDY)
     assert all(out["meta_info"]["cached_tokens"] > 0 for out in cached)
     assert [out["output_ids"] for out in cached] == expect
+
+
+def test_constrained_tokens_equal(engines: tuple) -> None:
+    """A constraint's allowed-token bitmask travels in the plan to every rank."""
+    one, two = engines
+    params = {"regex": "(abc|the) [a-z]{3,6}", "max_new_tokens": 12, "temperature": 0}
+    outputs = [engine.generate(PROMPTS[:2], sampling_params=params) for engine in (one, two)]
+    assert [o["output_ids"] for o in outputs[1]] == [o["output_ids"] for o in outputs[0]]
+
+
+def test_mixture_of_experts_is_refused(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from family_models import build_family_dir
+
+    model_dir = build_family_dir(tmp_path / "mixtral", "mixtral")
+    with pytest.raises(ValueError, match="dense models only"):
+        rt.Engine(str(model_dir), dtype="float32", max_total_tokens=2048, log_level="warning", tp_size=2)
 
 
 DEFAULT_PROMPTS = [
