@@ -115,7 +115,10 @@ def run_worker(
         runner = ModelRunner(model_dir, config, max_step_tokens, group)
         logger.info("tensor-parallel rank %d/%d ready", rank, config.tp_size)
         while data := group.recv_bytes():
-            runner.run(decode_plan(data))
+            try:
+                runner.run(decode_plan(data))
+            except Exception:  # as on rank 0, whose scheduler aborts the step's requests and goes on
+                logger.exception("tensor-parallel rank %d: step failed", rank)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         sys.exit(1)
