@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from radixlm_runtime.distributed.shard import ShardLayout, TensorShard, split_heads
 from radixlm_runtime.layers.quantization import quantize_int4, quantize_int8
 from radixlm_runtime.models.config import ModelConfig
+from radixlm_runtime.models.loader import load_weights
 
 
 def _config(**overrides: object) -> ModelConfig:
@@ -95,3 +98,18 @@ def test_quantized_parts_equal_the_float_parts_quantized(bits: int) -> None:
     )
     with pytest.raises(ValueError, match="whole groups of 32"):
         TensorShard(1, (range(16, 48),)).take_quantized(full)
+
+
+def test_safetensors_read_as_the_ranks_parts(tiny_llama_dir: Path) -> None:
+    """load_weights with a rank's shards yields only its parts, equal to the full tensors' slices."""
+    config = ModelConfig.from_dir(tiny_llama_dir)
+    full = dict(load_weights(tiny_llama_dir))
+    layout = ShardLayout.of(config, 1, 2)
+    parts = dict(load_weights(tiny_llama_dir, layout.tensor_shard))
+    assert parts.keys() == full.keys()
+    q = full["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(parts["model.layers.0.self_attn.q_proj.weight"], q[32:])
+    down = full["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(parts["model.layers.1.mlp.down_proj.weight"], down[:, 64:])
+    assert torch.equal(parts["model.embed_tokens.weight"], full["model.embed_tokens.weight"][150:])
+    assert torch.equal(parts["model.norm.weight"], full["model.norm.weight"])
