@@ -106,7 +106,8 @@ def measure(model: BenchModel, tp: int, sizes: dict[str, int], batches: list[int
         vocab = engine.runner.info.vocab_size
         decoder = "C++ one call" if _runner(engine).model.cpu_decoder is not None else "Python"
         layers = _runner(engine).config.num_layers
-        engine.generate(input_ids=[[7] * 16] * 2, sampling_params={"max_new_tokens": 4})  # warm-up
+        # Warm-up: a prefill of the measured length, then a few decode steps.
+        engine.generate(input_ids=[[7] * prompt_tokens] * 2, sampling_params={"max_new_tokens": 4})
         timer = StepTimer(engine)
         # Prefill: distinct prompts (no radix hit), one token sampled, so each is one step.
         for i in range(sizes["prefills"]):
