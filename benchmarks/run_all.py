@@ -52,6 +52,7 @@ BENCHMARKS = [
     Bench("kv_tiers", "bench_kv_tiers.py", "KV tiers: multi-tenant prefixes beyond the KV pool"),
     Bench("kv_quant", "bench_kv_quant.py", "int8 KV cache: memory, few-shot accuracy, long-context decode"),
     Bench("router", "bench_router.py", "Data parallelism: two replicas behind the router, by policy"),
+    Bench("tp", "bench_tp.py", "Tensor parallelism on CPU: TP2 against TP1, and the communication's share"),
     Bench("invariance", "bench_invariance.py", "Batch and cache invariance, by default and --deterministic"),
     Bench("lmeval", "bench_lmeval.py", "lm-eval loglikelihood scoring against the server"),
     Bench("speculative", "bench_speculative.py", "Speculative decoding by prompt lookup"),

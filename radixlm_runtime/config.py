@@ -141,6 +141,18 @@ class EngineConfig:
         "Triton matmul; CPU: the float32 panel kernels, other CPU linears in fixed blocks of 16 rows). "
         "It costs throughput (see benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
     )
+    tp_size: int = flag(
+        1,
+        "Tensor parallelism: run the model on this many rank processes (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA, one GPU a rank), each holding 1/N of every layer. q/k/v and gate/up are split by "
+        "output features, o_proj and down_proj by input features (one all-reduce after each), the embedding "
+        "and lm_head by vocabulary rows. Query heads are split in whole KV-head groups, unevenly where the "
+        "KV heads do not divide (3 KV heads on 2 ranks: 2 groups and 1); with fewer KV heads than ranks "
+        "each KV head is replicated on N / kv_heads ranks, which split its group. Rank 0 runs the scheduler "
+        "and sends each step's plan to the others. On CPU each rank takes --num-threads (default: the "
+        "cores / N) threads, so 2 ranks on a 2-core machine are no faster than one (see "
+        "benchmarks/bench_tp.py). Dense models only (no MoE).",
+    )
     disable_cuda_graph: bool = flag(
         False,
         "On CUDA, run decode steps eagerly instead of replaying the CUDA graphs captured at start-up "
@@ -163,6 +175,8 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.kv_host_tokens < 0:
             raise ValueError(f"kv_host_tokens must be >= 0, got {self.kv_host_tokens}")
 

@@ -145,7 +145,7 @@ class StepResult:
 
 class Executor(Protocol):
     """What the scheduler calls: one forward step, plain data in and out. `launch` queues a step and
-    returns a handle for `collect`, which waits for its results; `run` does both."""
+    returns a handle for `collect`, which waits for its results; `run` does both; `close` ends it."""
 
     info: RunnerInfo
 
@@ -154,3 +154,6 @@ class Executor(Protocol):
     def launch(self, plan: StepPlan) -> Any: ...
 
     def collect(self, handle: Any) -> StepResult: ...
+
+    def close(self) -> None:
+        """Releases what the executor started (tensor-parallel ranks); the last call."""

@@ -130,6 +130,8 @@ class Engine:
         return {"model_path": str(self.model_dir), **self.scheduler.info()}
 
     def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
 

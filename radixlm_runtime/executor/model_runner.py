@@ -13,6 +13,7 @@ import torch
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.distributed.group import TPGroup
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_dtype_for, kv_pool_size
 from radixlm_runtime.executor.step_io import StepOutputs, build_batch
@@ -61,9 +62,12 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig, max_step_tokens: int) -> None:
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, max_step_tokens: int, tp: TPGroup | None = None
+    ) -> None:
         """max_step_tokens: the most tokens the scheduler puts in one step (its chunked-prefill
-        budget), which the memory left beside the KV pool must hold."""
+        budget), which the memory left beside the KV pool must hold. tp: this process's rank of a
+        tensor-parallel group (executor/tp.py); every rank runs the same plans through this code."""
         self.engine_config = config
         self.device = resolve_device(config.device)
         self.dtype, self.compute = resolve_dtype(config.dtype, self.device)
@@ -85,7 +89,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = build_model(
-            model_dir, self.config, config, self.device, self.dtype, self.context_len, self.compute
+            model_dir, self.config, config, self.device, self.dtype, self.context_len, self.compute, tp
         )
         logger.info(
             "loaded %s weights in %.2fs (%s, %s)",
@@ -98,8 +102,10 @@ class ModelRunner:
         self.sampler = Sampler(device=self.device)
         limits = StepLimits.of(config, max_step_tokens, self.context_len)
         self.max_total_tokens = kv_pool_size(
-            config, self.config, self.kv_dtype, self.device, limits, self.open_scratch
+            config, self.model.config, self.kv_dtype, self.device, limits, self.open_scratch
         )
+        if tp is not None:  # one pool size that every rank's memory holds
+            self.max_total_tokens = tp.min_int(self.max_total_tokens)
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
         self.req_to_token = ReqToTokenTable(
@@ -135,14 +141,14 @@ class ModelRunner:
         return kv_dtype_for(self.dtype, self.compute, self.device, self.engine_config.kv_cache_dtype)
 
     def _new_kv_pool(self, size: int) -> KVPool:
-        c = self.config
+        c = self.model.config  # this rank's KV heads under tensor parallelism
         return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
 
     def _new_host_pool(self, size: int) -> KVPool | None:
         """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""
         if size == 0:
             return None
-        c = self.config
+        c = self.model.config
         pool = KVPool(
             size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, "cpu", self.device.type == "cuda"
         )
@@ -274,6 +280,9 @@ class ModelRunner:
     def collect(self, outputs: StepOutputs) -> StepResult:
         """Waits for a launched step's results and returns them as plain data."""
         return outputs.read()
+
+    def close(self) -> None:
+        """Nothing to stop: the executor is this process (tensor parallelism's ranks: executor/tp.py)."""
 
     def _sampling_info(self, specs: list[SampleSpec]) -> SamplingBatchInfo:
         params = [s.params for s in specs]

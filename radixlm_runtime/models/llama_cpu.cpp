@@ -19,6 +19,8 @@
 //   (an int8 pool's per-token, per-head scales; 0: none), then four linears (qkv, o, gate_up, down) of 7
 //   values each: q (or float32 panels), scales, mins (0: none), n, group, bits, k;
 // and kAttentionFloats float32 values: 0 the attention's scale, 1 its logit soft-cap (0: none).
+// Under tensor parallelism each rank holds some heads and MLP columns, and `reduce` (null: one process)
+// sums the ranks' partial o_proj and down_proj outputs in `hidden` (tokens x hidden_size) after each.
 
 #include "../attention/cpu_attention.cpp"
 #include "../layers/fused_cpu.cpp"
@@ -78,7 +80,8 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
                 float* residual, int64_t tokens, const float* cos, const float* sin, const int64_t* loc,
                 const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
                 const int64_t* groups, int64_t num_groups, const int64_t* members, int kv_type,
-                int linear_mode, int fused_mode, int attention_mode, int threads) {
+                int linear_mode, int fused_mode, int attention_mode, int threads,
+                void (*reduce)(float*, int64_t)) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width, rope_stride = tokens * (head_dim / 2);
   static thread_local Buffers b;
@@ -115,6 +118,7 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
               table_stride, requests, num_reqs, groups, num_groups, members, a[0], f[9], a[1], attention_mode,
               threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
+    if (reduce) reduce(hidden, tokens * hidden_size);
     if (sandwich) {
       // The attention's output normed on its own (in place), then added into the stream by the
       // pre-feedforward norm.
@@ -129,6 +133,7 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
     run_linear(gate_up_w, x, tokens, b.gate_up.data(), linear_mode, threads);
     rf_gated_act(b.gate_up.data(), b.act.data(), tokens, inter, static_cast<int>(f[11]), fused_mode, threads);
     run_linear(down_w, b.act.data(), tokens, hidden, linear_mode, threads);
+    if (reduce) reduce(hidden, tokens * hidden_size);
     if (sandwich) {
       rf_rms_norm(hidden, hidden_size, nullptr, ptr<const float>(f[3]), hidden, tokens, hidden_size, eps,
                   fused_mode, threads);

@@ -10,7 +10,8 @@ C++ instead of Python takes the interpreter out of the step (a fifth of a single
 The outputs are bit-identical to the Python path's: the same kernels in the same order. Everything else
 (embeddings and their scale, final norm, lm_head, --deterministic's per-token attention) stays in
 Python. A model with an op the loop lacks is refused with the reason logged, and its layers run from
-Python.
+Python. Under tensor parallelism the loop calls back into Python after each o_proj and down_proj for
+the all-reduce of the ranks' partial sums (the linears' `collective`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ logger = get_logger(__name__)
 _SOURCE = Path(__file__).with_name("llama_cpu.cpp")
 # The MLP activations the C++ loop runs, as fused_cpu.cpp numbers them.
 _ACTIVATIONS = {SiluAndMul: fused_cpu.SILU, GeluAndMul: fused_cpu.GELU_TANH}
+# Tensor parallelism's sum over the ranks, called back from the loop after o_proj and down_proj.
+_REDUCE = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+_NO_REDUCE = ctypes.cast(None, _REDUCE)
 
 
 @functools.cache
@@ -68,7 +72,7 @@ def _library() -> ctypes.CDLL:
         i64,
         ptr,
     ]
-    lib.lc_forward.argtypes += [c_int] * 5
+    lib.lc_forward.argtypes += [c_int] * 5 + [_REDUCE]
     lib.lc_forward.restype = None
     return lib
 
@@ -104,6 +108,13 @@ def _unsupported(model: DecoderForCausalLM) -> str | None:
         linears = _linears(layer)
         if any(lin.kernel_weight is None or lin.row_block for lin in linears):
             return f"layer {i} has a linear off the CPU linear kernels"
+        reduce = model.layers[0].self_attn.o_proj.collective
+        if any(lin.collective != reduce for lin in linears[1::2]) or any(
+            lin.collective is not None for lin in linears[::2]
+        ):
+            return (
+                f"layer {i}'s linears sum their outputs over tensor-parallel ranks otherwise than the first's"
+            )
         if any(lin.bias is not None for lin in linears[1:]):
             return f"layer {i} has an o_proj or MLP bias"
         for norm in filter(None, _norm_slots(layer)):
@@ -163,6 +174,8 @@ class LlamaCpuDecoder:
         self.kv_type = kv_type(attn.kv_pool.k_buffers[0])
         self.fused_mode = fused_cpu.default_mode()
         self.compute = model.layers[0].self_attn.qkv_proj.compute
+        # Tensor parallelism: the in-place sum over the ranks of o_proj's and down_proj's outputs.
+        self.reduce = model.layers[0].self_attn.o_proj.collective
 
     @classmethod
     def build(cls, model: DecoderForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
@@ -199,6 +212,17 @@ class LlamaCpuDecoder:
         tokens = hidden.shape[0]
         layers, hidden_size, inter, q_heads, kv_heads, head_dim = self.shape
         table = self.attn.req_to_token
+        failed: list[BaseException] = []
+
+        def reduce(_data: object, _count: int) -> None:
+            # The loop's output is `hidden` itself; an error cannot cross the C++ frames, so it is
+            # raised once the call returns (the ranks' later collectives fail with it).
+            if not failed:
+                try:
+                    self.reduce(hidden)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    failed.append(e)
+
         _library().lc_forward(
             self.fields.data_ptr(),
             self.attention.data_ptr(),
@@ -223,5 +247,8 @@ class LlamaCpuDecoder:
             self.fused_mode,
             self.attn.mode,
             torch.get_num_threads(),
+            _NO_REDUCE if self.reduce is None else _REDUCE(reduce),
         )
+        if failed:
+            raise failed[0]
         return hidden, residual

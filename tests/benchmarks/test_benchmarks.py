@@ -100,6 +100,11 @@ def linear_cpu(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def tp(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_tp.py", out_dir, "tp")
+
+
+@pytest.fixture(scope="module")
 def jump_forward(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
@@ -222,6 +227,20 @@ def test_jump_forward(jump_forward: dict[str, Any]) -> None:
     assert off["jumps"] == off["jump_tokens"] == 0 < on["jumps"]
     assert on["decode_steps"] < off["decode_steps"] and on["sampled_tokens"] < off["sampled_tokens"]
     assert on["completion_tokens"] == on["sampled_tokens"] + on["jump_tokens"]
+
+
+def test_tp(tp: dict[str, Any]) -> None:
+    one, two = tp["results"]
+    assert (one["tp"], two["tp"]) == (1, 2) and tp["batches"] == [1, 2]
+    collectives = 2 * two["layers"] + 2  # after each attention and MLP block, the embedding, the logits
+    for r, per_step in ((one, 0), (two, collectives)):
+        phases = [r["prefill"], *r["decode"].values()]
+        assert r["prefill"]["steps"] == tp["sizes"]["prefills"]
+        assert [s["steps"] for s in r["decode"].values()] == [tp["sizes"]["steps"]] * 2
+        for s in phases:
+            assert s["collectives_per_step"] == per_step and s["step_ms"] > 0
+            assert (0 < s["comm_share"] < 1) if per_step else s["comm_ms"] == 0
+    assert one["decoder"] == two["decoder"] == "C++ one call"
 
 
 def test_host_overhead(host_overhead: dict[str, Any]) -> None:

@@ -14,7 +14,6 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_harness import child_pids  # noqa: E402
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
@@ -67,12 +66,3 @@ def kill_one_and_see_it_back(url: str, pid: int, log: Path) -> None:
         assert generate(url, f"back {i}").status_code == 200
     after = [r["routed"] for r in replicas(url)]
     assert all(a > b for a, b in zip(after, before)), (before, after)  # round robin reaches both
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        out += kids
-        todo += kids
-    return out

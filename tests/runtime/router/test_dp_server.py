@@ -11,14 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from dp_helpers import (
-    answer_both_apis,
-    descendants,
-    kill_one_and_see_it_back,
-    replicas,
-    wait_healthy,
-)
-from server_harness import child_pids, free_port, pid_alive
+from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas, wait_healthy
+from server_harness import child_pids, descendants, free_port, pid_alive
 
 from radixlm_runtime.router.replicas import replica_argv
 
