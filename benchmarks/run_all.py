@@ -50,6 +50,7 @@ BENCHMARKS = [
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("kv_tiers", "bench_kv_tiers.py", "KV tiers: multi-tenant prefixes beyond the KV pool"),
+    Bench("long_context", "bench_long_context.py", "Long context: follow-up turns on a reused document"),
     Bench("kv_quant", "bench_kv_quant.py", "int8 KV cache: memory, few-shot accuracy, long-context decode"),
     Bench("router", "bench_router.py", "Data parallelism: two replicas behind the router, by policy"),
     Bench("tp", "bench_tp.py", "Tensor parallelism on CPU: TP2 against TP1, and the communication's share"),

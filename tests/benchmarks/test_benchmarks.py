@@ -258,6 +258,20 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
     assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
 
 
+def test_long_context(out_dir: Path) -> None:
+    """Every turn of every conversation is measured on both radixlm servers; with the host tier the
+    follow-ups find the document in the cache, without it the pool (half the documents) has lost it."""
+    result = run_tiny("bench_long_context.py", out_dir, "long_context")
+    servers = result["servers"]
+    assert list(servers) == ["host_off", "host_on"]
+    assert result["pool_tokens"] < result["working_set_tokens"]
+    for turns in servers.values():
+        assert len(turns) == 3 and all(t["ttft_ms_mean"] > 0 for t in turns)
+        assert [t["prompt_tokens"] for t in turns] == [t["prompt_tokens"] for t in servers["host_off"]]
+    assert all(t["cached_share"] > 0.9 for t in servers["host_on"][1:])
+    assert all(t["cached_share"] < 0.5 for t in servers["host_off"][1:])
+
+
 def test_kv_tiers(out_dir: Path) -> None:
     """Every server gets every request; only those with a host tier load prefixes back from it, and
     the hit rates are shares of the prompt tokens."""
