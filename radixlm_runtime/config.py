@@ -395,10 +395,11 @@ class ServerConfig:
     ray_address: str | None = flag(
         None,
         "Place the --dp-size replicas on the Ray cluster at this address ('auto': the one `ray start` "
-        "runs on this machine) instead of on this machine: a placement group per replica, with "
-        "--num-threads CPUs (1 if unset), on one node. Each replica binds to its node's IP address and "
-        "the router here, on --host/--port, routes to them over HTTP; a replica whose process dies is "
-        "started again. Needs the ray extra: pip install 'radixlm[ray]'.",
+        "runs on this machine) instead of on this machine: a placement group per replica, with a "
+        "bundle of --num-threads CPUs (1 if unset) per --tp-size rank, packed on one node. Each replica "
+        "binds to its node's IP address and the router here, on --host/--port, routes to them over "
+        "HTTP; a replica whose process dies is started again. Needs the ray extra: "
+        "pip install 'radixlm[ray]'.",
     )
     disable_dashboard: bool = flag(
         False,

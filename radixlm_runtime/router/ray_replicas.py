@@ -64,9 +64,9 @@ class RayReplicas:
         self.groups: list[Any] = []
 
     def _bundles(self) -> list[dict[str, float]]:
-        """The CPUs a replica's kernels use."""
+        """One bundle per tensor-parallel rank of a replica, each the CPUs its kernels use."""
         cpus = float(self.args.engine.num_threads or 1)
-        return [{"CPU": cpus}]
+        return [{"CPU": cpus}] * self.args.engine.tp_size
 
     def start(self) -> list[str]:
         ray = self.ray
