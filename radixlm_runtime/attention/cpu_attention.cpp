@@ -3,8 +3,9 @@
 // KV store.
 //
 // Layout (radixlm_runtime/kvcache/pool.py, forward_batch.py):
-//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers of float32 or bf16 (KvType; --dtype
-//                 bfloat16 on CPU halves the pool's bytes per token); slot 0 is a zeroed dummy.
+//   k_buf, v_buf  one layer's [slots, Hkv, D] contiguous buffers of float32, bf16 or int8 (KvType; --dtype
+//                 bfloat16 on CPU halves the pool's bytes per token, --kv-cache-dtype int8 quarters them,
+//                 with k_scale, v_scale [slots, Hkv] float32 beside); slot 0 is a zeroed dummy.
 //   table         the request-to-token table, int64 [max_reqs, table_stride]: row `rows[r]`, columns
 //                 0 .. seq_lens[r] - 1 hold request r's KV slots, its new tokens' included (they are
 //                 stored before attention runs).
@@ -51,6 +52,18 @@
 // not to the bit. It is batch-invariant as they are: each lane one chain over D in order, on either
 // vector width, whatever else shares its item or however its request was chunked.
 //
+// An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
+// token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
+// symmetrically (quantize_head: scale max |x| / 127, codes rounded to nearest even, pool.py's
+// quantize_int8 to the bit). Attention reads the codes and factors the scales out of the dot products: a
+// score is k_scale x (q . codes), and P.V sums (p x v_scale) x codes, so a decode tile only converts codes
+// to float32 in its registers as it loads a row (load8), the rows-as-lanes kernels a block's rows of a
+// head into the scratch once for all the item's rows (head_rows), and the scales are one multiply per key
+// (scores) and per key and query row (weights): no dequantized copy of the pool is ever made, and a
+// decode streams a quarter of the bytes. Every path computes that formula (within float32 rounding of
+// attention over the dequantized K/V, codes x scales), each batch- and chunk-invariant as over a float32
+// pool. Queries stay float32.
+//
 // Per-layer features (transformers' semantics). A sliding window of W keys: token j at position p sees
 // keys p - W + 1 .. p, so an item's keys start at its first token's window (whole blocks before it are
 // never read) and only a chunk's later tokens, whose windows start further on, mask keys from below. A
@@ -64,6 +77,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -97,7 +111,9 @@ constexpr float kNegInf = -INFINITY;
 constexpr int64_t kLanes = 16;
 
 // The KV pool's element type (cpu_backend.py's KV_TYPES).
-enum KvType : int { kKvFloat32 = 0, kKvBf16 = 1 };
+enum KvType : int { kKvFloat32 = 0, kKvBf16 = 1, kKvInt8 = 2 };
+
+inline int64_t kv_bytes(int kv_type) { return kv_type == kKvFloat32 ? 4 : kv_type == kKvBf16 ? 2 : 1; }
 
 struct Problem {
   const float* q;
@@ -106,8 +122,13 @@ struct Problem {
   int64_t out_stride;
   const char* k_buf;
   const char* v_buf;
-  bool bf16;   // the pool holds bf16 (else float32)
-  bool pairs;  // bf16 pool on path 3: the rows-as-lanes scores by vdpbf16ps (see lanes_scores_pairs)
+  int kv_type;  // KvType
+  bool bf16;    // the pool holds bf16
+  bool int8;    // the pool holds int8 codes, scaled by k_scale / v_scale
+  bool pairs;   // bf16 pool on path 3: the rows-as-lanes scores by vdpbf16ps (see lanes_scores_pairs)
+  // An int8 pool's scales, [slots, Hkv] float32 each (null for the others).
+  const float* k_scale;
+  const float* v_scale;
   int64_t kv_heads;
   int64_t head_dim;
   int64_t group;
@@ -131,7 +152,11 @@ struct Problem {
   float* state_l;
   float* state_acc;
 
-  int64_t row_bytes() const { return kv_heads * head_dim * (bf16 ? 2 : 4); }
+  int64_t row_bytes() const { return kv_heads * head_dim * kv_bytes(kv_type); }
+  // An int8 pool's scale of kv head h at slot (scales: k_scale or v_scale); 1 for the others (unused).
+  float scale_at(const float* scales, int64_t slot, int64_t h) const {
+    return int8 ? scales[slot * kv_heads + h] : 1.0f;
+  }
   // A slot's row (every kv head) of k_buf or v_buf.
   const char* row(const char* buf, int64_t slot) const { return buf + slot * row_bytes(); }
 };
@@ -146,7 +171,8 @@ void grow(std::vector<T>& v, int64_t n) {
 // One thread's working set, kept across calls (grown, never shrunk) so decode steps do not allocate.
 struct Scratch {
   std::vector<float> q, s, acc, m, l, corr;
-  std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 pool
+  std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 or int8 pool
+  std::vector<float> ks, vs;  // an int8 pool's scales of a block's rows of one head
   std::vector<uint32_t> qpairs;  // path 3: the queries as bf16 pairs, [heads][D / 2][lanes]
   std::vector<const float*> kp, vp;
   std::vector<const uint16_t*> kb;  // path 3: a block's K rows of one head, bf16 in the pool
@@ -166,6 +192,8 @@ struct Scratch {
     grow(pos, rows);
     grow(qpairs, rows * heads * d / 2);
     grow(kf, kBlock * d);
+    grow(ks, kBlock);
+    grow(vs, kBlock);
     grow(vf, kBlock * d);
     grow(kp, kBlock);
     grow(vp, kBlock);
@@ -281,11 +309,12 @@ void store_outputs(const Problem& p, const Item& it, const Span& sp, int64_t h, 
 
 // ---------------------------------------------------------------- portable scalar path
 
-// A pool element as float32 (a bf16's widening is exact).
+// A pool element as float32: a bf16's widening is exact, as is an int8 code's (its scale applied apart).
 inline float kv_float(float x) { return x; }
 inline float kv_float(uint16_t x) { return simd::bf16_widen(x); }
+inline float kv_float(int8_t x) { return static_cast<float>(x); }
 
-// T: the pool's element type (float, or uint16_t for bf16).
+// T: the pool's element type (float, uint16_t for bf16, int8_t for int8 codes).
 template <typename T>
 void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group;
@@ -296,6 +325,7 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
   for (int64_t t = sp.from; t < sp.len; ++t) {
     const T* k = reinterpret_cast<const T*>(p.row(p.k_buf, sp.slots[t])) + h * d;
     const T* v = reinterpret_cast<const T*>(p.row(p.v_buf, sp.slots[t])) + h * d;
+    const float ks = p.scale_at(p.k_scale, sp.slots[t], h), vs = p.scale_at(p.v_scale, sp.slots[t], h);
     // Key t is visible to the tokens at or after it, rows from (t - first) * G on; under a window, to
     // those less than `window` positions after it, rows before (t - first + window) * G.
     const int64_t end = sp.window > 0 ? std::min(rows, (t - sp.first + sp.window) * g) : rows;
@@ -304,6 +334,7 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
       float* ai = acc + i * d;
       float s = 0.0f;
       for (int64_t e = 0; e < d; ++e) s += qi[e] * kv_float(k[e]);
+      s *= ks;  // exact where it is 1 (not int8)
       if (cap > 0.0f) s = cap * tanhf(s / cap);
       float weight = 1.0f;
       if (s > m[i]) {
@@ -315,7 +346,8 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
         weight = expf(s - m[i]);
       }
       l[i] += weight;
-      for (int64_t e = 0; e < d; ++e) ai[e] += weight * kv_float(v[e]);
+      const float scaled = weight * vs;
+      for (int64_t e = 0; e < d; ++e) ai[e] += scaled * kv_float(v[e]);
     }
   }
   store_outputs(p, it, sp, h, acc, m, l);
@@ -324,6 +356,7 @@ void head_scalar(const Problem& p, const Item& it, const Span& sp, int64_t h, Sc
 void item_scalar(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   for (int64_t h = it.h0; h < it.h1; ++h) {
     if (p.bf16) head_scalar<uint16_t>(p, it, sp, h, w);
+    else if (p.int8) head_scalar<int8_t>(p, it, sp, h, w);
     else head_scalar<float>(p, it, sp, h, w);
   }
 }
@@ -379,7 +412,8 @@ inline void block_rows(const Problem& p, const Item& it, const Span& sp, int64_t
   pf.start(p, sp.slots + b0 + kBlock, next, it.h0, it.h1 - it.h0);
 }
 
-// 8 elements of a KV row as float32: a float32 pool's loaded, a bf16 pool's widened in the register.
+// 8 elements of a KV row as float32 (kv_float's values): a float32 pool's loaded, a bf16 pool's widened in
+// the register, an int8 pool's codes converted (their scale applied apart).
 SIMD_AVX2 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
 
 SIMD_AVX2 inline __m256 load8(const uint16_t* x) {
@@ -387,35 +421,59 @@ SIMD_AVX2 inline __m256 load8(const uint16_t* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 
-// n bf16 values widened to float32 (exact); n a multiple of 8.
-SIMD_AVX2 inline void widen_bf16(const uint16_t* x, int64_t n, float* out) {
+SIMD_AVX2 inline __m256 load8(const int8_t* x) {
+  int64_t bytes;
+  memcpy(&bytes, x, 8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+}
+
+// n pool elements as float32 (load8's), n a multiple of 8.
+template <typename T>
+SIMD_AVX2 inline void widen_row(const T* x, int64_t n, float* out) {
   for (int64_t e = 0; e < n; e += 8) _mm256_storeu_ps(out + e, load8(x + e));
 }
 
-// Kv head h's K and V rows of a block (count rows, from block_rows) as the rows-as-lanes kernels read
-// them, w.kp[t] and w.vp[t] (D floats each): in place in a float32 pool; a bf16 pool's widened into the
-// scratch (exact), once per block and head for every query row of the item to read (the lanes kernels
-// broadcast single elements, which loads from a float row best). On path 3 (p.pairs) K stays bf16 in the
-// pool, w.kb[t] pointing at it.
+// x[0 .. n) *= scale[0 .. n), n a multiple of 8: an int8 pool's scales applied to a row of scores or
+// weights, one per key.
+SIMD_AVX2 inline void scale_by(float* x, const float* scale, int64_t n) {
+  for (int64_t t = 0; t < n; t += 8) {
+    _mm256_storeu_ps(x + t, _mm256_mul_ps(_mm256_loadu_ps(x + t), _mm256_loadu_ps(scale + t)));
+  }
+}
+
+// Kv head h's K and V rows of a block (count rows, from block_rows, at slots[0 .. count), 0 past the
+// block's keys) as the rows-as-lanes kernels read them, w.kp[t] and w.vp[t] (D floats each): in place in a
+// float32 pool; a bf16 pool's widened, an int8 pool's codes converted (exact, either), into the scratch,
+// once per block and head for every query row of the item to read (the lanes kernels broadcast single
+// elements, which loads from a float row best); an int8 pool's scales into w.ks / w.vs. On path 3
+// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it.
 SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char* const* krow,
-                         const char* const* vrow, Scratch& w) {
+                         const char* const* vrow, const int64_t* slots, int64_t keys, Scratch& w) {
   const int64_t d = p.head_dim;
   for (int64_t t = 0; t < count; ++t) {
-    if (!p.bf16) {
+    if (p.kv_type == kKvFloat32) {
       w.kp[t] = reinterpret_cast<const float*>(krow[t]) + h * d;
       w.vp[t] = reinterpret_cast<const float*>(vrow[t]) + h * d;
       continue;
     }
-    const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
     float *kf = w.kf.data() + t * d, *vf = w.vf.data() + t * d;
+    w.kp[t] = kf;
+    w.vp[t] = vf;
+    if (p.int8) {
+      const int64_t slot = t < keys ? slots[t] : 0;
+      widen_row(reinterpret_cast<const int8_t*>(krow[t]) + h * d, d, kf);
+      widen_row(reinterpret_cast<const int8_t*>(vrow[t]) + h * d, d, vf);
+      w.ks[t] = p.scale_at(p.k_scale, slot, h);
+      w.vs[t] = p.scale_at(p.v_scale, slot, h);
+      continue;
+    }
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
     if (p.pairs) {
       w.kb[t] = k;
     } else {
-      widen_bf16(k, d, kf);
-      w.kp[t] = kf;
+      widen_row(k, d, kf);
     }
-    widen_bf16(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
-    w.vp[t] = vf;
+    widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
   }
 }
 
@@ -441,11 +499,12 @@ SIMD_AVX2 inline __m256 lanes_below(int64_t count) {
 }
 
 // Scores of QT query rows (q, d floats apart) against KT keys at a time of kp[0 .. keys) (keys a
-// multiple of KT; rows of the pool's element type T) into s, a row per query row, kBlock apart. QT * KT
-// accumulators, so with 8 or more the FMA latency is hidden; the loops over them unroll fully, which
-// keeps the arrays in registers.
+// multiple of KT; rows of the pool's element type T, an int8 row's scores multiplied by its scale ks[t])
+// into s, a row per query row, kBlock apart. QT * KT accumulators, so with 8 or more the FMA latency is hidden; the loops
+// over them unroll fully, which keeps the arrays in registers.
 template <int QT, int KT, typename T>
-SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, int64_t keys, float* s, Prefetcher& pf) {
+SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, const float* ks, int64_t keys, float* s,
+                           Prefetcher& pf) {
   for (int64_t t = 0; t < keys; t += KT) {
     pf.step(kPrefetchStep);
     __m256 acc[QT][KT];
@@ -469,14 +528,17 @@ SIMD_AVX2 void scores_tile(const float* q, int64_t d, const T* const* kp, int64_
     for (int i = 0; i < QT; ++i) {
 #pragma GCC unroll 8
       for (int c = 0; c < KT; c += 4) {
-        _mm_storeu_ps(s + i * kBlock + t + c, hsum4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]));
+        __m128 sums = hsum4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]);
+        if constexpr (std::is_same_v<T, int8_t>) sums = _mm_mul_ps(sums, _mm_loadu_ps(ks + t + c));
+        _mm_storeu_ps(s + i * kBlock + t + c, sums);
       }
     }
   }
 }
 
-// acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart),
-// NV vectors of each row at a time: per key NV V loads feed QT * NV FMAs.
+// acc[i] += sum over keys t of p[i][t] * V[t] for QT query rows (acc rows d apart, p rows kBlock apart;
+// over an int8 pool the weights already carry V's scales), NV vectors of each row at a time: per key NV V
+// loads feed QT * NV FMAs.
 template <int QT, int NV, typename T>
 SIMD_AVX2 void pv_tile(const float* p, const T* const* vp, int64_t keys, float* acc, int64_t d, int64_t e0,
                        int64_t e1, Prefetcher& pf) {
@@ -561,8 +623,9 @@ SIMD_AVX2 void softmax_row(float* s, int64_t visible, int64_t padded, float cap,
 // token are one contiguous row) are read from memory once and serve every head while they are in cache.
 // Per head, query rows and their online-softmax state sit `rows` apart in the scratch arrays. No window
 // masks keys here: the row-major items are decode tokens, each alone, its keys starting at its window.
-// T: the pool's element type; a bf16 pool's K/V are widened in the registers as the tiles load them (a
-// decode token's few query rows would not repay widening them into the scratch first).
+// T: the pool's element type; a bf16 pool's K/V are widened, an int8 pool's codes converted, in the
+// registers as the tiles load them (a decode token's few query rows would not repay widening them into the
+// scratch first); an int8 pool's scales multiply the block's scores and, after the softmax, its weights.
 template <typename T, bool kCap>
 SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
@@ -571,6 +634,7 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
   float *q = w.q.data(), *s = w.s.data(), *acc_all = w.acc.data(), *m_all = w.m.data(), *l_all = w.l.data();
   const T* kp[kBlock];
   const T* vp[kBlock];
+  float ks[kBlock], vs[kBlock];  // an int8 pool's scales of the block's rows for head h (else unread)
   const char** krow = w.krow.data();
   const char** vrow = w.vrow.data();
   Prefetcher pf;
@@ -593,11 +657,16 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
       for (int64_t t = 0; t < padded; ++t) {
         kp[t] = reinterpret_cast<const T*>(krow[t]) + h * d;
         vp[t] = reinterpret_cast<const T*>(vrow[t]) + h * d;
+        if constexpr (std::is_same_v<T, int8_t>) {
+          const int64_t slot = t < keys ? sp.slots[b0 + t] : 0;
+          ks[t] = p.scale_at(p.k_scale, slot, h);
+          vs[t] = p.scale_at(p.v_scale, slot, h);
+        }
       }
       int64_t i = 0;
-      for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
-      if (rows - i == 2) scores_tile<2, 4>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
-      if (rows - i == 1) scores_tile<1, 8>(qh + i * d, d, kp, padded, s + i * kBlock, pf);
+      for (; i + 3 <= rows; i += 3) scores_tile<3, 4>(qh + i * d, d, kp, ks, padded, s + i * kBlock, pf);
+      if (rows - i == 2) scores_tile<2, 4>(qh + i * d, d, kp, ks, padded, s + i * kBlock, pf);
+      if (rows - i == 1) scores_tile<1, 8>(qh + i * d, d, kp, ks, padded, s + i * kBlock, pf);
       for (i = 0; i < rows; ++i) {
         const int64_t visible = std::min(keys, first + i / g + 1 - b0);
         if (visible > 0) {
@@ -605,6 +674,9 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
         } else {  // the block is past this token: it contributes nothing
           std::fill(s + i * kBlock, s + i * kBlock + padded, 0.0f);
         }
+      }
+      if constexpr (std::is_same_v<T, int8_t>) {
+        for (i = 0; i < rows; ++i) scale_by(s + i * kBlock, vs, padded);
       }
       for (i = 0; i + 4 <= rows; i += 4) pv_rows<4>(s + i * kBlock, vp, padded, acc + i * d, d, pf);
       switch (rows - i) {
@@ -771,24 +843,50 @@ int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int cpu_h
   return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, cpu_has_avx512_bf16 != 0, head_dim);
 }
 
+// One head's d floats x as int8 codes and their scale, as pool.py's quantize_int8 computes them: scale =
+// max |x| / 127, code = x / scale rounded to nearest even (nearbyintf in the default rounding mode), all
+// codes 0 where the head is all zeros.
+void quantize_head(const float* x, int64_t d, int8_t* codes, float* scale) {
+  float amax = 0.0f;
+  for (int64_t e = 0; e < d; ++e) amax = std::max(amax, fabsf(x[e]));
+  const float s = amax / 127.0f;
+  *scale = s;
+  for (int64_t e = 0; e < d; ++e) {
+    const float c = s > 0.0f ? nearbyintf(x[e] / s) : 0.0f;
+    codes[e] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, c)));
+  }
+}
+
 // Copies row i of k and of v (Hkv * D contiguous floats each, `*_stride` floats apart) to slot loc[i]
-// of k_buf / v_buf (kv_type: KvType), a bf16 pool's rounded to nearest even: the new tokens' KV store.
+// of k_buf / v_buf (kv_type: KvType): a bf16 pool's rounded to nearest even, an int8 pool's quantized per
+// head (quantize_head) with the scales into k_scale / v_scale ([slots, Hkv]; unused otherwise): the new
+// tokens' KV store.
 void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* loc,
-                 int64_t n, int64_t row_floats, void* k_buf, void* v_buf, int kv_type, int threads) {
+                 int64_t n, int64_t kv_heads, int64_t head_dim, void* k_buf, void* v_buf, float* k_scale,
+                 float* v_scale, int kv_type, int threads) {
+  const int64_t row_floats = kv_heads * head_dim;
   const int nt = n * row_floats >= kAttentionParallelMin ? threads : 1;
-  const int64_t row_bytes = row_floats * (kv_type == kKvBf16 ? 2 : 4);
+  const int64_t row_bytes = row_floats * kv_bytes(kv_type);
   char *kb = static_cast<char*>(k_buf), *vb = static_cast<char*>(v_buf);
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
   for (int64_t i = 0; i < n; ++i) {
     char *kd = kb + loc[i] * row_bytes, *vd = vb + loc[i] * row_bytes;
+    const float *ks = k + i * k_stride, *vs = v + i * v_stride;
     if (kv_type == kKvFloat32) {
-      memcpy(kd, k + i * k_stride, row_bytes);
-      memcpy(vd, v + i * v_stride, row_bytes);
-      continue;
+      memcpy(kd, ks, row_bytes);
+      memcpy(vd, vs, row_bytes);
+    } else if (kv_type == kKvBf16) {
+      uint16_t *kh = reinterpret_cast<uint16_t*>(kd), *vh = reinterpret_cast<uint16_t*>(vd);
+      for (int64_t e = 0; e < row_floats; ++e) kh[e] = simd::bf16_round(ks[e]);
+      for (int64_t e = 0; e < row_floats; ++e) vh[e] = simd::bf16_round(vs[e]);
+    } else {
+      int8_t *kq = reinterpret_cast<int8_t*>(kd), *vq = reinterpret_cast<int8_t*>(vd);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = h * head_dim;
+        quantize_head(ks + at, head_dim, kq + at, k_scale + loc[i] * kv_heads + h);
+        quantize_head(vs + at, head_dim, vq + at, v_scale + loc[i] * kv_heads + h);
+      }
     }
-    uint16_t *kh = reinterpret_cast<uint16_t*>(kd), *vh = reinterpret_cast<uint16_t*>(vd);
-    for (int64_t e = 0; e < row_floats; ++e) kh[e] = simd::bf16_round(k[i * k_stride + e]);
-    for (int64_t e = 0; e < row_floats; ++e) vh[e] = simd::bf16_round(v[i * v_stride + e]);
   }
 }
 
@@ -798,11 +896,12 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 // `members`, member counts, shared prefix lengths) lists decoding requests (one new token each) whose KV
 // starts with the same prefix slots: that prefix is attended once for all members (0 groups: none).
 // window: the layer's sliding window in keys, softcap its logit soft-cap (0: none, either).
-// k_buf, v_buf: of kv_type (KvType). mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on
+// k_buf, v_buf: of kv_type (KvType); k_scale, v_scale: an int8 pool's scales ([slots, Hkv] float32; null
+// for the others). mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on
 // AVX2), 3 = 2 with, over a bf16 pool, prefill chunks' scores by vdpbf16ps (AVX512-BF16), where
 // select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const void* k_buf,
-               const void* v_buf, int kv_type, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+               const void* v_buf, const float* k_scale, const float* v_scale, int kv_type, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
                const int64_t* groups, int64_t num_groups, const int64_t* members, float scale, int64_t window,
                float softcap, int mode, int threads) {
@@ -828,7 +927,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   }
   const bool bf16 = kv_type == kKvBf16;
   const Problem p{q, q_stride, out, out_stride, static_cast<const char*>(k_buf), static_cast<const char*>(v_buf),
-                  bf16, bf16 && path == 3, num_kv_heads, head_dim, group, table, table_stride, requests,
+                  kv_type, bf16, kv_type == kKvInt8, bf16 && path == 3, k_scale, v_scale, num_kv_heads, head_dim, group, table, table_stride, requests,
                   requests + num_reqs, requests + 2 * num_reqs, requests + 3 * num_reqs, scale, window, softcap,
                   groups, num_groups, members, prefix_of.data(), state_m.data(), state_l.data(), state_acc.data()};
   // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
@@ -885,6 +984,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
           lanes8::item_lanes<kWindow, kCap>(p, it, sp, w);
         } else if (path >= 1) {
           if (p.bf16) item_avx2<uint16_t, kCap>(p, it, sp, w);
+          else if (p.int8) item_avx2<int8_t, kCap>(p, it, sp, w);
           else item_avx2<float, kCap>(p, it, sp, w);
         } else {
           item_scalar(p, it, sp, w);

@@ -138,6 +138,15 @@ LANES_TARGET void lanes_pv(const float* pt, int64_t lanes, const float* const* v
   }
 }
 
+// Rows t of x (keys; rows `lanes` floats apart, a multiple of kLanes) times scale[t], t < rows: an int8
+// pool's scales on a block's scores (K's) or weights (V's).
+LANES_TARGET inline void scale_rows(float* x, int64_t lanes, const float* scale, int64_t rows) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const typename V::Reg s = V::set1(scale[t]);
+    for (int64_t i = 0; i < lanes; i += V::kLanes) V::store(x + t * lanes + i, V::mul(V::load(x + t * lanes + i), s));
+  }
+}
+
 // Runs f(NP, c0) over the panels in tiles of up to kTilePanels.
 template <typename F>
 void for_panel_tiles(int64_t panels, F&& f) {
@@ -236,7 +245,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
-      head_rows(p, h, padded, krow, vrow, w);
+      head_rows(p, h, padded, krow, vrow, sp.slots + b0, keys, w);
       if (p.pairs) {
         const uint32_t* qp = w.qpairs.data() + hi * (d / 2) * lanes;
         for_panel_tiles(panels, [&](auto np, int64_t c0) {
@@ -247,11 +256,13 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
           lanes_scores<decltype(np)::value>(q + c0 * kl, lanes, w.kp.data(), d, padded, st + c0 * kl, pf);
         });
       }
+      if (p.int8) scale_rows(st, lanes, w.ks.data(), padded);
       for (int64_t c = 0; c < panels; ++c) {
         const int64_t o = hi * lanes + c * kl;
         lanes_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, pos + c * kl, sp.window, p.softcap,
                                      m + o, l + o, corr + c * kl);
       }
+      if (p.int8) scale_rows(st, lanes, w.vs.data(), padded);
       for_panel_tiles(panels, [&](auto np, int64_t c0) {
         lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);
       });

@@ -1,7 +1,11 @@
 """Attention for float32 on the CPU in C++ (cpu_attention.cpp, built by kernels/native.py), over a KV pool
-of float32 or (--dtype bfloat16) bf16: K/V rounded to bf16 as they are stored and widened back as they
-are read, the scores then dot products of bf16 operands (the queries rounded too) accumulated in float32,
-by vdpbf16ps on prefill chunks where the CPU has AVX512-BF16; softmax and P.V in float32.
+of float32, (--dtype bfloat16) bf16 or (--kv-cache-dtype int8) int8. bf16: K/V rounded to bf16 as they
+are stored and widened back as they are read, the scores then dot products of bf16 operands (the queries
+rounded too) accumulated in float32, by vdpbf16ps on prefill chunks where the CPU has AVX512-BF16. int8:
+K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
+float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
+scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
+attention over the dequantized values. Softmax and P.V in float32.
 
 Per layer the torch backend spends much of a step outside arithmetic: index_put of the new K/V,
 index_select gathers of every request's K/V, then torch's flash kernel, which with a cached prefix
@@ -34,7 +38,7 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
 SCALAR, AVX2, AVX512, AVX512_BF16 = 0, 1, 2, 3
 # The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 @functools.cache
@@ -47,11 +51,11 @@ def _library() -> ctypes.CDLL:
     lib.ca_has_avx512_bf16.restype = c_int
     lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
-    lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, c_int, c_int]
+    lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
     lib.ca_store_kv.restype = None
-    # q, its stride, out, its stride, k_buf, v_buf, their KV type, Hq, Hkv, D, table, its stride, requests,
-    # B, groups, their count, members, scale, window, softcap, mode, threads
-    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, c_int, i64, i64, i64, ptr, i64, ptr, i64]
+    # q, its stride, out, its stride, k_buf, v_buf, their scales, their KV type, Hq, Hkv, D, table, its
+    # stride, requests, B, groups, their count, members, scale, window, softcap, mode, threads
+    lib.ca_decode.argtypes = [ptr, i64, ptr, i64, *[ptr] * 4, c_int, *[i64] * 3, ptr, i64, ptr, i64]
     lib.ca_decode.argtypes += [ptr, i64, ptr, f32, i64, f32, c_int, c_int]
     lib.ca_decode.restype = None
     return lib
@@ -85,16 +89,26 @@ def kv_type(buf: torch.Tensor) -> int:
     """The kernels' number for a KV buffer's dtype; a ValueError for one they do not read."""
     if buf.dtype not in KV_TYPES or buf.device.type != "cpu":
         raise ValueError(
-            f"the C++ CPU attention reads float32 or bfloat16 KV on the CPU, got {buf.dtype} on {buf.device}"
+            f"the C++ CPU attention reads float32, bfloat16 or int8 KV on the CPU, got {buf.dtype} on "
+            f"{buf.device}"
         )
     return KV_TYPES[buf.dtype]
 
 
-def store_kv(
-    k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> None:
-    """k_buf[loc] = k and v_buf[loc] = v (what KVPool.set_kv does, a bf16 pool's rounded to nearest even
-    as .to(torch.bfloat16) rounds) as one row write per token."""
+def layer_pointers(pool: KVPool, layer_id: int) -> tuple[int, int, int, int]:
+    """One layer's K, V, K-scale and V-scale addresses as the kernels take them (scales 0: not int8)."""
+    k_scale, v_scale = (pool.k_scales[layer_id], pool.v_scales[layer_id]) if pool.quantized else (None, None)
+    return (
+        pool.k_buffers[layer_id].data_ptr(),
+        pool.v_buffers[layer_id].data_ptr(),
+        0 if k_scale is None else k_scale.data_ptr(),
+        0 if v_scale is None else v_scale.data_ptr(),
+    )
+
+
+def store_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """What KVPool.set_kv does (a bf16 pool's K/V rounded to nearest even as .to(torch.bfloat16) rounds,
+    an int8 pool's quantized as quantize_int8 quantizes) as one row write per token."""
     k, v = _rows(k), _rows(v)
     _library().ca_store_kv(
         k.data_ptr(),
@@ -103,10 +117,10 @@ def store_kv(
         v.stride(0),
         loc.data_ptr(),
         loc.shape[0],
-        k.shape[1] * k.shape[2],
-        k_buf.data_ptr(),
-        v_buf.data_ptr(),
-        kv_type(k_buf),
+        k.shape[1],
+        k.shape[2],
+        *layer_pointers(pool, layer_id),
+        kv_type(pool.k_buffers[layer_id]),
         torch.get_num_threads(),
     )
 
@@ -158,8 +172,8 @@ def prefix_groups(
 def decode_attention(
     q: torch.Tensor,
     out: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
+    pool: KVPool,
+    layer_id: int,
     req_to_token: torch.Tensor,
     step: StepRequests,
     scale: float,
@@ -168,7 +182,7 @@ def decode_attention(
     softcap: float = 0.0,
 ) -> None:
     """Writes the rows of out [T, Hq, D] that `step`'s requests own: each new token's causal attention
-    over its request's KV in k_buf / v_buf [slots, Hkv, D] (float32 or bfloat16), read through its
+    over its request's KV in the pool's layer `layer_id` (float32, bfloat16 or int8), read through its
     req_to_token row; with a sliding window of `window` keys and scores soft-capped at `softcap` where
     they are not 0."""
     q = _rows(q)
@@ -179,11 +193,10 @@ def decode_attention(
         q.stride(0),
         out.data_ptr(),
         out.stride(0),
-        k_buf.data_ptr(),
-        v_buf.data_ptr(),
-        kv_type(k_buf),
+        *layer_pointers(pool, layer_id),
+        kv_type(pool.k_buffers[layer_id]),
         q.shape[1],
-        k_buf.shape[1],
+        pool.num_kv_heads,
         q.shape[2],
         req_to_token.data_ptr(),
         req_to_token.stride(0),
@@ -197,7 +210,7 @@ def decode_attention(
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Float32 or bfloat16 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has
+    """Float32, bfloat16 or int8 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has
     (tests)."""
 
     supports_per_token = True
@@ -213,7 +226,7 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> None:
         if kv_pool.dtype not in KV_TYPES or kv_pool.device.type != "cpu":
             raise ValueError(
-                f"the cpu attention backend needs a float32 or bfloat16 KV pool on the CPU, got "
+                f"the cpu attention backend needs a float32, bfloat16 or int8 KV pool on the CPU, got "
                 f"{kv_pool.dtype} on {kv_pool.device}; use attention_backend='torch'"
             )
         super().__init__(kv_pool, req_to_token_table, layers)
@@ -248,19 +261,17 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        pool = self.kv_pool
-        store_kv(pool.k_buffers[layer_id], pool.v_buffers[layer_id], batch.out_cache_loc, k, v)
+        store_kv(self.kv_pool, layer_id, batch.out_cache_loc, k, v)
         return self.attend(q, layer_id, batch)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
-        k_buf, v_buf = self.kv_pool.k_buffers[layer_id], self.kv_pool.v_buffers[layer_id]
         layer = self.layers[layer_id]
         decode_attention(
             q,
             out,
-            k_buf,
-            v_buf,
+            self.kv_pool,
+            layer_id,
             self.req_to_token,
             batch.attn_metadata,
             layer.scale,

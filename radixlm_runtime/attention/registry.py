@@ -34,7 +34,7 @@ def _backend_class(name: str) -> type[AttentionBackend]:
 def _candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
     if device.type == "cuda":
         return ["triton", "torch"]
-    return ["cpu", "torch"] if dtype in (torch.float32, torch.bfloat16) else ["torch"]
+    return ["cpu", "torch"] if dtype in (torch.float32, torch.bfloat16, torch.int8) else ["torch"]
 
 
 def create_attention_backend(

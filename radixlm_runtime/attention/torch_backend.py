@@ -13,8 +13,9 @@ Layers with a sliding window or a logit soft-cap run a plain per-request path in
 (`_attend_general`): scores in float32, soft-capped, masked to each token's window. It is the
 reference every faster backend's windowed and soft-capped kernels are tested against.
 
-K/V are read in the queries' dtype: a bf16 pool on the CPU (--dtype bfloat16, float32 activations) is
-widened, exactly, as its rows are gathered.
+K/V are read in the queries' dtype through KVPool.read_kv: a bf16 pool on the CPU (--dtype bfloat16,
+float32 activations) is widened, exactly, an int8 pool (--kv-cache-dtype int8) dequantized and an fp8
+one widened, as the rows a call needs are gathered (never a converted copy of the pool).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
+from radixlm_runtime.kvcache.pool import QUANTIZED_KV_DTYPES, KVPool
 
 # Shorter shared prefixes are cheaper to gather per request than to handle as a group.
 MIN_SHARED_PREFIX = 32
@@ -33,6 +35,17 @@ MIN_SHARED_PREFIX = 32
 # than one attention call per request. Blocks are padded to the longest in their call, so single
 # tokens and multi-token blocks run as two calls: a decode must not pay for a neighbour's jump.
 MAX_BATCHED_EXTEND = 16
+
+
+@dataclass(frozen=True)
+class _LayerKV:
+    """One layer of the pool, read by the rows a call needs."""
+
+    pool: KVPool
+    layer_id: int
+
+    def read(self, slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.read_kv(self.layer_id, slots, dtype)
 
 
 @dataclass
@@ -157,7 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
         first_new = torch.tensor([len(blk.slots) - blk.length - p for blk, p in zip(blocks, prefix_lens)])
         visible = first_new[:, None] + torch.minimum(torch.arange(1, num_rows + 1)[None], lengths[:, None])
         keys = torch.arange(suffix_len)[None, None, :]
-        suffix_mask = torch.zeros(len(blocks), num_rows, suffix_len, dtype=self.kv_pool.dtype)
+        mask_dtype = torch.float32 if self.kv_pool.dtype in QUANTIZED_KV_DTYPES else self.kv_pool.dtype
+        suffix_mask = torch.zeros(len(blocks), num_rows, suffix_len, dtype=mask_dtype)
         suffix_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))
         all_rows = len(valid) == len(rows)
         in_order = all_rows and len(rows) == batch.num_tokens and rows == list(range(len(rows)))
@@ -177,17 +191,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta: _TorchMeta = batch.attn_metadata
-        k_buf = self.kv_pool.k_buffers[layer_id]
-        v_buf = self.kv_pool.v_buffers[layer_id]
+        kv = _LayerKV(self.kv_pool, layer_id)
         layer = self.layers[layer_id]
         if layer.sliding_window is not None or layer.logit_softcap is not None:
-            return self._attend_general(q, layer, batch, k_buf, v_buf)
+            return self._attend_general(q, layer, batch, kv)
         out = torch.empty_like(q)
         for item in meta.extends:
-            out[item.start : item.start + item.length] = self._extend(q, item, k_buf, v_buf, layer.scale)
+            out[item.start : item.start + item.length] = self._extend(q, item, kv, layer.scale)
         for d in meta.decode:
             qd = q if d.token_rows is None else q.index_select(0, d.token_rows)
-            od = self._decode(qd, d, k_buf, v_buf, layer.scale)  # [Bd * N, Hq, D]
+            od = self._decode(qd, d, kv, layer.scale)  # [Bd * N, Hq, D]
             if d.token_rows is None:
                 return od
             if d.valid is not None:
@@ -200,8 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,
         layer: AttentionLayer,
         batch: ForwardBatch,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        kv: _LayerKV,
     ) -> torch.Tensor:
         """Each request's new tokens against the keys of their windows, one request at a time."""
         meta: _TorchMeta = batch.attn_metadata
@@ -214,13 +226,13 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             ]
         out = torch.empty_like(q)
-        group = q.shape[1] // k_buf.shape[1]
+        group = q.shape[1] // self.kv_pool.num_kv_heads
         window = layer.sliding_window
         for start, n, seq, slots in meta.general:
             first = seq - n  # position of the first new token
             lo = 0 if window is None else max(0, first - window + 1)
-            k = k_buf.index_select(0, slots[lo:seq]).float().repeat_interleave(group, dim=1)
-            v = v_buf.index_select(0, slots[lo:seq]).float().repeat_interleave(group, dim=1)
+            k, v = kv.read(slots[lo:seq], torch.float32)
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             qi = q[start : start + n].float()
             scores = torch.einsum("qhd,khd->hqk", qi, k).mul_(layer.scale)
             if layer.logit_softcap is not None:
@@ -236,28 +248,24 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _extend(
-        q: torch.Tensor, item: _ExtendItem, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def _extend(q: torch.Tensor, item: _ExtendItem, kv: _LayerKV, scale: float) -> torch.Tensor:
         # 4-D inputs: torch's CPU flash-attention kernel only takes [B, H, L, D]; 3-D inputs fall
         # back to the unfused math path, which is 4-5x slower.
         qi = q[item.start : item.start + item.length].transpose(0, 1)[None]  # [1, Hq, n, D]
-        k = k_buf.index_select(0, item.kv_slots).to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, L, D]
-        v = v_buf.index_select(0, item.kv_slots).to(q.dtype).transpose(0, 1)[None]
+        k, v = kv.read(item.kv_slots, q.dtype)
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
         causal = item.mask is None
         o = F.scaled_dot_product_attention(
             qi, k, v, attn_mask=item.mask, is_causal=causal, scale=scale, enable_gqa=True
         )
         return o[0].transpose(0, 1)
 
-    def _decode(
-        self, q: torch.Tensor, meta: _DecodeMeta, k_buf: torch.Tensor, v_buf: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, meta: _DecodeMeta, kv: _LayerKV, scale: float) -> torch.Tensor:
         """Each request's query rows are its N tokens x the G q heads of each kv head, so torch's
         CPU flash kernel runs them without expanding K/V to q heads; its log-sum-exp output lets the
         shared-prefix part be merged in afterwards. q is [Bd * N, Hq, D], and so is the result."""
         rows, num_q_heads, head_dim = q.shape
-        num_kv_heads = k_buf.shape[1]
+        num_kv_heads = self.kv_pool.num_kv_heads
         n = meta.num_rows
         bsz, suffix = meta.suffix_slots.shape
         qg = (
@@ -268,11 +276,12 @@ class TorchAttentionBackend(AttentionBackend):
         group = num_q_heads // num_kv_heads
         mask = meta.row_mask(group, q.dtype)
         flat = meta.suffix_slots.view(-1)
-        k = k_buf.index_select(0, flat).to(q.dtype).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_buf.index_select(0, flat).to(q.dtype).view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
+        k, v = kv.read(flat, q.dtype)
+        k = k.view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(bsz, suffix, num_kv_heads, head_dim).transpose(1, 2)
         out, lse = _flash(qg, k, v, mask, scale)  # [Bd, Hkv, N * G, D], [Bd, Hkv, N * G]
         for g in meta.groups:
-            self._merge_shared_prefix(qg, out, lse, g, k_buf, v_buf, scale)
+            self._merge_shared_prefix(qg, out, lse, g, kv, scale)
         return (
             out.view(bsz, num_kv_heads, n, group, head_dim)
             .transpose(1, 2)
@@ -285,8 +294,7 @@ class TorchAttentionBackend(AttentionBackend):
         out: torch.Tensor,
         lse: torch.Tensor,
         group: _PrefixGroup,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        kv: _LayerKV,
         scale: float,
     ) -> None:
         """Attends all the group's queries to their shared prefix at once (its K/V gathered once,
@@ -296,12 +304,8 @@ class TorchAttentionBackend(AttentionBackend):
         qm = qg if m is None else qg.index_select(0, m)
         n = qm.shape[0]
         qm = qm.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-        if group.slot_range is not None:
-            start, end = group.slot_range
-            kp, vp = k_buf[start:end], v_buf[start:end]
-        else:
-            kp, vp = k_buf.index_select(0, group.slots), v_buf.index_select(0, group.slots)
-        kp, vp = kp.to(qg.dtype), vp.to(qg.dtype)
+        slots = group.slots if group.slot_range is None else slice(*group.slot_range)
+        kp, vp = kv.read(slots, qg.dtype)
         p_out, p_lse = _flash(qm, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)
         p_out = p_out.view(num_kv_heads, n, g, head_dim).transpose(0, 1)
         p_lse = p_lse.view(num_kv_heads, n, g).transpose(0, 1)

@@ -1,7 +1,8 @@
 """Attention through the Triton kernels (the default on CUDA). An all-decode step uses the split-K
 decode kernel; any step with a prefill chunk runs every request, decodes included, through the
 extend kernel, which treats a decode as a one-token extend. Both kernels serve each layer's sliding
-window and logit soft-cap, passed per call as compile-time switches plus runtime scalars."""
+window and logit soft-cap, passed per call as compile-time switches plus runtime scalars, and read a
+quantized pool (--kv-cache-dtype int8 with its scales, or fp8_e4m3) directly."""
 
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         meta: _TritonMeta = batch.attn_metadata
-        k_buf = self.kv_pool.k_buffers[layer_id]
-        v_buf = self.kv_pool.v_buffers[layer_id]
+        pool = self.kv_pool
+        k_buf, v_buf = pool.k_buffers[layer_id], pool.v_buffers[layer_id]
+        # An int8 pool's scales, read beside its codes by the kernels.
+        scales = (
+            {"k_scale": pool.k_scales[layer_id], "v_scale": pool.v_scales[layer_id]} if pool.quantized else {}
+        )
         layer = self.layers[layer_id]
         out = torch.empty_like(q)
         if meta.all_decode:
@@ -63,6 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
                 num_kv_splits=DECODE_KV_SPLITS,
                 sliding_window=layer.sliding_window,
                 logit_softcap=layer.logit_softcap,
+                **scales,
             )
         else:
             extend_attention_fwd(
@@ -79,5 +85,6 @@ class TritonAttentionBackend(AttentionBackend):
                 layer.scale,
                 sliding_window=layer.sliding_window,
                 logit_softcap=layer.logit_softcap,
+                **scales,
             )
         return out

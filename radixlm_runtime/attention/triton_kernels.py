@@ -4,6 +4,11 @@ Both kernels gather keys/values through ``req_to_token`` (one KV slot id per tok
 requests with a shared radix-cache prefix never have their K/V copied into a contiguous buffer.
 Softmax is computed online in fp32 whatever the storage dtype; results are cast to ``o.dtype``.
 
+Quantized pools (--kv-cache-dtype) are read directly: an int8 pool's codes are loaded with their
+per-(slot, kv head) float32 scales (``k_scale`` / ``v_scale``, [slots, Hkv]) and dequantized per KV
+block in registers (code x scale in fp32, then the queries' dtype for tl.dot); a float8_e4m3fn pool's
+values are cast the same way, without a scale. No dequantized copy of the pool is made.
+
 Per-layer features are constexpr switches (a plain layer compiles to the same code as without them)
 with their values as runtime scalars: a sliding window W (a query at position p sees keys
 p - W < j <= p; KV blocks wholly before a block's window are never read) and a logit soft-cap
@@ -17,6 +22,7 @@ import triton
 import triton.language as tl
 
 from radixlm_runtime.kernels.triton_dot import dot_dtype
+from radixlm_runtime.kvcache.pool import QUANTIZED_KV_DTYPES
 
 # Finite stand-in for -inf as the running max: keeps ``exp(m_old - m_new)`` at 0 instead of NaN
 # for rows that have not seen an unmasked key yet (padding rows, padding heads).
@@ -31,6 +37,27 @@ def _block_d(head_dim: int) -> int:
     if head_dim > 256:
         raise ValueError(f"head_dim {head_dim} > 256 is not supported")
     return max(_MIN_DOT, triton.next_power_of_2(head_dim))
+
+
+def _kv_args(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kernel: object,
+) -> dict[str, object]:
+    """The pool's scale tensors (an int8 pool's; k_buffer stands in where there are none, never read)
+    and the tl.dot dtype: the pool's, or the queries' for a quantized pool."""
+    if (k_buffer.dtype == torch.int8) != (k_scale is not None and v_scale is not None):
+        raise ValueError("an int8 KV pool is read with its k_scale and v_scale, and only an int8 pool")
+    quantized = k_buffer.dtype in QUANTIZED_KV_DTYPES
+    return {
+        "K_Scale": k_buffer if k_scale is None else k_scale,
+        "V_Scale": k_buffer if v_scale is None else v_scale,
+        "stride_scale": 0 if k_scale is None else k_scale.stride(0),
+        "KV_SCALED": k_scale is not None,
+        "DOT_DTYPE": dot_dtype(q.dtype if quantized else k_buffer.dtype, kernel),
+    }
 
 
 def _layer_args(sliding_window: int | None, logit_softcap: float | None) -> dict[str, object]:
@@ -68,24 +95,33 @@ def _attend_kv_block(
     req_row,
     K_Buffer,
     V_Buffer,
+    K_Scale,
+    V_Scale,
     kv_head,
     stride_kbs,
     stride_kh,
     stride_vbs,
     stride_vh,
+    stride_scale,
     offs_d,
     mask_d,
     sm_scale,
     softcap,
     HAS_SOFTCAP: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """One online-softmax step of both kernels: the query rows ``q`` against the keys at positions
     ``kv_pos`` (``mask_n``: the ones in range, read; ``visible``: the ones each row sees). Returns
-    the updated (acc, m_i, l_i); rows that have seen no visible key yet keep m_i at _NEG_LARGE."""
+    the updated (acc, m_i, l_i); rows that have seen no visible key yet keep m_i at _NEG_LARGE.
+    KV_SCALED: the block's int8 codes times their slots' scales, in fp32, before the cast."""
     slots = tl.load(Req_to_token + req_row + kv_pos, mask=mask_n, other=0)
     k_ptrs = K_Buffer + slots[None, :] * stride_kbs + kv_head * stride_kh + offs_d[:, None]
-    k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(DOT_DTYPE)
+    k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+    if KV_SCALED:
+        k_scale = tl.load(K_Scale + slots * stride_scale + kv_head, mask=mask_n, other=0.0)
+        k = k.to(tl.float32) * k_scale[None, :]
+    k = k.to(DOT_DTYPE)
     # "ieee" only changes fp32 inputs (no TF32 truncation); fp16/bf16 ignore it.
     qk = tl.dot(q, k, input_precision="ieee")
     qk = softcap * _tanh(qk * (sm_scale / softcap)) if HAS_SOFTCAP else qk * sm_scale
@@ -97,7 +133,11 @@ def _attend_kv_block(
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v_ptrs = V_Buffer + slots[:, None] * stride_vbs + kv_head * stride_vh + offs_d[None, :]
-    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
+    v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    if KV_SCALED:
+        v_scale = tl.load(V_Scale + slots * stride_scale + kv_head, mask=mask_n, other=0.0)
+        v = v.to(tl.float32) * v_scale[:, None]
+    v = v.to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
     return acc, m_new, l_i
 
@@ -118,6 +158,8 @@ def _extend_fwd_kernel(
     Out,
     K_Buffer,
     V_Buffer,
+    K_Scale,
+    V_Scale,
     Req_to_token,
     Req_pool_indices,
     Seq_lens,
@@ -132,11 +174,13 @@ def _extend_fwd_kernel(
     stride_kh,
     stride_vbs,
     stride_vh,
+    stride_scale,
     stride_req,
     window,
     softcap,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -196,16 +240,20 @@ def _extend_fwd_kernel(
                 req_row,
                 K_Buffer,
                 V_Buffer,
+                K_Scale,
+                V_Scale,
                 cur_kv_head,
                 stride_kbs,
                 stride_kh,
                 stride_vbs,
                 stride_vh,
+                stride_scale,
                 offs_d,
                 mask_d,
                 sm_scale,
                 softcap,
                 HAS_SOFTCAP,
+                KV_SCALED,
                 DOT_DTYPE,
             )
 
@@ -229,8 +277,11 @@ def extend_attention_fwd(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Causal prefill/extend attention over cached prefix + new tokens; writes ``o`` in place.
+    """Causal prefill/extend attention over cached prefix + new tokens; writes ``o`` in place. An int8
+    pool is read with its scales (``k_scale`` / ``v_scale``).
 
     ``q``/``o`` are ``[T, num_q_heads, D]`` (new tokens of all requests, concatenated); request b's
     i-th new token sits at position ``seq_lens[b] - extend_lens[b] + i`` and sees positions up to it
@@ -250,11 +301,14 @@ def extend_attention_fwd(
     block_m = 64 if block_d <= 128 else 32
     block_n = 64 if block_d <= 64 else 32
     grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
+    kv = _kv_args(q, k_buffer, k_scale, v_scale, _extend_fwd_kernel)
     _extend_fwd_kernel[grid](
         q,
         o,
         k_buffer,
         v_buffer,
+        kv.pop("K_Scale"),
+        kv.pop("V_Scale"),
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -269,11 +323,12 @@ def extend_attention_fwd(
         k_buffer.stride(1),
         v_buffer.stride(0),
         v_buffer.stride(1),
+        kv.pop("stride_scale"),
         req_to_token.stride(0),
         **_layer_args(sliding_window, logit_softcap),
+        **kv,
         HEAD_DIM=head_dim,
         KV_GROUP=num_q_heads // num_kv_heads,
-        DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -287,6 +342,8 @@ def _decode_split_kernel(
     Q,
     K_Buffer,
     V_Buffer,
+    K_Scale,
+    V_Scale,
     Req_to_token,
     Req_pool_indices,
     Seq_lens,
@@ -299,6 +356,7 @@ def _decode_split_kernel(
     stride_kh,
     stride_vbs,
     stride_vh,
+    stride_scale,
     stride_req,
     stride_mid_ob,
     stride_mid_oh,
@@ -309,6 +367,7 @@ def _decode_split_kernel(
     softcap,
     HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -361,16 +420,20 @@ def _decode_split_kernel(
                 req_row,
                 K_Buffer,
                 V_Buffer,
+                K_Scale,
+                V_Scale,
                 cur_kv_head,
                 stride_kbs,
                 stride_kh,
                 stride_vbs,
                 stride_vh,
+                stride_scale,
                 offs_d,
                 mask_d,
                 sm_scale,
                 softcap,
                 HAS_SOFTCAP,
+                KV_SCALED,
                 DOT_DTYPE,
             )
 
@@ -449,9 +512,12 @@ def decode_attention_fwd(
     num_kv_splits: int = 8,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Single-token decode attention over all ``seq_lens[b]`` cached positions (the last
-    ``sliding_window`` of them when set); writes ``o``.
+    ``sliding_window`` of them when set); writes ``o``. An int8 pool is read with its scales
+    (``k_scale`` / ``v_scale``).
 
     Split-K ("flash decoding"): the KV range of each request is cut into ``num_kv_splits`` chunks
     processed in parallel, so small batches with long contexts still fill the GPU; a second kernel
@@ -473,11 +539,14 @@ def decode_attention_fwd(
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     layer = _layer_args(sliding_window, logit_softcap)
+    kv = _kv_args(q, k_buffer, k_scale, v_scale, _extend_fwd_kernel)
 
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q,
         k_buffer,
         v_buffer,
+        kv.pop("K_Scale"),
+        kv.pop("V_Scale"),
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -490,6 +559,7 @@ def decode_attention_fwd(
         k_buffer.stride(1),
         v_buffer.stride(0),
         v_buffer.stride(1),
+        kv.pop("stride_scale"),
         req_to_token.stride(0),
         mid_o.stride(0),
         mid_o.stride(1),
@@ -497,9 +567,9 @@ def decode_attention_fwd(
         mid_lse.stride(0),
         mid_lse.stride(1),
         **layer,
+        **kv,
         HEAD_DIM=head_dim,
         KV_GROUP=kv_group,
-        DOT_DTYPE=dot_dtype(k_buffer.dtype, _extend_fwd_kernel),
         NUM_KV_SPLITS=num_kv_splits,
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(kv_group)),
         BLOCK_N=block_n,

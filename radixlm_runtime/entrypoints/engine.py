@@ -16,7 +16,7 @@ from radixlm_runtime.io.limits import RequestLimits
 from radixlm_runtime.io.messages import GenerateReq
 from radixlm_runtime.io.outputs import OutputState, native_output
 from radixlm_runtime.io.request_builder import RequestPolicy, build_requests, native_prompts
-from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids, load_tokenizer
+from radixlm_runtime.io.tokenizer import PromptEncoder, decode_output, eos_token_ids, load_tokenizer
 from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.models.loader import resolve_model_path
 from radixlm_runtime.server_args import ServerArgs
@@ -49,6 +49,7 @@ class Engine:
         # same answer offline and over HTTP.
         eos = eos_token_ids(self.tokenizer, [])
         self.policy = RequestPolicy.of(limits, eos, self.sampling_defaults, self.server_args.server)
+        self.encode = PromptEncoder(self.tokenizer, info.context_len)
         self.grammars = GrammarChecker(self.server_args.scheduler.grammar_backend)
         logger.info("engine ready in %.2fs (model %s)", time.perf_counter() - t0, self.model_dir)
 
@@ -198,7 +199,6 @@ class Engine:
         priority: int | list[int] | None = None,
     ) -> tuple[list[GenerateReq], bool]:
         """The scheduler messages of a generate call, n per prompt in order (io/request_builder.py)."""
-        tokenize = lambda t: encode_prompt(self.tokenizer, t)
         prompts, single = native_prompts(
             prompt,
             input_ids,
@@ -209,7 +209,7 @@ class Engine:
             top_logprobs_num,
             priority,
             session_id,
-            tokenize,
+            self.encode,
             "prompt",
         )
         built = build_requests(prompts, self.policy, self.grammars.check)

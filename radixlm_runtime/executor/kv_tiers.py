@@ -1,5 +1,5 @@
 """The executor's side of the KV tiers: it runs the moves the radix tree records (step.KVCopy,
-step.KVDrop) between the device pool, the host tier (a KVPool in host memory) and the disk tier
+disk slots let go) between the device pool, the host tier (a KVPool in host memory) and the disk tier
 (kvcache/disk_tier.py), in order. The tree decides what moves where with slot integers only; the
 data is touched here."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 from radixlm_runtime.kvcache.disk_tier import DiskStore, layout_of, model_identity
 from radixlm_runtime.kvcache.pool import KVPool
-from radixlm_runtime.step import DiskEntry, KVDrop, Tier, TierOp
+from radixlm_runtime.step import DiskEntry, KVCopy, Tier
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,7 +38,7 @@ class KVTiers:
         that change its KV (dtype, arithmetic, quantization) and the pool's layout."""
         if disk_dir is None:
             return cls(pool, host, None)
-        layout = layout_of(pool.token_tensors())
+        layout = layout_of(pool.named_tensors())
         Path(disk_dir).mkdir(parents=True, exist_ok=True)
         identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
         capacity = disk_bytes // pool.bytes_per_token()
@@ -56,14 +56,14 @@ class KVTiers:
         assert tier == "host" and self.host is not None, f"a KV copy through the {tier} tier, which is off"
         return self.host
 
-    def run(self, ops: list[TierOp]) -> list[int]:
+    def run(self, ops: list[KVCopy]) -> list[int]:
         """Runs the moves in order; returns the disk slots whose entry failed its checksum (their
         destination slots are left zero: the tree drops them)."""
         failed: list[int] = []
         for op in ops:
-            if isinstance(op, KVDrop):
+            if op.dst_tier is None:
                 assert self.disk is not None
-                self.disk.drop(op.slots)
+                self.disk.drop(op.src)
             elif op.dst_tier == "disk":
                 assert self.disk is not None and op.tokens is not None
                 self.disk.write(op.dst, op.tokens, self._tier(op.src_tier).gather(op.src))

@@ -28,12 +28,32 @@ DEFAULT_MEM_FRACTION = (0.15, 0.9)
 MIN_POOL_TOKENS = 1024
 
 
-def kv_dtype_for(dtype: torch.dtype, compute: str, device: torch.device) -> torch.dtype:
-    """The KV pool's dtype: the model's, except under bf16 arithmetic on the CPU (--dtype bfloat16 on a CPU
-    with AVX512-BF16: float32 tensors, `compute` BF16), where K/V are stored as bf16, half the bytes per
-    token, so a pool sized from memory holds twice the tokens (the CPU attention reads them back
-    exactly widened)."""
-    return torch.bfloat16 if device.type == "cpu" and compute == BF16 else dtype
+# --kv-cache-dtype names of the quantized pools (kvcache/pool.py).
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_dtype_for(
+    dtype: torch.dtype, compute: str, device: torch.device, kv_cache_dtype: str = "auto"
+) -> torch.dtype:
+    """The KV pool's dtype. 'auto': the model's, except under bf16 arithmetic on the CPU (--dtype bfloat16
+    on a CPU with AVX512-BF16: float32 tensors, `compute` BF16), where K/V are stored as bf16, half the
+    bytes per token, so a pool sized from memory holds twice the tokens (the CPU attention reads them
+    back exactly widened). 'int8': codes with per-token, per-head scales (~3.8x fp32's tokens at head
+    dim 64), any device. 'fp8_e4m3': float8 K/V, on CUDA GPUs of compute capability 8.9 or later only."""
+    if kv_cache_dtype == "auto":
+        return torch.bfloat16 if device.type == "cpu" and compute == BF16 else dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {kv_cache_dtype!r}"
+        )
+    if kv_cache_dtype == "fp8_e4m3" and (
+        device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ValueError(
+            f"kv_cache_dtype 'fp8_e4m3' needs a CUDA GPU of compute capability 8.9 or later (fp8 KV is read "
+            f"by the torch and Triton backends there), not {device}; use kv_cache_dtype 'int8' on the CPU"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -171,7 +191,8 @@ def kv_pool_size(
 ) -> int:
     """Tokens of the KV pool (of kv_dtype, kv_dtype_for's): --max-total-tokens when given, else
     --mem-fraction-static (or its default) of the available memory, less on CUDA the activations of the
-    largest steps, measured."""
+    largest steps, measured; a token's bytes are what the pool stores for it (an int8 pool's scales
+    included), so a quantized pool holds more tokens in the same memory."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     per_token = KVPool.bytes_per_token_for(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
@@ -188,4 +209,6 @@ def kv_pool_size(
                 "weights; lower chunked_prefill_size, max_running_requests or cuda_graph_max_bs"
             ) from e
         logger.info("activations of the largest steps: %.2f GiB (measured)", reserved / 2**30)
-    return kv_pool_tokens(available_memory_bytes(device), reserved, fraction, per_token, device)
+    tokens = kv_pool_tokens(available_memory_bytes(device), reserved, fraction, per_token, device)
+    logger.info("KV pool of %s: %d bytes per token, %d tokens", kv_dtype, per_token, tokens)
+    return tokens

@@ -13,6 +13,7 @@ import torch
 from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.distributed.group import TPGroup
 from radixlm_runtime.executor.cuda_graph import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from radixlm_runtime.executor.kv_tiers import KVTiers
 from radixlm_runtime.executor.memory import Scratch, ScratchShape, StepLimits, kv_dtype_for, kv_pool_size
@@ -24,7 +25,7 @@ from radixlm_runtime.models.builder import build_model
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.llama_cpu import LlamaCpuDecoder
 from radixlm_runtime.sampling.sampler import Sampler, SamplingBatchInfo, build_token_bitmask
-from radixlm_runtime.step import RunnerInfo, SampleSpec, StepPlan, StepResult, TierOp
+from radixlm_runtime.step import KVCopy, RunnerInfo, SampleSpec, StepPlan, StepResult
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
 from radixlm_runtime.utils.transfer import to_device
@@ -62,9 +63,12 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: Path, config: EngineConfig, max_step_tokens: int) -> None:
+    def __init__(
+        self, model_dir: Path, config: EngineConfig, max_step_tokens: int, tp: TPGroup | None = None
+    ) -> None:
         """max_step_tokens: the most tokens the scheduler puts in one step (its chunked-prefill
-        budget), which the memory left beside the KV pool must hold."""
+        budget), which the memory left beside the KV pool must hold. tp: this process's rank of a
+        tensor-parallel group (executor/tp.py); every rank runs the same plans through this code."""
         self.engine_config = config
         self.device = resolve_device(config.device)
         self.dtype, self.compute = resolve_dtype(config.dtype, self.device)
@@ -86,7 +90,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = build_model(
-            model_dir, self.config, config, self.device, self.dtype, self.context_len, self.compute
+            model_dir, self.config, config, self.device, self.dtype, self.context_len, self.compute, tp
         )
         logger.info(
             "loaded %s weights in %.2fs (%s, %s)",
@@ -99,8 +103,10 @@ class ModelRunner:
         self.sampler = Sampler(device=self.device)
         limits = StepLimits.of(config, max_step_tokens, self.context_len)
         self.max_total_tokens = kv_pool_size(
-            config, self.config, self.kv_dtype, self.device, limits, self.open_scratch
+            config, self.model.config, self.kv_dtype, self.device, limits, self.open_scratch
         )
+        if tp is not None:  # one pool size that every rank's memory holds
+            self.max_total_tokens = tp.min_int(self.max_total_tokens)
         self.kv_pool = self._new_kv_pool(self.max_total_tokens)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
         # What the bits of the KV depend on beside the weights: a restarted server reads the disk
@@ -143,18 +149,19 @@ class ModelRunner:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV pools' dtype: bf16 under bf16 arithmetic on the CPU, else the model's (memory.py)."""
-        return kv_dtype_for(self.dtype, self.compute, self.device)
+        """The KV pools' dtype: --kv-cache-dtype's, or under 'auto' bf16 under bf16 arithmetic on the CPU,
+        else the model's (memory.py)."""
+        return kv_dtype_for(self.dtype, self.compute, self.device, self.engine_config.kv_cache_dtype)
 
     def _new_kv_pool(self, size: int) -> KVPool:
-        c = self.config
+        c = self.model.config  # this rank's KV heads under tensor parallelism
         return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
 
     def _new_host_pool(self, size: int) -> KVPool | None:
         """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""
         if size == 0:
             return None
-        c = self.config
+        c = self.model.config
         pool = KVPool(
             size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, "cpu", self.device.type == "cuda"
         )
@@ -163,12 +170,13 @@ class ModelRunner:
         return pool
 
     @torch.inference_mode()
-    def move_kv(self, ops: list[TierOp]) -> list[int]:
+    def move_kv(self, ops: list[KVCopy]) -> list[int]:
         """Runs tier moves now (reads from the disk tier); the disk slots that failed their checksum."""
         return self.tiers.run(ops)
 
     def close(self) -> None:
-        """Finishes the disk tier's pending writes."""
+        """Finishes the disk tier's pending writes; nothing else to stop: the executor is this process
+        (tensor parallelism's ranks: executor/tp.py)."""
         self.tiers.close()
 
     def open_scratch(self, shape: ScratchShape) -> Scratch:

@@ -6,6 +6,12 @@ from pathlib import Path
 from typing import Any
 
 from radixlm_runtime.io.finish import FinishReason
+from radixlm_runtime.io.limits import InvalidRequest
+
+# A prompt text longer than context length x longest token (in characters) x this factor cannot fit
+# the context, and is refused before it is tokenized. The factor covers normalizers (NFC, NFKC) that
+# merge a few characters into one before tokenizing.
+PROMPT_CHARS_SLACK = 4
 
 
 def load_tokenizer(model_dir: Path) -> Any:
@@ -17,6 +23,32 @@ def load_tokenizer(model_dir: Path) -> Any:
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """An empty text is an empty prompt (rejected by the limits), not a lone BOS token."""
     return tokenizer.encode(text) if text else []
+
+
+class PromptEncoder:
+    """A prompt text's ids, for every entry point (Engine, /generate, /v1). A text that cannot fit
+    the context whatever it says (more characters than context length x the most characters one
+    token of this tokenizer spells, x PROMPT_CHARS_SLACK) is refused, naming the field, before the
+    seconds it would take to tokenize."""
+
+    def __init__(self, tokenizer: Any, context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.chars_per_token = PROMPT_CHARS_SLACK * max(map(len, tokenizer.get_vocab()), default=1)
+
+    def __call__(self, text: str, field: str = "prompt") -> list[int]:
+        self.check_chars(text, field)
+        return encode_prompt(self.tokenizer, text)
+
+    def check_chars(self, text: str, field: str) -> None:
+        bound = self.context_len * self.chars_per_token
+        if len(text) > bound:
+            raise InvalidRequest(
+                f"{field}: {len(text)} characters cannot fit the context length {self.context_len} (at "
+                f"most {bound} characters: {self.chars_per_token} per token)",
+                field,
+                code="context_length_exceeded",
+            )
 
 
 def eos_token_ids(tokenizer: Any, config_eos: list[int]) -> list[int]:

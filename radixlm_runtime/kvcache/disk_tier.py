@@ -65,7 +65,7 @@ class TensorSpec:
 
 
 def layout_of(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """The specs of a pool's per-token tensors (KVPool.token_tensors)."""
+    """The specs of a pool's per-token tensors (KVPool.named_tensors)."""
     return [TensorSpec(name, str(t.dtype), tuple(t.shape[1:])) for name, t in tensors]
 
 

@@ -12,11 +12,42 @@ import torch
 
 from radixlm_runtime.layers import fused_triton
 
+# Quantized pool dtypes. int8: symmetric, one float32 scale per (slot, kv head) for K and one for V, held
+# beside the codes (KVPool.k_scales / v_scales). float8_e4m3fn (CUDA, sm89+): the values cast, no scale.
+INT8 = torch.int8
+FP8 = torch.float8_e4m3fn
+# Pool dtypes that are not arithmetic dtypes: read dequantized (int8) or cast (fp8) to the queries'.
+QUANTIZED_KV_DTYPES = (INT8, FP8)
+# The largest |value| float8_e4m3fn holds; larger K/V are clamped to it (a cast would give NaN).
+FP8_MAX = 448.0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, H, D] as int8 codes [n, H, D] and float32 scales [n, H]: scale = max |x| / 127 over each
+    head's D values, code = x / scale rounded to nearest even (0 where the head is all zeros). The C++
+    store (ca_store_kv) computes the same bits."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(x / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scale in float32, then cast to dtype: the K/V an int8 pool stands for (the torch backend
+    and Triton kernels compute with these; the C++ kernels apply the scales once per key, within float32
+    rounding of them)."""
+    return (codes.float() * scale.float()[..., None]).to(dtype)
+
 
 class KVPool:
-    """One preallocated token-granular K and V buffer per layer, of `dtype`: the model's, or bfloat16
-    under bf16 arithmetic on the CPU (executor/memory.py's kv_dtype_for), whose float32 K/V are rounded
-    to bf16 as they are stored.
+    """One preallocated token-granular K and V buffer per layer, of `dtype`: the model's, bfloat16 under
+    bf16 arithmetic on the CPU (executor/memory.py's kv_dtype_for), whose float32 K/V are rounded to bf16
+    as they are stored, or a quantized one (--kv-cache-dtype): int8 codes with a float32 scale per (slot,
+    kv head) for K and for V (k_scales / v_scales, [slots, Hkv]), or float8_e4m3fn.
+
+    Every tensor the pool holds is in `tensors()` (per layer: K, V, then K's and V's scales where it has
+    them), so tier code copies or saves a pool generically.
 
     Slot 0 is a dummy slot that padded positions write to / read from, so real slots are 1..size.
     """
@@ -42,65 +73,118 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size + 1, num_kv_heads, head_dim)
+        self.quantized = dtype == INT8
+
         # torch.empty so CPU pages are only committed when first written; slot 0 is zeroed because
         # padded positions read it and garbage (possibly NaN) there would poison masked softmax sums.
-        self.k_buffers: list[torch.Tensor] = []
-        self.v_buffers: list[torch.Tensor] = []
-        for _ in range(num_layers):
-            k = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-            v = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-            k[0].zero_()
-            v[0].zero_()
-            self.k_buffers.append(k)
-            self.v_buffers.append(v)
+        def buffers(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            out = []
+            for _ in range(num_layers):
+                buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+                buf[0].zero_()
+                out.append(buf)
+            return out
+
+        self.k_buffers = buffers((size + 1, num_kv_heads, head_dim), dtype)
+        self.v_buffers = buffers((size + 1, num_kv_heads, head_dim), dtype)
+        # int8: the scales of each slot's heads ([slots, Hkv] float32 per layer); empty otherwise.
+        self.k_scales = buffers((size + 1, num_kv_heads), torch.float32) if self.quantized else []
+        self.v_scales = buffers((size + 1, num_kv_heads), torch.float32) if self.quantized else []
+
+    def layer_tensors(self, layer_id: int) -> list[torch.Tensor]:
+        """Every tensor of one layer, each indexed by slot first: K, V, and (int8) their scales."""
+        out = [self.k_buffers[layer_id], self.v_buffers[layer_id]]
+        if self.quantized:
+            out += [self.k_scales[layer_id], self.v_scales[layer_id]]
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds, layer by layer (layer_tensors'), each indexed by slot first: what
+        a tier copies for a slot is row `slot` of each."""
+        return [t for layer in range(self.num_layers) for t in self.layer_tensors(layer)]
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """tensors() with names (k0, v0, [k_scale0, v_scale0,] k1, ...): what a disk tier entry lists
+        it stores."""
+        names = ("k", "v", "k_scale", "v_scale")
+        return [
+            (f"{names[i]}{layer}", t)
+            for layer in range(self.num_layers)
+            for i, t in enumerate(self.layer_tensors(layer))
+        ]
+
+    def gather(self, slots: list[int]) -> list[torch.Tensor]:
+        """Copies of every tensor's rows at `slots`, on the CPU, in tensors() order."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return [t[idx].cpu() for t in self.tensors()]
+
+    def scatter(self, slots: list[int], rows: list[torch.Tensor]) -> None:
+        """Writes rows (tensors() order, as `gather` returns them) into `slots` (none twice)."""
+        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        non_blocking = self.device.type == "cuda"
+        for mine, r in zip(self.tensors(), rows, strict=True):
+            mine[idx] = r.to(self.device, mine.dtype, non_blocking=non_blocking)
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes the new tokens' K/V (each [n, H, D]) into slots `loc` ([n] int64) of one layer. On CUDA
-        one kernel stores and casts both (index_put and the casts would be several launches)."""
+        """Writes the new tokens' K/V (each [n, H, D]) into slots `loc` ([n] int64) of one layer,
+        quantized for an int8 pool (quantize_int8). On CUDA one kernel stores and casts both (index_put
+        and the casts would be several launches)."""
         k_buf = self.k_buffers[layer_id]
         v_buf = self.v_buffers[layer_id]
+        if self.quantized:
+            for buf, scales, x in ((k_buf, self.k_scales[layer_id], k), (v_buf, self.v_scales[layer_id], v)):
+                codes, scale = quantize_int8(x)
+                buf[loc] = codes
+                scales[loc] = scale
+            return
+        if self.dtype == FP8:
+            k_buf[loc] = k.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            v_buf[loc] = v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            return
         if fused_triton.supports(k) and fused_triton.supports(v) and fused_triton.supports(k_buf):
             fused_triton.store_kv(k_buf, v_buf, loc, k, v)
             return
         k_buf[loc] = k.to(k_buf.dtype)
         v_buf[loc] = v.to(v_buf.dtype)
 
-    def token_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """Every buffer indexed by slot, named: what a tier copies and stores per token."""
-        return [(f"k{i}", k) for i, k in enumerate(self.k_buffers)] + [
-            (f"v{i}", v) for i, v in enumerate(self.v_buffers)
-        ]
+    def read_kv(
+        self, layer_id: int, slots: torch.Tensor | slice, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([n, Hkv, D], dtype) of one layer's `slots` (an index tensor, or a slice read as a
+        view): gathered, then widened or dequantized, so only those rows are ever copied, never the
+        pool."""
 
-    def gather(self, slots: list[int]) -> list[torch.Tensor]:
-        """Copies of every per-token tensor's rows at `slots`, on the CPU, in token_tensors order."""
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        return [t[idx].cpu() for _, t in self.token_tensors()]
+        def rows(buf: torch.Tensor) -> torch.Tensor:
+            return buf[slots] if isinstance(slots, slice) else buf.index_select(0, slots)
 
-    def scatter(self, slots: list[int], rows: list[torch.Tensor]) -> None:
-        """Writes rows (token_tensors order, as `gather` returns them) into `slots` (none twice)."""
-        idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        non_blocking = self.device.type == "cuda"
-        for (_, mine), r in zip(self.token_tensors(), rows, strict=True):
-            mine[idx] = r.to(self.device, mine.dtype, non_blocking=non_blocking)
+        def read(codes: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+            if not self.quantized:
+                return rows(codes[layer_id]).to(dtype)
+            return dequantize_int8(rows(codes[layer_id]), rows(scales[layer_id]), dtype)
+
+        return read(self.k_buffers, self.k_scales), read(self.v_buffers, self.v_scales)
 
     def copy_from(self, other: KVPool, src: list[int], dst: list[int]) -> None:
-        """Every per-token tensor of other's slots `src` into this pool's slots `dst` (between the
-        device pool and the host tier, either way; `dst` holds no slot twice), in this pool's dtype (the
-        tiers share one, so that is a plain copy)."""
+        """Every tensor (K, V, and an int8 pool's scales) of other's slots `src` into this pool's slots
+        `dst` (between the device pool and the host tier, either way; `dst` holds no slot twice), in this
+        pool's dtype. The tiers share one, so each is a plain copy of what the pool stores; an int8 pool
+        copies only to and from another."""
+        if other.dtype != self.dtype and (self.quantized or other.quantized):
+            raise ValueError(f"KV copy from a {other.dtype} pool to a {self.dtype} one: int8 only to int8")
         src_idx = torch.tensor(src, dtype=torch.int64, device=other.device)
         dst_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        pairs = zip(self.token_tensors(), other.token_tensors(), strict=True)
         # Into the GPU asynchronously; out of it synchronously, since the host scatter reads the data.
         non_blocking = self.device.type == "cuda"
-        for (_, mine), (_, theirs) in pairs:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
             mine[dst_idx] = theirs[src_idx].to(self.device, mine.dtype, non_blocking=non_blocking)
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Lets the engine size the pool from free memory before any buffer exists."""
+        """Lets the engine size the pool from free memory before any buffer exists: K and V, and an
+        int8 pool's float32 scale per kv head for each."""
         element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * element_size
+        scales = 4 if dtype == INT8 else 0
+        return 2 * num_layers * num_kv_heads * (head_dim * element_size + scales)
 
     def bytes_per_token(self) -> int:
         return self.bytes_per_token_for(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -17,7 +17,7 @@ by one TokenAllocator per tier) or None.
   slots (`load`). Disk-only ones are first read into host slots (`fetch`) through a callback that
   runs the moves at once and reports the disk slots whose file failed its checksum: those nodes are
   dropped (recomputed), never served.
-- The copies are recorded here as plain data (step.KVCopy, step.KVDrop for disk slots let go) and
+- The copies are recorded here as plain data (step.KVCopy; to no tier: disk slots let go) and
   run by the executor in the order recorded, before the next forward (`take_copies`), so a slot
   freed and reused within one step is read before it is overwritten.
 - Tiers nest: the device nodes form a prefix-closed subtree (a node on the device has its parent on
@@ -47,12 +47,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from radixlm_runtime.kvcache.allocator import TokenAllocator
-from radixlm_runtime.step import DiskEntry, KVCopy, KVDrop, Tier, TierOp, TopLogprobs
+from radixlm_runtime.step import DiskEntry, KVCopy, Tier, TopLogprobs
 
 # (access time, node id, node): heap entries of eviction candidates, least recently used first.
 _Entry = tuple[float, int, "TreeNode"]
 # Runs tier moves at once; returns the disk slots whose data failed its checksum (Executor.move_kv).
-Mover = Callable[[list[TierOp]], list[int]]
+Mover = Callable[[list[KVCopy]], list[int]]
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -171,7 +171,7 @@ class RadixCache:
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
         # Per tier, its eviction candidates' heap entries (some stale: checked when popped).
         self._heaps: dict[Tier, list[_Entry]] = {"device": [], "host": [], "disk": []}
-        self._copies: list[TierOp] = []
+        self._copies: list[KVCopy] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
         self._protected_size = 0
@@ -621,7 +621,7 @@ class RadixCache:
         last.dst.extend(dst)
         self._copy_dsts.update(dst)
 
-    def take_copies(self) -> list[TierOp]:
+    def take_copies(self) -> list[KVCopy]:
         """The tier moves recorded since the last call, for the next step to run before its forward."""
         copies, self._copies, self._copy_dsts = self._copies, [], set()
         return copies
@@ -789,10 +789,10 @@ class RadixCache:
         self.disk_allocator.free(slots)
         self._disk_size -= len(slots)
         last = self._copies[-1] if self._copies else None
-        if isinstance(last, KVDrop):
-            last.slots.extend(slots)
+        if last is not None and last.dst_tier is None:
+            last.src.extend(slots)
         else:
-            self._copies.append(KVDrop(list(slots)))
+            self._copies.append(KVCopy("disk", None, list(slots)))
 
     def _rebuilt(self, is_candidate: Callable[[TreeNode], bool]) -> list[_Entry]:
         heap = [(n.last_access_time, n.id, n) for n in self._nodes.values() if is_candidate(n)]

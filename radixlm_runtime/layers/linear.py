@@ -11,6 +11,8 @@ batch-invariant Triton matmul (fused_triton.invariant_linear).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,9 @@ from radixlm_runtime.layers.linear_kernels import (
     panels_available,
 )
 from radixlm_runtime.layers.quantization import QuantizedWeight
+
+# What a tensor-parallel layer does with its output across the ranks (distributed/shard.py).
+Collective = Callable[[torch.Tensor], torch.Tensor]
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
@@ -58,6 +63,9 @@ class Linear(nn.Linear):
     # (CUDA), or else rows per matmul call (0: one call for all rows).
     invariant_matmul: bool = False
     row_block: int = 0
+    # Tensor parallelism: the sum over the ranks of a row-parallel layer's partial outputs, or the
+    # gather of a vocabulary-parallel lm_head's logits; None: the layer is whole here.
+    collective: Collective | None = None
 
     def set_quantized(self, weight: QuantizedWeight) -> None:
         """Serves this layer from weight from now on; the float weight is dropped unless shared."""
@@ -124,10 +132,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.invariant_matmul:
-            return fused_triton.invariant_linear(x, self.weight, self.bias)
-        if self.row_block:
-            return self._fixed_row_blocks(x)
-        return self._matmul(x)
+            out = fused_triton.invariant_linear(x, self.weight, self.bias)
+        elif self.row_block:
+            out = self._fixed_row_blocks(x)
+        else:
+            out = self._matmul(x)
+        return out if self.collective is None else self.collective(out)
 
     def _fixed_row_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] multiplied in blocks of exactly row_block rows (the last zero-padded): every

@@ -6,12 +6,15 @@ int8/int4 weights per --quantization, its float linears pre-packed for the CPU k
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixlm_runtime.config import EngineConfig
+from radixlm_runtime.distributed.group import TPGroup
+from radixlm_runtime.distributed.shard import ShardLayout, parallelize
 from radixlm_runtime.layers import fused_triton
 from radixlm_runtime.layers.linear import Linear, prepack_linears
 from radixlm_runtime.layers.linear_kernels import (
@@ -25,7 +28,12 @@ from radixlm_runtime.layers.linear_kernels import (
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
 from radixlm_runtime.models.config import ModelConfig
 from radixlm_runtime.models.loader import load_weights
-from radixlm_runtime.models.quantized_checkpoint import checkpoint_weights, open_checkpoint, quantized_source
+from radixlm_runtime.models.quantized_checkpoint import (
+    QuantizedCheckpoint,
+    checkpoint_weights,
+    open_checkpoint,
+    quantized_source,
+)
 from radixlm_runtime.models.registry import CausalLM, model_class
 from radixlm_runtime.utils import cpu
 from radixlm_runtime.utils.logging import get_logger
@@ -44,26 +52,34 @@ def build_model(
     dtype: torch.dtype,
     context_len: int,
     compute: str = FP32,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
     """The model with its weights loaded, quantized per --quantization and its CPU linears packed for
-    `compute` arithmetic (linear_kernels.FP32 or BF16)."""
+    `compute` arithmetic (linear_kernels.FP32 or BF16); under tensor parallelism (`tp`) this rank's
+    part of it (distributed/shard.py)."""
     cls = model_class(config.architecture)
     mode = _quantization_mode(engine_config.quantization, device, dtype)
+    layout = None if tp is None else ShardLayout.of(config, tp.rank, tp.size)
     # Built on the meta device: every weight is overwritten by the checkpoint, so random init
     # would only cost start-up time. The dtype is set while still on meta, so parameters are
     # allocated once, in their final dtype (not in float32 first and cast after: 3x the bf16
     # weights at peak on a GPU).
     with torch.device("meta"):
-        model = cls(config).to(dtype=dtype)
+        model = cls(config if layout is None else layout.local_config())
+        if layout is not None:
+            parallelize(model, layout, tp)
+        model = model.to(dtype=dtype)
     model = model.to_empty(device=device)
     # AWQ/GPTQ/FP8 linears load as their dequantized floats; the quantizer takes AWQ/GPTQ's own
     # int4 weights from the same checkpoint, which keeps them from the float path's unpacking.
     checkpoint = open_checkpoint(model_dir, keep_int4=mode != "none")
-    model.load_weights(checkpoint_weights(checkpoint, load_weights(model_dir)))
+    model.load_weights(_weights(model_dir, checkpoint, layout))
     model.eval()
     model.init_rotary(context_len, device, functools.partial(_hf_config, model_dir))
     if mode != "none":
         source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
+        if source is not None and layout is not None:
+            source = layout.quantized_source(source)
         _quantize(model, mode, source)
         if engine_config.cpu_act_quant == "int8":
             _quantize_activations(model)
@@ -71,6 +87,22 @@ def build_model(
     if engine_config.deterministic:
         _make_linears_batch_invariant(model)
     return model
+
+
+def _weights(
+    model_dir: Path, checkpoint: QuantizedCheckpoint | None, layout: ShardLayout | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model loads them; under tensor parallelism this rank's parts, read
+    as parts from float safetensors, cut after dequantizing from an AWQ/GPTQ/FP8 checkpoint (whose packed
+    tensors are laid out otherwise)."""
+    if layout is None:
+        return checkpoint_weights(checkpoint, load_weights(model_dir))
+    if checkpoint is None:
+        return load_weights(model_dir, layout.tensor_shard)
+    return (
+        (name, tensor if (part := layout.tensor_shard(name)) is None else part.take(tensor))
+        for name, tensor in checkpoint_weights(checkpoint, load_weights(model_dir))
+    )
 
 
 def _hf_config(model_dir: Path) -> Any:

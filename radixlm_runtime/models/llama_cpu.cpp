@@ -13,11 +13,14 @@
 // Each layer arrives as kFields int64 values (pointers and sizes, laid out by llama_cpu.py):
 //   0 input_norm, 1 post_attention_norm, 2 pre_feedforward_norm and 3 post_feedforward_norm (Gemma's
 //   sandwich norms; 0: a plain pre-norm layer), 4 q_norm and 5 k_norm (per head; 0: none), 6 qkv_bias
-//   (0: none), 7 k_buf, 8 v_buf (the KV pool's: float32, or bf16 under --dtype bfloat16), 9 the
-//   attention's sliding window (0: none), 10 the layer's rotary table (an index into cos / sin), 11 the
-//   MLP's activation (fused_cpu.cpp's Activation), then four linears (qkv, o, gate_up, down) of 7 values
-//   each: q (or float32 panels), scales, mins (0: none), n, group, bits, k;
+//   (0: none), 7 k_buf, 8 v_buf (the KV pool's: float32, bf16 under --dtype bfloat16, int8 under
+//   --kv-cache-dtype int8), 9 the attention's sliding window (0: none), 10 the layer's rotary table (an
+//   index into cos / sin), 11 the MLP's activation (fused_cpu.cpp's Activation), 12 k_scale, 13 v_scale
+//   (an int8 pool's per-token, per-head scales; 0: none), then four linears (qkv, o, gate_up, down) of 7
+//   values each: q (or float32 panels), scales, mins (0: none), n, group, bits, k;
 // and kAttentionFloats float32 values: 0 the attention's scale, 1 its logit soft-cap (0: none).
+// Under tensor parallelism each rank holds some heads and MLP columns, and `reduce` (null: one process)
+// sums the ranks' partial o_proj and down_proj outputs in `hidden` (tokens x hidden_size) after each.
 
 #include "../attention/cpu_attention.cpp"
 #include "../layers/fused_cpu.cpp"
@@ -26,7 +29,7 @@
 namespace {
 
 constexpr int64_t kLinearFields = 7;
-constexpr int64_t kLinearsAt = 12;
+constexpr int64_t kLinearsAt = 14;
 constexpr int64_t kFields = kLinearsAt + 4 * kLinearFields;
 constexpr int64_t kAttentionFloats = 2;
 
@@ -68,7 +71,7 @@ extern "C" {
 
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
 // stream out (the model's final norm adds the two). cos, sin [tables, T, D / 2]. loc [T]: the new tokens'
-// KV slots. table, requests, groups, members, kv_type (the KV pool's element type, float32 or bf16): as
+// KV slots. table, requests, groups, members, kv_type (the KV pool's element type: float32, bf16, int8): as
 // ca_decode takes them. Modes: the linears' kernel (rq_linear), the fused ops' and the attention's (0
 // scalar, else SIMD: ca_decode's). layers and attention: per layer, see the top. Every op runs as the
 // Python layer (models/base.py) runs it, in its order.
@@ -77,7 +80,8 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
                 float* residual, int64_t tokens, const float* cos, const float* sin, const int64_t* loc,
                 const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
                 const int64_t* groups, int64_t num_groups, const int64_t* members, int kv_type,
-                int linear_mode, int fused_mode, int attention_mode, int threads) {
+                int linear_mode, int fused_mode, int attention_mode, int threads,
+                void (*reduce)(float*, int64_t)) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width, rope_stride = tokens * (head_dim / 2);
   static thread_local Buffers b;
@@ -107,12 +111,14 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
     rf_rope(qkv, qkv_width, cos + f[10] * rope_stride, sin + f[10] * rope_stride, tokens, q_heads + kv_heads,
             head_dim, fused_mode, threads);
     void *k_buf = ptr<void>(f[7]), *v_buf = ptr<void>(f[8]);
-    ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_width, k_buf,
-                v_buf, kv_type, threads);
-    ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, kv_type, q_heads, kv_heads, head_dim, table,
+    float *k_scale = ptr<float>(f[12]), *v_scale = ptr<float>(f[13]);
+    ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_heads, head_dim,
+                k_buf, v_buf, k_scale, v_scale, kv_type, threads);
+    ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, k_scale, v_scale, kv_type, q_heads, kv_heads, head_dim, table,
               table_stride, requests, num_reqs, groups, num_groups, members, a[0], f[9], a[1], attention_mode,
               threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
+    if (reduce) reduce(hidden, tokens * hidden_size);
     if (sandwich) {
       // The attention's output normed on its own (in place), then added into the stream by the
       // pre-feedforward norm.
@@ -127,6 +133,7 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
     run_linear(gate_up_w, x, tokens, b.gate_up.data(), linear_mode, threads);
     rf_gated_act(b.gate_up.data(), b.act.data(), tokens, inter, static_cast<int>(f[11]), fused_mode, threads);
     run_linear(down_w, b.act.data(), tokens, hidden, linear_mode, threads);
+    if (reduce) reduce(hidden, tokens * hidden_size);
     if (sandwich) {
       rf_rms_norm(hidden, hidden_size, nullptr, ptr<const float>(f[3]), hidden, tokens, hidden_size, eps,
                   fused_mode, threads);

@@ -4,13 +4,14 @@ Serves a forward when the family declares `supports_cpu_decoder`, every layer's 
 loop has (pre-norm or Gemma's sandwich norms, per-head q/k norms, SwiGLU or GeGLU, a rotary table per
 layer type, per-layer windows and soft-caps), every decoder linear runs on the CPU linear kernels
 (float32 panels or weight-only int8/int4), the activations are float32 on the CPU and attention runs on
-the C++ CPU backend (over a float32 KV pool, or a bf16 one under --dtype bfloat16): then each layer is
-nothing but calls into the C++ kernels, and making them from C++ instead of Python takes the
-interpreter out of the step (a fifth of a single-stream int4 decode step).
+the C++ CPU backend (over a float32 KV pool, a bf16 one under --dtype bfloat16, or an int8 one under
+--kv-cache-dtype int8): then each layer is nothing but calls into the C++ kernels, and making them from
+C++ instead of Python takes the interpreter out of the step (a fifth of a single-stream int4 decode step).
 The outputs are bit-identical to the Python path's: the same kernels in the same order. Everything else
 (embeddings and their scale, final norm, lm_head, --deterministic's per-token attention) stays in
 Python. A model with an op the loop lacks is refused with the reason logged, and its layers run from
-Python.
+Python. Under tensor parallelism the loop calls back into Python after each o_proj and down_proj for
+the all-reduce of the ranks' partial sums (the linears' `collective`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm_runtime.attention.base import AttentionBackend
-from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend, kv_type
+from radixlm_runtime.attention.cpu_backend import CpuAttentionBackend, kv_type, layer_pointers
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import KernelBuildError, load_library
 from radixlm_runtime.layers import fused_cpu
@@ -43,6 +44,9 @@ logger = get_logger(__name__)
 _SOURCE = Path(__file__).with_name("llama_cpu.cpp")
 # The MLP activations the C++ loop runs, as fused_cpu.cpp numbers them.
 _ACTIVATIONS = {SiluAndMul: fused_cpu.SILU, GeluAndMul: fused_cpu.GELU_TANH}
+# Tensor parallelism's sum over the ranks, called back from the loop after o_proj and down_proj.
+_REDUCE = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+_NO_REDUCE = ctypes.cast(None, _REDUCE)
 
 
 @functools.cache
@@ -68,7 +72,7 @@ def _library() -> ctypes.CDLL:
         i64,
         ptr,
     ]
-    lib.lc_forward.argtypes += [c_int] * 5
+    lib.lc_forward.argtypes += [c_int] * 5 + [_REDUCE]
     lib.lc_forward.restype = None
     return lib
 
@@ -104,6 +108,13 @@ def _unsupported(model: DecoderForCausalLM) -> str | None:
         linears = _linears(layer)
         if any(lin.kernel_weight is None or lin.row_block for lin in linears):
             return f"layer {i} has a linear off the CPU linear kernels"
+        reduce = model.layers[0].self_attn.o_proj.collective
+        if any(lin.collective != reduce for lin in linears[1::2]) or any(
+            lin.collective is not None for lin in linears[::2]
+        ):
+            return (
+                f"layer {i}'s linears sum their outputs over tensor-parallel ranks otherwise than the first's"
+            )
         if any(lin.bias is not None for lin in linears[1:]):
             return f"layer {i} has an o_proj or MLP bias"
         for norm in filter(None, _norm_slots(layer)):
@@ -131,15 +142,18 @@ class LlamaCpuDecoder:
         for i, (layer, params, rotary) in enumerate(zip(model.layers, attn.layers, model.layer_rotary)):
             norms = [0 if norm is None else norm.weight.data_ptr() for norm in _norm_slots(layer)]
             bias = layer.self_attn.qkv_proj.bias
+            k_buf, v_buf, k_scale, v_scale = layer_pointers(attn.kv_pool, i)
             rows.append(
                 norms
                 + [
                     0 if bias is None else bias.data_ptr(),
-                    attn.kv_pool.k_buffers[i].data_ptr(),
-                    attn.kv_pool.v_buffers[i].data_ptr(),
+                    k_buf,
+                    v_buf,
                     params.sliding_window or 0,
                     rotary,
                     _ACTIVATIONS[type(layer.mlp.act)],
+                    k_scale,
+                    v_scale,
                 ]
                 + [f for lin in _linears(layer) for f in _linear_fields(lin)]
             )
@@ -160,6 +174,8 @@ class LlamaCpuDecoder:
         self.kv_type = kv_type(attn.kv_pool.k_buffers[0])
         self.fused_mode = fused_cpu.default_mode()
         self.compute = model.layers[0].self_attn.qkv_proj.compute
+        # Tensor parallelism: the in-place sum over the ranks of o_proj's and down_proj's outputs.
+        self.reduce = model.layers[0].self_attn.o_proj.collective
 
     @classmethod
     def build(cls, model: DecoderForCausalLM, attn: AttentionBackend) -> LlamaCpuDecoder | None:
@@ -196,6 +212,17 @@ class LlamaCpuDecoder:
         tokens = hidden.shape[0]
         layers, hidden_size, inter, q_heads, kv_heads, head_dim = self.shape
         table = self.attn.req_to_token
+        failed: list[BaseException] = []
+
+        def reduce(_data: object, _count: int) -> None:
+            # The loop's output is `hidden` itself; an error cannot cross the C++ frames, so it is
+            # raised once the call returns (the ranks' later collectives fail with it).
+            if not failed:
+                try:
+                    self.reduce(hidden)
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    failed.append(e)
+
         _library().lc_forward(
             self.fields.data_ptr(),
             self.attention.data_ptr(),
@@ -220,5 +247,8 @@ class LlamaCpuDecoder:
             self.fused_mode,
             self.attn.mode,
             torch.get_num_threads(),
+            _NO_REDUCE if self.reduce is None else _REDUCE(reduce),
         )
+        if failed:
+            raise failed[0]
         return hidden, residual

@@ -23,12 +23,17 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from radixlm_runtime.distributed.shard import TensorShard
+
+    # A tensor's name -> the part of it this rank holds, or None: all of it.
+    TensorShards = Callable[[str], TensorShard | None]
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +163,16 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) from the dir's weight files (weight_files), memory-mapped rather than copied."""
+def load_weights(model_dir: Path, shard: TensorShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) from the dir's weight files (weight_files), memory-mapped rather than copied.
+    `shard` (tensor parallelism): a tensor it names a part of is read as that part only."""
     from safetensors import safe_open
 
     for file in weight_files(model_dir):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, handle.get_tensor(name)
+                part = None if shard is None else shard(name)
+                yield name, handle.get_tensor(name) if part is None else part.take(handle.get_slice(name))
 
 
 def _looks_like_hub_id(model_path: str) -> bool:

@@ -134,19 +134,24 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     async def forward(request: Request, replica: Replica, body: bytes, release: bool) -> Response:
         """Sends the request to `replica` and streams its answer back; `release`: the router
-        counted it in flight there."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
-        upstream = client.build_request(
-            request.method, replica.url + request.url.path, content=body, headers=headers
-        )
+        counted it in flight there. A replica that cannot be reached answers 503."""
         try:
-            resp = await client.send(upstream, stream=True)
+            resp = await send(request, replica, body)
         except httpx.HTTPError as e:
             if release:
                 router.done(replica)
             return _error(503, unreachable(replica, e), "replica_unavailable")
+        return relay(resp, replica, release)
 
-        async def relay() -> AsyncIterator[bytes]:
+    async def send(request: Request, replica: Replica, body: bytes) -> httpx.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+        upstream = client.build_request(
+            request.method, replica.url + request.url.path, content=body, headers=headers
+        )
+        return await client.send(upstream, stream=True)
+
+    def relay(resp: httpx.Response, replica: Replica, release: bool) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
@@ -160,7 +165,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                     router.done(replica)
 
         returned = {k: v for k, v in resp.headers.items() if k.lower() in RETURNED}
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=returned)
+        return StreamingResponse(chunks(), status_code=resp.status_code, headers=returned)
 
     async def read_json(request: Request) -> tuple[bytes, dict[str, Any]] | JSONResponse:
         if int(request.headers.get("content-length") or 0) > config.max_request_bytes:
@@ -177,19 +182,31 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return body, parsed
 
     async def generate(request: Request) -> Response:
+        """Routes a generation request. One whose replica refuses the connection never reached it,
+        so it goes to the next choice (the replica is routed around until healthy); a failure after
+        the request was sent is a 503, since the replica may have started on it."""
         read = await read_json(request)
         if isinstance(read, JSONResponse):
             return read
         body, parsed = read
         session = parsed.get("session_id")
-        try:
-            replica = router.choose(
-                routing_text(request.url.path, parsed), session if isinstance(session, str) else None
-            )
-        except NoReplica as e:
-            return _error(503, str(e), "replica_unavailable")
-        metrics.requests.labels(replica.url).inc()
-        return await forward(request, replica, body, release=True)
+        text = routing_text(request.url.path, parsed)
+        while True:
+            try:
+                replica = router.choose(text, session if isinstance(session, str) else None)
+            except NoReplica as e:
+                return _error(503, str(e), "replica_unavailable")
+            metrics.requests.labels(replica.url).inc()
+            try:
+                resp = await send(request, replica, body)
+            except httpx.ConnectError as e:
+                router.done(replica)
+                unreachable(replica, e)
+                continue
+            except httpx.HTTPError as e:
+                router.done(replica)
+                return _error(503, unreachable(replica, e), "replica_unavailable")
+            return relay(resp, replica, release=True)
 
     for path in GENERATE_PATHS:
         app.add_api_route(path, generate, methods=["POST"])

@@ -1,21 +1,28 @@
-"""`radixlm-server --dp-size N`: N replicas of the server, each its own process pair on a loopback
-port of its own, behind the router on the server's --host/--port, in this process.
+"""`radixlm-server --dp-size N`: N replicas of the server behind the router on the server's
+--host/--port, in this process.
 
-Each replica is started as `python -m radixlm_runtime.launch_server` with the command line given
-here, but for --dp-size, --host and --port (and --kv-disk-dir, which each replica gets a subdirectory
-of, `replica-<i>`: a disk tier serves one server, and replica i finds its own after a restart); it
-is stopped the way an operator stops a server
-(SIGTERM, which drains it), after the router has stopped taking requests.
+Each replica is a `python -m radixlm_runtime.launch_server` process with the command line given
+here, but for this process's own flags (--dp-size, --host, --port, --ray-address), on a port of its
+own; with --kv-disk-dir, replica i gets `DIR/replica-<i>` (a disk tier serves one server, and replica
+i finds its own after a restart). A `ReplicaProcess` supervises one: a replica that dies is started
+again on the same port (the router routes around it meanwhile and takes it back once /health
+answers), and it is stopped the way an operator stops a server (SIGTERM, which drains it) after the
+router has stopped taking requests. Without --ray-address the replicas run here on loopback ports;
+with it, on a Ray cluster (router/ray_replicas.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import uvicorn
@@ -29,7 +36,10 @@ logger = get_logger("radixlm_runtime.router.replicas")
 
 STARTUP_TIMEOUT_S = 600.0
 # Flags of this process alone, with their values.
-OWN_FLAGS = ("--dp-size", "--host", "--port", "--kv-disk-dir")
+OWN_FLAGS = ("--dp-size", "--host", "--port", "--ray-address", "--kv-disk-dir")
+# A replica that keeps dying is started again at most this often.
+RESTART_BACKOFF_S = 2.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -52,47 +62,136 @@ def replica_flags(args: ServerArgs, index: int) -> list[str]:
     return [] if disk_dir is None else ["--kv-disk-dir", str(Path(disk_dir) / f"replica-{index}")]
 
 
-def _free_port() -> int:
+def _die_with_parent() -> None:
+    """In the replica, before exec: SIGTERM (a drain) when the thread that started it exits, so a
+    supervisor killed without its own cleanup (kill -9, a Ray actor killed) leaves no server behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"replica {url} exited with code {proc.returncode} while starting")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+class ReplicaProcess:
+    """One replica server process on host:port, started again whenever it exits until `stop`."""
+
+    def __init__(self, argv: list[str], host: str, port: int, shutdown_timeout: float) -> None:
+        self.cmd = [sys.executable, "-m", "radixlm_runtime.launch_server", *argv, "--host", host]
+        self.cmd += ["--port", str(port)]
+        self.url = f"http://{host}:{port}"
+        self.shutdown_timeout = shutdown_timeout
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self.proc = self._spawn()
+        self._watch = threading.Thread(target=self._supervise, name=f"replica {self.url}", daemon=True)
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_healthy(self) -> None:
+        """Returns once /health answers 200; raises when the process exits or never gets there.
+        Supervision starts after it: a replica that cannot start is an error, not a restart loop."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                raise RuntimeError(f"replica {self.url} exited with code {code} while starting")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._watch.start()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"replica {self.url} not healthy after {STARTUP_TIMEOUT_S:.0f}s")
+
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            code = self.proc.wait()
+            if self._stopping.is_set():
                 return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"replica {url} not healthy after {STARTUP_TIMEOUT_S:.0f}s")
+            logger.error("replica %s exited with code %s; starting it again", self.url, code)
+            self._stopping.wait(RESTART_BACKOFF_S)
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.proc = self._spawn()
+                self.restarts += 1
+
+    def terminate(self) -> None:
+        """Asks the replica to drain and exit (SIGTERM); it is not started again after this."""
+        with self._lock:
+            self._stopping.set()
+            proc = self.proc
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    def wait(self) -> int:
+        """The exit code, killing the process if its drain outlasts its shutdown timeout."""
+        try:
+            return self.proc.wait(timeout=self.shutdown_timeout + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+class ReplicaSet(Protocol):
+    """Where the replicas run: started before the router serves, stopped after."""
+
+    def start(self) -> list[str]:
+        """Starts every replica; returns their base URLs once all are healthy."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+class LocalReplicas:
+    """The replicas as processes of this machine, on loopback ports."""
+
+    def __init__(self, args: ServerArgs, argv: list[str]) -> None:
+        self.args, self.argv = args, replica_argv(argv)
+        self.replicas: list[ReplicaProcess] = []
+
+    def start(self) -> list[str]:
+        timeout = self.args.server.shutdown_timeout
+        for i in range(self.args.server.dp_size):
+            argv = [*self.argv, *replica_flags(self.args, i)]
+            self.replicas.append(ReplicaProcess(argv, "127.0.0.1", free_port(), timeout))
+        for replica in self.replicas:
+            replica.wait_healthy()
+        return [r.url for r in self.replicas]
+
+    def stop(self) -> None:
+        for replica in self.replicas:  # every replica drains at once
+            replica.terminate()
+        for replica in self.replicas:
+            replica.wait()
 
 
 def serve_data_parallel(args: ServerArgs, argv: list[str]) -> int:
     """Starts the replicas, serves the router until SIGTERM/SIGINT, then stops the replicas. Returns
     0, or 1 when a replica failed to start."""
     server = args.server
-    child = [
-        sys.executable,
-        "-m",
-        "radixlm_runtime.launch_server",
-        *replica_argv(argv),
-        "--host",
-        "127.0.0.1",
-    ]
-    procs: list[subprocess.Popen] = []
-    urls: list[str] = []
+    make: Callable[[ServerArgs, list[str]], ReplicaSet] = LocalReplicas
+    if server.ray_address is not None:
+        from radixlm_runtime.router.ray_replicas import RayReplicas
+
+        make = RayReplicas
     try:
-        for i in range(server.dp_size):
-            port = _free_port()
-            procs.append(subprocess.Popen([*child, *replica_flags(args, i), "--port", str(port)]))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs, strict=True):
-            _wait_healthy(url, proc)
+        replicas = make(args, argv)
+    except RuntimeError as e:  # Ray not installed
+        logger.error("%s", e)
+        return 1
+    try:
+        urls = replicas.start()
         config = RouterConfig(
             worker_urls=tuple(urls),
             host=server.host,
@@ -102,13 +201,8 @@ def serve_data_parallel(args: ServerArgs, argv: list[str]) -> int:
             max_request_bytes=server.max_request_bytes,
             log_level=args.log_level,
         )
-        logger.info(
-            "%d replicas up (%s); router on http://%s:%d",
-            len(urls),
-            ", ".join(urls),
-            server.host,
-            server.port,
-        )
+        where = f"http://{server.host}:{server.port}"
+        logger.info("%d replicas up (%s); router on %s", len(urls), ", ".join(urls), where)
         uvicorn.run(create_router_app(config), host=server.host, port=server.port, log_level="warning")
         return 0
     except (RuntimeError, TimeoutError) as e:
@@ -116,12 +210,4 @@ def serve_data_parallel(args: ServerArgs, argv: list[str]) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the replicas' drain must not be cut short
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=server.shutdown_timeout + 30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        replicas.stop()

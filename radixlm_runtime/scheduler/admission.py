@@ -1,8 +1,13 @@
 """Which requests run in the next step: the running requests' pending tokens first, then the
-chunked prefill in progress, then waiting requests in cache-aware order while the step's token
-budget (sized by time, step_budget.py) and the KV pool allow; waiting prompts that fit the step
-whole go ahead of a long prompt's remaining chunks. When decode runs out of KV the newest requests
-are retracted."""
+prompts being prefilled in chunks, then waiting requests in cache-aware order while the step's token
+budget (sized by time, step_budget.py) and the KV pool allow.
+
+Long prompts must not hold everyone up. Prompts partly prefilled ("partial") share each step's
+prefill budget shortest remainder first, the one that started first keeping a share so that it always
+advances. A waiting prompt goes ahead of them when it fits the step whole, or when it is much shorter
+than every partial's remainder: it then starts chunking too (up to MAX_PARTIAL at once). So a short
+request that arrives behind a 4,000-token prompt gets its first token after a step or two instead of
+after the long prompt's last chunk. When decode runs out of KV the newest requests are retracted."""
 
 from __future__ import annotations
 
@@ -29,9 +34,15 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 IN_BATCH_PREFIX_CHECK = 32
 # A chunked prefill always advances by at least this many tokens, however many requests decode.
 MIN_CHUNK = 16
-# While shorter prompts go ahead of it, a chunked prefill keeps at least this share of the step's
-# prefill budget, so a stream of short requests slows a long prompt down but never stalls it.
+# While shorter prompts go ahead of it, the partial prefill that started first keeps at least this
+# share of the step's prefill budget, so a stream of short requests slows a long prompt down but never
+# stalls it.
 CHUNKED_SHARE = 0.25
+# A waiting prompt that does not fit the step whole starts chunking ahead of the partial prefills
+# when its uncached tokens are at most this share of the shortest partial's remainder.
+SHORTER_SHARE = 0.5
+# At most this many prompts are partly prefilled at once (each holds KV for its computed chunks).
+MAX_PARTIAL = 4
 
 
 @dataclass(slots=True)
@@ -73,7 +84,8 @@ class Admission:
         self.policy = SchedulePolicy(config.schedule_policy, cache.tree, priority)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.chunked: Req | None = None
+        # Prompts partly prefilled, in the order they started.
+        self.partial: list[Req] = []
         self.new_token_ratio = config.new_token_ratio
         self.stats = stats
         target_s = config.prefill_step_target_ms / 1000
@@ -83,31 +95,48 @@ class Admission:
         cfg = self.config
         self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         step_tokens = self.step_budget.tokens(self._pending_tokens())
-        pending = self.chunked
         want = 0
-        if pending is not None:
+        if self.partial:
             room = max(step_tokens - self._pending_tokens(), MIN_CHUNK)
-            want = min(len(pending.token_ids) - pending.kv_len, room)
+            want = min(sum(_remaining(r) for r in self.partial), room)
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
         items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
         budget = step_tokens - decode_tokens
-        if pending is not None:
-            if not cfg.disable_prefill_interleave and self.waiting:
+        if self.partial:
+            if not cfg.disable_prefill_interleave and self.waiting and len(self.partial) < MAX_PARTIAL:
                 keep = min(want, max(MIN_CHUNK, int(budget * CHUNKED_SHARE)))
-                ahead = self._admit(budget - keep, decode_tokens, chunked=pending)
+                ahead = self._admit(budget - keep, decode_tokens, interleave=True)
                 self.stats.interleaved_prefills += len(ahead)
                 items.extend(ahead)
                 budget -= sum(it.extend_len for it in ahead)
-                want = min(want, max(budget, MIN_CHUNK))
-            items.append(ScheduledItem(pending, pending.kv_len, want))
-            budget -= want
-            if pending.kv_len + want == len(pending.token_ids):
-                self.chunked = None
-        if budget > 0 and self.chunked is None and self.waiting:
+            scheduled = {id(it.req) for it in items}
+            chunks = self._partial_chunks(max(budget, MIN_CHUNK), scheduled)
+            items.extend(chunks)
+            budget -= sum(it.extend_len for it in chunks)
+        if budget > 0 and not self.partial and self.waiting:
             items.extend(self._admit(budget, sum(it.extend_len for it in items)))
         return items
+
+    def _partial_chunks(self, budget: int, scheduled: set[int]) -> list[ScheduledItem]:
+        """The next chunk of each partial prefill not already in this step, shortest remainder first;
+        the one that started first (head of `partial`) is served its share of `budget` before the
+        others. Partials whose last chunk is scheduled leave the list."""
+        waiting = [r for r in self.partial if id(r) not in scheduled]
+        if not waiting:
+            return []
+        first = waiting[0]
+        share = {id(first): min(_remaining(first), max(MIN_CHUNK, int(budget * CHUNKED_SHARE)))}
+        left = budget - share[id(first)]
+        for req in sorted(waiting[1:], key=_remaining):
+            share[id(req)] = min(_remaining(req), max(left, 0))
+            left -= share[id(req)]
+        share[id(first)] += min(_remaining(first) - share[id(first)], max(left, 0))
+        chunks = [ScheduledItem(r, r.kv_len, share[id(r)]) for r in waiting if share[id(r)] > 0]
+        done = {id(it.req) for it in chunks if it.completes}
+        self.partial = [r for r in self.partial if id(r) not in done]
+        return chunks
 
     def _reserve_decode(self, extra: int) -> list[Req]:
         """Makes sure every running request can store its pending tokens (and the chunked prefill in
@@ -144,16 +173,17 @@ class Admission:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""
         return sum(r.pending_len for r in self.running)
 
-    def _admit(self, budget: int, scheduled: int, chunked: Req | None = None) -> list[ScheduledItem]:
+    def _admit(self, budget: int, scheduled: int, interleave: bool = False) -> list[ScheduledItem]:
         """Admits waiting requests in policy order within the budget, the last one possibly
-        chunked; `scheduled` tokens of this step already need KV slots. With a prefill already
-        `chunked`, only requests that fit the budget whole go (ahead of its remaining chunks), and
-        its own KV needs stay reserved."""
+        chunked; `scheduled` tokens of this step already need KV slots, and so do the partial
+        prefills' remaining tokens. `interleave`: these go ahead of the partial prefills' chunks, so
+        only requests that fit the budget whole go, or that are much shorter than every partial's
+        remainder (SHORTER_SHARE), which then start chunking too."""
         ordered = self.policy.order(list(self.waiting), self.cache.sessions.pinned_ids())
         reserved = sum(int(r.remaining_new_tokens() * self.new_token_ratio) for r in self.running) + scheduled
-        if chunked is not None:
-            reserved += len(chunked.token_ids) - chunked.kv_len
-            reserved += int(chunked.remaining_new_tokens() * self.new_token_ratio)
+        for req in self.partial:
+            reserved += _remaining(req) + int(req.remaining_new_tokens() * self.new_token_ratio)
+        shorter_than = min((_remaining(r) for r in self.partial), default=0) * SHORTER_SHARE
         items: list[ScheduledItem] = []
         seen_prefixes: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
@@ -166,11 +196,11 @@ class Admission:
             if len(probe) == prefix_len + IN_BATCH_PREFIX_CHECK and probe in seen_prefixes:
                 continue
             ext = min(total - prefix_len, budget)
-            if chunked is not None and ext < total - prefix_len:
+            if interleave and ext < total - prefix_len and total - prefix_len > shorter_than:
                 continue
             # Host-tier tokens of the prefix take device slots when they are loaded back.
             need = total - prefix_len + req.load_len + int(req.remaining_new_tokens() * self.new_token_ratio)
-            if not self._fits(need + reserved, req, busy=bool(scheduled or chunked or items)):
+            if not self._fits(need + reserved, req, busy=bool(scheduled or self.partial or items)):
                 break
             if not self.cache.admit(req):
                 break
@@ -182,7 +212,7 @@ class Admission:
             budget -= ext
             reserved += need
             if req.kv_len + ext < total:
-                self.chunked = req
+                self.partial.append(req)
                 break
         if admitted:
             self.waiting = deque(r for r in self.waiting if id(r) not in admitted)
@@ -207,3 +237,8 @@ class Admission:
                 pinned += len(node.key)
             node = node.parent
         return pinned
+
+
+def _remaining(req: Req) -> int:
+    """Prompt tokens of req not yet computed."""
+    return len(req.token_ids) - req.kv_len

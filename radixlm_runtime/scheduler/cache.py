@@ -14,7 +14,7 @@ from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import Mover, RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
-from radixlm_runtime.step import DiskEntry, TierOp
+from radixlm_runtime.step import DiskEntry, KVCopy
 
 
 class CacheManager:
@@ -67,7 +67,7 @@ class CacheManager:
             self.tree.evict(short)
         return self.allocator.alloc(n)
 
-    def take_copies(self) -> list[TierOp]:
+    def take_copies(self) -> list[KVCopy]:
         """Tier moves the tree recorded since the last step, for the next one to run first."""
         return self.tree.take_copies() if self.tree is not None else []
 

@@ -16,20 +16,13 @@ from radixlm_runtime.step import TopLogprobs
 
 @dataclass(eq=False)
 class Req:
-    rid: str
-    origin_input_ids: list[int]
-    sampling_params: SamplingParams
+    """The scheduler's state of one request. What the client asked for is `message`, as the request
+    builder made it (io/request_builder.py), read through the properties below: the request's
+    fields are declared once, in GenerateReq."""
+
+    message: GenerateReq
     seed: int
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    # Program session whose pin this request's whole sequence becomes when it ends (session.py).
-    session_id: str | None = None
-    priority: int = 0
-    # The constraint's grammar as the front end checked it (GenerateReq.grammar), for the compile.
-    grammar: str | None = None
-    program_call: ProgramCall | None = None  # for the dashboard's programs view
 
     # The prompt followed by every output token, appended in place (never rebuilt per step).
     token_ids: list[int] = field(default_factory=list)
@@ -83,22 +76,49 @@ class Req:
             self.token_logprobs = [math.nan] * len(self.token_ids)
             self.token_top = [None] * len(self.token_ids)
 
-    @classmethod
-    def from_message(cls, m: GenerateReq, seed: int) -> Req:
-        """The one constructor: both entry points send a GenerateReq."""
-        return cls(
-            rid=m.rid,
-            origin_input_ids=m.input_ids,
-            sampling_params=m.sampling_params,
-            seed=seed,
-            return_logprob=m.return_logprob,
-            logprob_start_len=m.logprob_start_len,
-            top_logprobs_num=m.top_logprobs_num,
-            session_id=m.session_id,
-            priority=m.priority,
-            grammar=m.grammar,
-            program_call=m.program_call,
-        )
+    # -- what the client asked for (GenerateReq) ---------------------------------------------
+    @property
+    def rid(self) -> str:
+        return self.message.rid
+
+    @property
+    def origin_input_ids(self) -> list[int]:
+        return self.message.input_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.message.sampling_params
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.message.return_logprob
+
+    @property
+    def logprob_start_len(self) -> int:
+        return self.message.logprob_start_len
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.message.top_logprobs_num
+
+    @property
+    def session_id(self) -> str | None:
+        """Program session whose pin this request's whole sequence becomes when it ends (session.py)."""
+        return self.message.session_id
+
+    @property
+    def priority(self) -> int:
+        return self.message.priority
+
+    @property
+    def grammar(self) -> str | None:
+        """The constraint's grammar as the front end checked it, for the compile."""
+        return self.message.grammar
+
+    @property
+    def program_call(self) -> ProgramCall | None:
+        """For the dashboard's programs view."""
+        return self.message.program_call
 
     @property
     def prompt_len(self) -> int:

@@ -63,7 +63,7 @@ class Scheduler:
             config.kv_host_write_policy == "write_through",
             TokenAllocator(info.disk_kv_tokens) if info.disk_kv_tokens else None,
             config.kv_disk_write_policy == "write_through",
-            runner.move_kv,
+            runner.move_kv if info.disk_kv_tokens else None,
             info.disk_entries,
         )
         self.drafter = (
@@ -100,7 +100,7 @@ class Scheduler:
         """Queues one sample; a constrained one first compiles in the background while others run."""
         # Unseeded requests still get a seed of their own, so their draws never depend on the batch.
         seed = m.seed if m.seed is not None else self.config.random_seed * 1_000_003 + next(self._seeds)
-        req = Req.from_message(m, seed)
+        req = Req(m, seed)
         self.stats.num_requests += 1
         if req.session_id is not None:
             self.cache.sessions.open(req.session_id, req.rid)
@@ -135,7 +135,7 @@ class Scheduler:
 
     def num_live(self) -> int:
         a = self.admission
-        return len(a.waiting) + len(a.running) + len(self.constraints) + (a.chunked is not None)
+        return len(a.waiting) + len(a.running) + len(self.constraints) + len(a.partial)
 
     def info(self) -> dict[str, Any]:
         """KV memory and counters; when idle, free_tokens + cached_tokens_in_tree == max_total_tokens."""
@@ -150,7 +150,7 @@ class Scheduler:
             "evictable_tokens": tree.evictable_size() if tree is not None else 0,
             "protected_tokens": tree.protected_size() if tree is not None else 0,
             "num_running": len(a.running),
-            "num_waiting": len(a.waiting) + len(self.constraints) + (a.chunked is not None),
+            "num_waiting": len(a.waiting) + len(self.constraints) + len(a.partial),
             "num_sessions": len(self.cache.sessions),
             "pinned_tokens": self.cache.sessions.pinned_tokens(),
             **self._tier_info(),
@@ -333,8 +333,8 @@ class Scheduler:
             del req.kv_slots[req.kv_len :]
             req.table_synced = min(req.table_synced, req.kv_len)
             req.finished_reason = FinishReason.abort(f"internal error in the forward step: {error}")
-            if req is self.admission.chunked:
-                self.admission.chunked = None
+            if req in self.admission.partial:
+                self.admission.partial.remove(req)
             self._finish(req)
             failed.append(req)
         return failed
@@ -371,13 +371,13 @@ class Scheduler:
             return []
         a = self.admission
         rids, self._aborts = self._aborts, set()
-        live = [*a.waiting, *a.running, *([a.chunked] if a.chunked else [])]
+        live = [*a.waiting, *a.running, *a.partial]
         aborted = [r for r in live if r.rid in rids] + self.constraints.drop(rids)
         for req in aborted:
             req.finished_reason = FinishReason.abort("aborted by request")
             if req in a.waiting:
                 a.waiting.remove(req)
-            if req is a.chunked:
-                a.chunked = None
+            if req in a.partial:
+                a.partial.remove(req)
             self._finish(req)
         return aborted

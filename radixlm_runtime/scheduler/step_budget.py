@@ -1,15 +1,17 @@
 """The token budget of the next step, sized by time on this device.
 
-A step that carries prefill tokens should end within a target latency, or every running stream
-waits for it and every request that arrives meanwhile waits behind it. How many tokens fit depends
-on the device, the model and what else the machine runs, so it is measured while serving: each
-step's wall time is fitted against its token count (least squares over the recent steps, older
-ones weighing less), and the budget is what the fit says fits the target. The target is never
-below `decode_ratio` times what the fit predicts for the running requests' decode step alone: on
-a slow or busy machine, where even a decode step takes longer than the target, a step still spends
-most of its time on prefill instead of shrinking to a few tokens, and a stream's slowest gaps stay
-within that factor of its usual one. The budget grows at most twofold past the largest step measured so far,
-so it never extrapolates far from what was seen.
+A step that carries prefill tokens puts a gap into every running stream, and every request that
+arrives meanwhile waits behind it. How many tokens fit a given time depends on the device, the model
+and what else the machine runs, so it is measured while serving: each step's wall time is fitted
+against its token count (least squares over the recent steps, older ones weighing less), and the
+budget is what the fit says fits the step's target time:
+
+- while requests decode, `decode_ratio` times what the fit predicts for their decode step alone, so
+  a stream's slowest gaps stay within that factor of its usual one, on a fast device or a slow one;
+- while nothing decodes (nobody to stall), `target_s`, which bounds the wait of arrivals.
+
+The budget grows at most twofold past the largest step measured so far, so it never extrapolates
+far from what was seen.
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ class _Fit:
 
 
 class StepBudget:
-    """Tokens the next step may carry: `max_tokens` when no target is set, else as many as the
-    measured step times say fit the target (between MIN_STEP_TOKENS and max_tokens)."""
+    """Tokens the next step may carry: `max_tokens` when no target is set (`target_s` 0), else as
+    many as the measured step times say fit the step's target (between MIN_STEP_TOKENS and
+    max_tokens)."""
 
     def __init__(self, max_tokens: int, target_s: float, decode_ratio: float = 0.0) -> None:
         self.max_tokens = max_tokens
@@ -79,6 +82,8 @@ class StepBudget:
         if self._largest == 0:
             return min(self.max_tokens, FIRST_STEP_TOKENS)
         per_step, per_token = self._fit.line()
-        target = max(self.target_s, self.decode_ratio * (per_step + per_token * decode_tokens))
+        target = self.target_s
+        if decode_tokens and self.decode_ratio > 0.0:
+            target = self.decode_ratio * (per_step + per_token * decode_tokens)
         fits = int((target - per_step) / per_token)
         return max(MIN_STEP_TOKENS, min(fits, 2 * self._largest, self.max_tokens))

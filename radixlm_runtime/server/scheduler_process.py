@@ -33,7 +33,10 @@ class SchedulerProcess:
     def __init__(self, server_args: ServerArgs, model_dir: Path, in_addr: str, out_addr: str) -> None:
         self.args = server_args
         self.model_dir = model_dir
-        self.scheduler = build_scheduler(model_dir, server_args, load_tokenizer(model_dir))
+        # A tensor-parallel rank that dies ends this process (status 1), and with it the server.
+        self.scheduler = build_scheduler(
+            model_dir, server_args, load_tokenizer(model_dir), exit_on_rank_death=True
+        )
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.connect(in_addr)

@@ -27,13 +27,14 @@ import zmq.asyncio
 from radixlm_runtime.constrained.checker import GrammarChecker
 from radixlm_runtime.io import messages as msg
 from radixlm_runtime.io.finish import FinishReason
-from radixlm_runtime.io.limits import RequestLimits
+from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
 from radixlm_runtime.io.outputs import OutputState
 from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest, RequestPolicy, build_requests
 from radixlm_runtime.io.stop_holdback import StopHoldback
-from radixlm_runtime.io.tokenizer import decode_output, encode_prompt, eos_token_ids
+from radixlm_runtime.io.tokenizer import PromptEncoder, decode_output, eos_token_ids
 from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.server.errors import RequestError
+from radixlm_runtime.server.http_utils import invalid
 from radixlm_runtime.server.metrics import ServerMetrics
 from radixlm_runtime.server.scheduler_process import run_scheduler_process
 from radixlm_runtime.server_args import ServerArgs
@@ -55,10 +56,6 @@ RETRY_AFTER_S = 1
 # Threads that tokenize, render chat templates and detokenize off the event loop. HF fast
 # tokenizers release the GIL while encoding, so large prompts run in parallel with serving.
 TOKENIZER_THREADS = 8
-# A prompt text longer than context length x longest token (in characters) x this factor cannot fit
-# the context, and is refused before it is tokenized. The factor covers normalizers (NFC, NFKC) that
-# merge a few characters into one before tokenizing.
-PROMPT_CHARS_SLACK = 4
 # Threads that check new constraints: they bound the CPU a burst of bad constraints can take from
 # serving (constrained/checker.py).
 CONSTRAINT_CHECK_THREADS = 2
@@ -124,7 +121,8 @@ class TokenizerManager:
         # Set by abort_all at shutdown: no request starts after it.
         self.closed = False
         self._cpu = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
-        self._chars_per_token = PROMPT_CHARS_SLACK * max(map(len, tokenizer.get_vocab()), default=1)
+        # Text -> prompt ids with the context's character bound, once the scheduler is ready.
+        self._encoder: PromptEncoder | None = None
         # When the scheduler last showed progress (a step's outputs, or work sent to an idle loop).
         self.last_progress = time.monotonic()
         self.constraints = GrammarChecker(server_args.scheduler.grammar_backend, CONSTRAINT_CHECK_THREADS)
@@ -167,6 +165,7 @@ class TokenizerManager:
                 limits = RequestLimits(ready.vocab_size, ready.context_length, ready.max_total_tokens)
                 eos = eos_token_ids(self.tokenizer, [])
                 self.policy = RequestPolicy.of(limits, eos, self.sampling_defaults, self.args.server)
+                self._encoder = PromptEncoder(self.tokenizer, ready.context_length)
                 return ready
             if not self.proc.is_alive():
                 raise RuntimeError(f"scheduler process exited with code {self.proc.exitcode} while loading")
@@ -265,23 +264,11 @@ class TokenizerManager:
 
     def tokenize(self, text: str, field: str = "prompt") -> list[int]:
         """A prompt's ids; a text too long to fit the context is refused (400 naming field) first."""
-        self.check_prompt_chars(text, field)
-        return encode_prompt(self.tokenizer, text)
-
-    def check_prompt_chars(self, text: str, field: str) -> None:
-        """Refuses a prompt text that cannot fit the context whatever it says: more characters than
-        context length x the most characters one token of this tokenizer spells (x PROMPT_CHARS_SLACK),
-        before the seconds it would take to tokenize."""
-        assert self.ready is not None
-        ctx = self.ready.context_length
-        bound = ctx * self._chars_per_token
-        if len(text) > bound:
-            raise RequestError(
-                f"{field}: {len(text)} characters cannot fit the context length {ctx} (at most {bound} "
-                f"characters: {self._chars_per_token} per token)",
-                param=field,
-                code="context_length_exceeded",
-            )
+        assert self._encoder is not None
+        try:
+            return self._encoder(text, field)
+        except InvalidRequest as e:
+            raise invalid(e) from None
 
     def render_chat(
         self,
@@ -304,7 +291,11 @@ class TokenizerManager:
             )
         except Exception as e:  # the template itself rejects the conversation (e.g. role order)
             raise RequestError(f"messages: the chat template rejected them: {e}", param="messages") from None
-        self.check_prompt_chars(text, "messages")
+        assert self._encoder is not None
+        try:
+            self._encoder.check_chars(text, "messages")
+        except InvalidRequest as e:
+            raise invalid(e) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build(self, prompts: list[PromptArgs]) -> list[PromptRequest]:

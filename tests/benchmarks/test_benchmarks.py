@@ -100,6 +100,11 @@ def linear_cpu(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def tp(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_tp.py", out_dir, "tp")
+
+
+@pytest.fixture(scope="module")
 def jump_forward(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_jump_forward.py", out_dir, "jump_forward")
 
@@ -224,6 +229,20 @@ def test_jump_forward(jump_forward: dict[str, Any]) -> None:
     assert on["completion_tokens"] == on["sampled_tokens"] + on["jump_tokens"]
 
 
+def test_tp(tp: dict[str, Any]) -> None:
+    one, two = tp["results"]
+    assert (one["tp"], two["tp"]) == (1, 2) and tp["batches"] == [1, 2]
+    collectives = 2 * two["layers"] + 2  # after each attention and MLP block, the embedding, the logits
+    for r, per_step in ((one, 0), (two, collectives)):
+        phases = [r["prefill"], *r["decode"].values()]
+        assert r["prefill"]["steps"] == tp["sizes"]["prefills"]
+        assert [s["steps"] for s in r["decode"].values()] == [tp["sizes"]["steps"]] * 2
+        for s in phases:
+            assert s["collectives_per_step"] == per_step and s["step_ms"] > 0
+            assert (0 < s["comm_share"] < 1) if per_step else s["comm_ms"] == 0
+    assert one["decoder"] == two["decoder"] == "C++ one call"
+
+
 def test_host_overhead(host_overhead: dict[str, Any]) -> None:
     steps = host_overhead["sizes"]["steps"]
     assert [r["batch_size"] for r in host_overhead["results"]] == host_overhead["batch_sizes"] == [2, 4]
@@ -237,6 +256,20 @@ def test_host_overhead(host_overhead: dict[str, Any]) -> None:
         assert 1 <= r["host_reads_median"] <= r["host_reads_max"]
         assert sum(r["host_reads_by_method"].values()) >= steps
     assert [row[0] for row in host_overhead["tables"][0]["rows"]] == ["2", "4"]
+
+
+def test_long_context(out_dir: Path) -> None:
+    """Every turn of every conversation is measured on both radixlm servers; with the host tier the
+    follow-ups find the document in the cache, without it the pool (half the documents) has lost it."""
+    result = run_tiny("bench_long_context.py", out_dir, "long_context")
+    servers = result["servers"]
+    assert list(servers) == ["host_off", "host_on"]
+    assert result["pool_tokens"] < result["working_set_tokens"]
+    for turns in servers.values():
+        assert len(turns) == 3 and all(t["ttft_ms_mean"] > 0 for t in turns)
+        assert [t["prompt_tokens"] for t in turns] == [t["prompt_tokens"] for t in servers["host_off"]]
+    assert all(t["cached_share"] > 0.9 for t in servers["host_on"][1:])
+    assert all(t["cached_share"] < 0.5 for t in servers["host_off"][1:])
 
 
 def test_kv_tiers(out_dir: Path) -> None:
@@ -271,6 +304,24 @@ def test_kv_restart(out_dir: Path) -> None:
     assert warm["cached_tokens"] == [p - 1 for p in warm["prompt_tokens"]]
     assert warm["disk_hit_tokens"] >= sum(warm["cached_tokens"]) - 8 and warm["disk_failed_tokens"] == 0
     assert result["identical"] == [True, True] and result["ttft_speedup"] > 0
+
+
+def test_kv_quant(out_dir: Path) -> None:
+    """int8 KV: 3.76x float32's tokens per GiB at the default model's shape (codes plus two float32
+    scales per token and kv head), both decode runs serve every request from their cached prompts, and
+    the accuracy rows compare int8 with float32 KV on the same questions."""
+    result = run_tiny("bench_kv_quant.py", out_dir, "kv_quant")
+    mem = result["memory"]
+    assert mem["fp32"]["vs_fp32"] == 1 and mem["bf16"]["vs_fp32"] == 2
+    assert mem["int8"]["vs_fp32"] == pytest.approx(4 * 64 / (64 + 4))
+    for r in result["decode"].values():
+        assert r["output_tok_per_s"] > 0 and 0.9 < r["cache_hit_rate"] < 1
+    assert 0 <= result["decode_token_agreement"] <= 1
+    for task in ("gsm8k", "mmlu"):
+        a = result["accuracy"][task]
+        assert a["num_questions"] == 2 and set(a["correct"]) == {"fp32", "int8"}
+        assert a["gap_questions"] == abs(a["correct"]["int8"] - a["correct"]["fp32"])
+        assert 0 <= a["agreement"]["identical"] <= 1
 
 
 def test_router(out_dir: Path) -> None:

@@ -11,6 +11,7 @@ from device_helpers import TEST_DEVICE, tolerance
 
 import radixlm_runtime as rt
 from radixlm_runtime.attention.base import AttentionLayer
+from radixlm_runtime.attention.registry import create_attention_backend
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
@@ -193,14 +194,14 @@ def _reference_attention(
 
 
 def _hand_built_step(
-    extend_lens: list[int], head_dim: int, device: torch.device
+    extend_lens: list[int], head_dim: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> tuple[KVPool, ReqToTokenTable, list[list[int]], ForwardBatch]:
     """Four requests, the first three sharing 40 prefix slots and the last an outsider, sitting in
-    scattered table rows; each adds its last extend_lens[b] tokens this step. The KV pool holds
-    random data in every slot."""
-    pool = KVPool(400, 1, 2, head_dim, torch.float32, device)
-    pool.k_buffers[0][1:] = torch.randn(400, 2, head_dim)
-    pool.v_buffers[0][1:] = torch.randn(400, 2, head_dim)
+    scattered table rows; each adds its last extend_lens[b] tokens this step. The KV pool (of dtype)
+    holds random data in every slot, stored as set_kv stores it."""
+    pool = KVPool(400, 1, 2, head_dim, dtype, device)
+    k, v = torch.randn(400, 2, head_dim), torch.randn(400, 2, head_dim)
+    pool.set_kv(0, torch.arange(1, 401, device=device), k.to(device), v.to(device))
     shared = list(range(1, 41))
     seqs = [shared + list(range(50 + 30 * i, 50 + 30 * i + 7 + i)) for i in range(3)]
     seqs.append(list(range(300, 337)))
@@ -296,3 +297,45 @@ def test_plain_attention_with_lse_matches_the_cpu_kernel() -> None:
         ref_out, ref_lse = _flash(q, k, v, m, 0.25)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse.reshape(ref_lse.shape), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# The quantized pools of --kv-cache-dtype: int8 (with scales) everywhere, fp8 on sm89+ GPUs (the engine
+# refuses it on the CPU; the backends read it there too, the Triton kernels under the interpreter).
+QUANTIZED_KV = [torch.int8, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", QUANTIZED_KV, ids=["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(
+    "extend_lens", [[1, 1, 1, 1], [1, 3, 5, 2], [1, 1, 20, 4]], ids=["decodes", "short", "long"]
+)
+def test_quantized_pools_read_as_their_dequantized_values(
+    backend: str, dtype: torch.dtype, extend_lens: list[int], test_device: torch.device
+) -> None:
+    """forward stores the new tokens quantized (int8 codes and scales, as quantize_int8 computes them;
+    fp8 cast), then every token attends over its request's K/V read straight from the quantized pool:
+    dense attention over the pool's dequantized values (KVPool.read_kv), within float32 rounding."""
+    old_gpu = test_device.type == "cuda" and torch.cuda.get_device_capability(test_device) < (8, 9)
+    if dtype == torch.float8_e4m3fn and old_gpu:
+        pytest.skip("fp8 KV needs a GPU of compute capability 8.9 or later")
+    torch.manual_seed(0)
+    num_q_heads, head_dim = 6, 16
+    scale = head_dim**-0.5
+    pool, table, seqs, batch = _hand_built_step(extend_lens, head_dim, test_device, dtype)
+    attn = create_attention_backend(backend, pool, table, AttentionLayer.uniform(pool.num_layers, scale))
+    attn.init_forward_metadata(batch)
+    q = torch.randn(batch.num_tokens, num_q_heads, head_dim, device=test_device)
+    k = torch.randn(batch.num_tokens, 2, head_dim, device=test_device)
+    v = torch.randn(batch.num_tokens, 2, head_dim, device=test_device)
+    got = attn.forward(q, k, v, 0, batch)
+    stored = KVPool(pool.size, 1, 2, head_dim, dtype, test_device)
+    stored.set_kv(0, batch.out_cache_loc, k, v)
+    for mine, theirs in zip(pool.layer_tensors(0), stored.layer_tensors(0)):
+        bits = mine[batch.out_cache_loc].cpu().view(torch.uint8)
+        assert torch.equal(bits, theirs[batch.out_cache_loc].cpu().view(torch.uint8))
+    k_all, v_all = (t.cpu() for t in pool.read_kv(0, slice(None), torch.float32))
+    want = _reference_attention(q.cpu(), k_all, v_all, seqs, extend_lens, scale)
+    atol, rtol = tolerance(torch.float32)
+    torch.testing.assert_close(got.cpu(), want, atol=atol, rtol=rtol)
+    # Quantized, not float32: the stored K differ from the new tokens' own.
+    assert not torch.equal(k_all[batch.out_cache_loc.cpu()], k.cpu())

@@ -8,7 +8,10 @@ around and past 3x the window, shared-prefix groups whose prefix a member's wind
 --deterministic's per-token decodes. Each over a float32 pool and a bf16 one (--dtype bfloat16 on CPU),
 whose reference is float32 math on the bf16-rounded K/V and queries: paths 0-2 give over a bf16 pool the
 bits they give over a float32 pool holding the rounded values; path 3 (vdpbf16ps prefill scores, where
-the CPU has AVX512-BF16) agrees within float32 rounding; every path is batch- and chunk-invariant."""
+the CPU has AVX512-BF16) agrees within float32 rounding; every path is batch- and chunk-invariant. And over
+an int8 pool (--kv-cache-dtype int8), whose reference is the dequantized K/V: every path gives the bits it
+gives within float32 rounding of a float32 pool holding them, and its store quantizes as KVPool.set_kv
+does."""
 
 from __future__ import annotations
 
@@ -39,9 +42,11 @@ from radixlm_runtime.layers.linear_kernels import bf16_available
 MODES = [SCALAR, AVX2, AVX512]
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 BF16 = torch.bfloat16
+INT8 = torch.int8
 # (pool dtype, mode): a float32 pool on each path (AVX512_BF16 runs AVX512's there), a bf16 one on each
-# path including vdpbf16ps's (AVX512's where the CPU lacks it).
+# path including vdpbf16ps's (AVX512's where the CPU lacks it), an int8 one on each path.
 POOL_MODES = [(torch.float32, m) for m in MODES] + [(BF16, m) for m in [*MODES, AVX512_BF16]]
+POOL_MODES += [(INT8, m) for m in MODES]
 POOL_MODE_IDS = [f"{str(d)[6:]}-mode{m}" for d, m in POOL_MODES]
 needs_bf16 = pytest.mark.skipif(
     not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
@@ -50,8 +55,22 @@ needs_bf16 = pytest.mark.skipif(
 
 def _kernel_queries(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """q as the kernels use it over a pool of dtype, unscaled again for a reference that scales: over a
-    bf16 pool each scaled query is rounded to bf16."""
-    return q if dtype == torch.float32 else (q * scale).to(BF16).float() / scale
+    bf16 pool each scaled query is rounded to bf16 (over float32 and int8 ones it is used as it is)."""
+    return (q * scale).to(BF16).float() / scale if dtype == BF16 else q
+
+
+def _fill(pool: KVPool, gen: torch.Generator) -> None:
+    """Random K/V (standard normal) in every slot but the dummy of layer 0, stored as set_kv stores them
+    (an int8 pool's quantized)."""
+    shape = (pool.size, pool.num_kv_heads, pool.head_dim)
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    pool.set_kv(0, torch.arange(1, pool.size + 1), k, v)
+
+
+def _dense(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's K/V as the reference reads them: float32 (a bf16 pool's widened, an int8 pool's
+    dequantized)."""
+    return pool.read_kv(0, slice(None), torch.float32)
 
 
 def _shuffled_step(
@@ -68,8 +87,7 @@ def _shuffled_step(
     gen = torch.Generator().manual_seed(seed)
     size = sum(seq_lens) + 50
     pool = KVPool(size, 1, num_kv_heads, head_dim, dtype, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    _fill(pool, gen)
     perm = (torch.randperm(size, generator=gen) + 1).tolist()
     seqs, start = [], 0
     for n in seq_lens:
@@ -147,10 +165,12 @@ def test_forward_matches_dense_reference(
     backend.init_forward_metadata(batch)
     assert batch.attn_metadata.requests.shape == (4, len(seq_lens))
     got = backend.forward(q, k, v, 0, batch)
-    assert torch.equal(pool.k_buffers[0][batch.out_cache_loc], k.to(dtype))
-    assert torch.equal(pool.v_buffers[0][batch.out_cache_loc], v.to(dtype))
+    stored = KVPool(pool.size, 1, num_kv_heads, head_dim, dtype, "cpu")
+    stored.set_kv(0, batch.out_cache_loc, k, v)
+    for mine, theirs in zip(pool.layer_tensors(0), stored.layer_tensors(0)):
+        assert torch.equal(mine[batch.out_cache_loc], theirs[batch.out_cache_loc])
     q_ref = _kernel_queries(q, scale, dtype)
-    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
+    want = _reference_attention(q_ref, *_dense(pool), seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -203,8 +223,7 @@ def _shared_prefix_step(
     num_kv_heads, head_dim = 3, 64
     size = 2000
     pool = KVPool(size, 1, num_kv_heads, head_dim, dtype, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
-    pool.v_buffers[0][1:] = torch.randn(size, num_kv_heads, head_dim, generator=gen)
+    _fill(pool, gen)
     free = iter((torch.randperm(size, generator=gen) + 1).tolist())
     first, second = [next(free) for _ in range(150)], [next(free) for _ in range(40)]
     seqs = [first + [next(free) for _ in range(1 + i % 7)] for i in range(20)]
@@ -235,7 +254,7 @@ def test_shared_prefix_groups_match_the_dense_reference(dtype: torch.dtype, mode
     seqs, extend_lens = batch.seq_slots_cpu, batch.extend_lens_cpu
     scale = head_dim**-0.5
     q_ref = _kernel_queries(q, scale, dtype)
-    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, extend_lens, scale)
+    want = _reference_attention(q_ref, *_dense(pool), seqs, extend_lens, scale)
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -253,8 +272,7 @@ def _check_group_step(
     gen = torch.Generator().manual_seed(seed)
     size = 130 + 5 * members
     pool = KVPool(size, 1, kv_heads, head_dim, dtype, "cpu")
-    pool.k_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
-    pool.v_buffers[0][1:] = torch.randn(size, kv_heads, head_dim, generator=gen)
+    _fill(pool, gen)
     free = iter((torch.randperm(size, generator=gen) + 1).tolist())
     prefix = [next(free) for _ in range(130)]
     seqs = [prefix + [next(free) for _ in range(1 + i % 5)] for i in range(members)]
@@ -266,7 +284,7 @@ def _check_group_step(
     assert batch.attn_metadata.groups[1].tolist() == [members]
     q = torch.randn(members, q_heads, head_dim, generator=gen)
     q_ref = _kernel_queries(q, scale, dtype)
-    want = _reference_attention(q_ref, pool.k_buffers[0], pool.v_buffers[0], seqs, [1] * members, scale)
+    want = _reference_attention(q_ref, *_dense(pool), seqs, [1] * members, scale)
     torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
 
@@ -290,7 +308,7 @@ def test_steps_of_other_shapes_reuse_the_kernel_buffers_safely(dtype: torch.dtyp
     _check_group_step(mode, members=2, kv_heads=1, q_heads=8, head_dim=128, seed=7, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, INT8])
 def test_vector_widths_give_the_same_bits(dtype: torch.dtype) -> None:
     """Prefill chunks run the rows-as-lanes kernel on AVX2 and AVX-512 vectors alike, each lane the same
     operations in the same order, and decode tokens the same AVX2 tiles: so a whole step gives the same
@@ -329,7 +347,7 @@ def test_store_writes_what_set_kv_writes(dtype: torch.dtype) -> None:
     k[0].view(-1)[: len(SPECIAL)] = torch.tensor(SPECIAL)  # writes through into the fused projection
     v[5].view(-1)[: len(SPECIAL)] = torch.tensor(SPECIAL[::-1])
     pools[0].set_kv(1, loc, k, v)
-    cpu_backend.store_kv(pools[1].k_buffers[1], pools[1].v_buffers[1], loc, k, v)
+    cpu_backend.store_kv(pools[1], 1, loc, k, v)
     bits = torch.int16 if dtype == BF16 else torch.int32
     for a, b in zip(pools[0].k_buffers + pools[0].v_buffers, pools[1].k_buffers + pools[1].v_buffers):
         nan = a.isnan()
@@ -359,7 +377,7 @@ def test_cpu_features_pick_the_path() -> None:
 
 def test_rejects_what_it_cannot_serve() -> None:
     table = ReqToTokenTable(2, 8)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         CpuAttentionBackend(KVPool(8, 1, 1, 8, torch.float16, "cpu"), table, AttentionLayer.uniform(1, 1.0))
 
 
@@ -532,7 +550,7 @@ def test_each_layer_runs_with_its_own_window_and_softcap() -> None:
     assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, INT8])
 def test_windowed_softcapped_vector_widths_give_the_same_bits(dtype: torch.dtype) -> None:
     """Windowed, soft-capped prefill chunks on AVX2 and AVX-512 lanes run the same operations per lane
     (tanh included): the same bits on either width."""
@@ -549,11 +567,12 @@ def test_windowed_softcapped_vector_widths_give_the_same_bits(dtype: torch.dtype
 # ---------------------------------------------------------------- bf16 pools
 
 
-def _rounded_copy(pool: KVPool) -> KVPool:
-    """A float32 pool holding a bf16 pool's values (widened: exact)."""
+def _float32_copy(pool: KVPool) -> KVPool:
+    """A float32 pool holding a bf16 pool's values (widened: exact) or an int8 pool's dequantized ones."""
     copy = KVPool(pool.size, pool.num_layers, pool.num_kv_heads, pool.head_dim, torch.float32, "cpu")
-    for mine, theirs in zip(copy.k_buffers + copy.v_buffers, pool.k_buffers + pool.v_buffers):
-        mine.copy_(theirs)
+    for layer in range(pool.num_layers):
+        for mine, theirs in zip(copy.layer_tensors(layer), pool.read_kv(layer, slice(None), torch.float32)):
+            mine.copy_(theirs)
     return copy
 
 
@@ -573,8 +592,55 @@ def test_a_bf16_pool_reads_as_a_float32_pool_of_its_rounded_values(
         layer = AttentionLayer(0.5, *features)
         q_rounded = q.to(BF16).float()
         got = _cpu_attend(pool, table, layer, q, batch, mode, per_token)
-        want = _cpu_attend(_rounded_copy(pool), table, layer, q_rounded, batch, mode, per_token)
+        want = _cpu_attend(_float32_copy(pool), table, layer, q_rounded, batch, mode, per_token)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "features", [(None, None), (WINDOW, 2.0), (None, 2.0)], ids=["plain", "window-softcap", "softcap"]
+)
+@pytest.mark.parametrize("per_token", [False, True], ids=["batched", "per-token"])
+def test_an_int8_pool_reads_as_a_float32_pool_of_its_dequantized_values(
+    mode: int, features: tuple[int | None, float | None], per_token: bool
+) -> None:
+    """Every path reads an int8 pool's codes as they are (converted in registers on the decode tiles, per
+    block into the scratch on the rows-as-lanes path, element by element on the scalar one) and applies
+    the scales once per key: k_scale x (q . codes), (p x v_scale) . codes. Within float32 rounding of the
+    same path over a float32 pool holding the dequantized K/V, so its errors are the quantization's
+    alone. Decodes, extends, prefill chunks and shared-prefix groups alike."""
+    for step in (_window_step, _groups_step):
+        pool, table, batch, q = step(INT8)
+        layer = AttentionLayer(0.5, *features)
+        got = _cpu_attend(pool, table, layer, q, batch, mode, per_token)
+        want = _cpu_attend(_float32_copy(pool), table, layer, q, batch, mode, per_token)
+        torch.testing.assert_close(got, want, **TOL)
+        unquantized = _cpu_attend(step(torch.float32)[0], table, layer, q, batch, mode, per_token)
+        # The quantization shows, within its error: K/V off by up to max |x| / 254 per element.
+        err = (got - unquantized).abs()
+        assert 0 < err.mean() < 0.01 and err.max() < 0.2
+
+
+def test_int8_store_quantizes_as_set_kv_does() -> None:
+    """The C++ store writes an int8 pool's codes and scales with the bits of KVPool.set_kv's quantize_int8
+    (scale max |x| / 127, codes rounded to nearest even), from strided k/v views: ties, an all-zero head
+    (scale 0, codes 0), values of every magnitude; the other slots untouched."""
+    gen = torch.Generator().manual_seed(5)
+    pools = [KVPool(64, 2, 3, 8, INT8, "cpu") for _ in range(2)]
+    for pool in pools:
+        for t in pool.tensors():
+            t.fill_(-3)
+    loc = torch.randperm(64, generator=gen)[:11] + 1
+    _, k, v = _qkv_views(11, 6, 3, 8, seed=2)
+    k[0, 0] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])  # scale 1: ties to even
+    k[1, 2] = 0.0
+    v[3] *= torch.logspace(-30, 30, 8)
+    pools[0].set_kv(1, loc, k, v)
+    cpu_backend.store_kv(pools[1], 1, loc, k, v)
+    for a, b in zip(pools[0].tensors(), pools[1].tensors()):
+        assert torch.equal(a, b)
+    assert pools[1].k_buffers[1][loc[0], 0].tolist() == [127, 2, -4, 0, 0, 2, 126, -126]
+    assert pools[1].k_scales[1][loc[1], 2] == 0 and torch.all(pools[1].k_buffers[1][loc[1], 2] == 0)
 
 
 # One request of 150 tokens prefilled in pieces (each over the KV of the pieces before it), and the pieces'

@@ -2,13 +2,14 @@
 natively on a GPU under RADIXLM_TEST_DEVICE=cuda, otherwise under the Triton interpreter
 (tests/device_helpers.py switches it on for the whole session, before any Triton import)."""
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import pytest
 import torch
 from device_helpers import TEST_DEVICE, tolerance
 
 from radixlm_runtime.attention import triton_kernels
+from radixlm_runtime.kvcache.pool import dequantize_int8, quantize_int8
 
 MAX_REQS = 4
 MAX_CONTEXT = 160
@@ -101,7 +102,8 @@ def reference_attention(batch: Batch) -> torch.Tensor:
     return out
 
 
-def run_extend(batch: Batch) -> torch.Tensor:
+def run_extend(batch: Batch, **scales: torch.Tensor) -> torch.Tensor:
+    """`scales`: an int8 pool's k_scale and v_scale."""
     o = torch.full_like(batch.q, float("nan"))
     triton_kernels.extend_attention_fwd(
         batch.q,
@@ -115,11 +117,12 @@ def run_extend(batch: Batch) -> torch.Tensor:
         batch.extend_start_loc,
         int(batch.extend_lens.max()),
         batch.sm_scale,
+        **scales,
     )
     return o
 
 
-def run_decode(batch: Batch, num_kv_splits: int) -> torch.Tensor:
+def run_decode(batch: Batch, num_kv_splits: int, **scales: torch.Tensor) -> torch.Tensor:
     o = torch.full_like(batch.q, float("nan"))
     triton_kernels.decode_attention_fwd(
         batch.q,
@@ -131,6 +134,7 @@ def run_decode(batch: Batch, num_kv_splits: int) -> torch.Tensor:
         batch.seq_lens,
         batch.sm_scale,
         num_kv_splits=num_kv_splits,
+        **scales,
     )
     return o
 
@@ -207,3 +211,60 @@ def test_decode_agrees_with_single_token_extend() -> None:
     batch = make_batch([33, 0, 12], [1, 1, 1], seed=5)
     atol, rtol = (1e-5, 1e-5) if TEST_DEVICE == "cpu" else tolerance(torch.float32)
     torch.testing.assert_close(run_decode(batch, num_kv_splits=8), run_extend(batch), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------- quantized pools
+
+
+def int8_batch(batch: Batch) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """The batch over an int8 pool (KVPool.set_kv's quantize_int8) and its K and V scales, the unused
+    slots' scales NaN to catch stray reads."""
+    cpu = batch.to("cpu")
+    unused = cpu.k_buffer[:, 0, 0].isnan()
+    k, k_scale = quantize_int8(torch.nan_to_num(cpu.k_buffer))
+    v, v_scale = quantize_int8(torch.nan_to_num(cpu.v_buffer))
+    k_scale[unused] = v_scale[unused] = float("nan")
+    device = batch.q.device
+    return (
+        replace(batch, k_buffer=k.to(device), v_buffer=v.to(device)),
+        k_scale.to(device),
+        v_scale.to(device),
+    )
+
+
+def int8_reference(batch: Batch, k_scale: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor:
+    """The reference over the float32 pool of the int8 pool's dequantized values."""
+    k = dequantize_int8(batch.k_buffer.cpu(), k_scale.cpu(), torch.float32)
+    v = dequantize_int8(batch.v_buffer.cpu(), v_scale.cpu(), torch.float32)
+    return reference_attention(replace(batch.to("cpu"), k_buffer=k, v_buffer=v))
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_extend_reads_an_int8_pool(head_dim: int) -> None:
+    """Extends over a cached prefix and fresh prompts, K/V int8 codes dequantized per block with their
+    slots' scales: the attention of the dequantized pool (and within the quantization's error of the
+    unquantized one)."""
+    batch = make_batch([0, 37, 70], [20, 5, 66], head_dim=head_dim, seed=3)
+    int8, k_scale, v_scale = int8_batch(batch)
+    o = run_extend(int8, k_scale=k_scale, v_scale=v_scale)
+    atol, rtol = tolerance(o.dtype)
+    torch.testing.assert_close(o.cpu(), int8_reference(int8, k_scale, v_scale), atol=atol, rtol=rtol)
+    torch.testing.assert_close(o.cpu(), reference_attention(batch), atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_decode_reads_an_int8_pool(num_kv_splits: int) -> None:
+    """Decodes over sequences shorter and longer than a KV block, split or not: the attention of the
+    dequantized pool."""
+    batch = make_batch([0, 63, 130], [1, 1, 1], seed=4)
+    int8, k_scale, v_scale = int8_batch(batch)
+    o = run_decode(int8, num_kv_splits, k_scale=k_scale, v_scale=v_scale)
+    atol, rtol = tolerance(o.dtype)
+    torch.testing.assert_close(o.cpu(), int8_reference(int8, k_scale, v_scale), atol=atol, rtol=rtol)
+
+
+def test_an_int8_pool_needs_its_scales() -> None:
+    batch = make_batch([0], [4], seed=5)
+    int8, _, _ = int8_batch(batch)
+    with pytest.raises(ValueError, match="int8 KV pool is read with its k_scale and v_scale"):
+        run_decode(int8, num_kv_splits=1)

@@ -7,6 +7,8 @@ without bf16 dot products --dtype bfloat16 runs float32, the KV pool included.""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,13 +87,12 @@ def test_cached_equals_uncached_under_deterministic(tiny_llama_dir: Path, native
     assert [(ids, lps) for ids, lps, _ in first] == [(ids, lps) for ids, lps, _ in want]
 
 
-@needs_bf16
-def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Path) -> None:
-    """A pool too small for the prompts: their prefixes go to the bf16 host tier and come back from it
-    (copies between two bf16 pools), with the tokens and logprobs of an engine without a cache."""
+def check_host_tier_round_trip(engine: Callable[..., rt.Engine]) -> None:
+    """A pool too small for the prompts: their prefixes go to the host tier and come back from it, with
+    the tokens and logprobs of an engine without a cache (both made by `engine(**flags)`)."""
     prompts = [f"document {i} " + "the theater then an answer abc " * 6 + f" question {i}" for i in range(8)]
-    fresh = _engine(tiny_llama_dir, deterministic=True, disable_radix_cache=True)
-    tiered = _engine(tiny_llama_dir, deterministic=True, max_total_tokens=300, kv_host_tokens=4096)
+    fresh = engine(deterministic=True, disable_radix_cache=True)
+    tiered = engine(deterministic=True, max_total_tokens=300, kv_host_tokens=4096)
     try:
         want = _generate(fresh, prompts)
         for p in prompts:
@@ -103,6 +104,12 @@ def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Pa
         tiered.shutdown()
     assert [(ids, lps) for ids, lps, _ in got] == [(ids, lps) for ids, lps, _ in want]
     assert info["host_hit_tokens"] > 0
+
+
+@needs_bf16
+def test_prefixes_evicted_to_the_host_tier_come_back_the_same(tiny_llama_dir: Path) -> None:
+    """Copies between two bf16 pools."""
+    check_host_tier_round_trip(functools.partial(_engine, tiny_llama_dir))
 
 
 @needs_bf16

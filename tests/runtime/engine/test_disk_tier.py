@@ -92,6 +92,30 @@ def test_a_restarted_engine_serves_prefixes_from_disk(
     second.shutdown()
 
 
+def test_an_int8_pool_survives_a_restart_bit_for_bit(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The disk tier stores every tensor the pool holds: an int8 pool's codes and per-token scales
+    come back from disk with the tokens and logprobs of an uncached int8 engine."""
+    uncached = rt.Engine(
+        str(tiny_llama_dir),
+        dtype="float32",
+        kv_cache_dtype="int8",
+        disable_radix_cache=True,
+        deterministic=True,
+        max_total_tokens=4096,
+        log_level="warning",
+    )
+    want = uncached.generate(PROMPTS[:4], GREEDY, return_logprob=True)
+    first = _engine(tiny_llama_dir, tmp_path, kv_cache_dtype="int8")
+    _serve(first)
+    first.shutdown()
+    second = _engine(tiny_llama_dir, tmp_path, kv_cache_dtype="int8")
+    outs = [second.generate(p, GREEDY, return_logprob=True) for p in PROMPTS[:4]]
+    _same_as_reference(outs, want)
+    assert all(o["meta_info"]["cached_tokens"] >= o["meta_info"]["prompt_tokens"] - 2 for o in outs)
+    assert second.get_server_info()["disk_hit_tokens"] > 0
+    second.shutdown()
+
+
 def test_another_model_on_the_same_directory_gets_no_hits(
     tiny_llama_dir: Path, reference: list[dict], tmp_path: Path
 ) -> None:
@@ -178,7 +202,7 @@ def test_entries_hold_every_tensor_of_the_pool(tiny_llama_dir: Path, tmp_path: P
     engine = _engine(tiny_llama_dir, tmp_path)
     engine.generate(PROMPTS[0], GREEDY)
     pool = engine.runner.kv_pool
-    names = [n for n, _ in pool.token_tensors()]
+    names = [n for n, _ in pool.named_tensors()]
     engine.shutdown()
     path = _entries(tmp_path)[0]
     with path.open("rb") as f:

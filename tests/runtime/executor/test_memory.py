@@ -173,6 +173,32 @@ def test_bf16_arithmetic_on_the_cpu_keeps_kv_in_bf16_and_twice_the_tokens(
         assert tokens == int(10 * GIB * 0.15) // per_token
 
 
+def test_an_int8_kv_cache_holds_nearly_four_times_the_tokens(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-cache-dtype int8: the pool's bytes per token are its codes plus a float32 scale per kv head
+    for K and for V, so the same memory holds (4 D) / (D + 4) times float32's tokens (3.76x at the
+    default model's head dim 64). fp8 needs a CUDA GPU: on the CPU a ValueError names the flag."""
+    assert kv_dtype_for(torch.float32, FP32, CPU, "int8") == torch.int8
+    assert kv_dtype_for(torch.float32, BF16, CPU, "int8") == torch.int8
+    assert kv_dtype_for(torch.float32, FP32, CPU, "auto") == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' needs a CUDA GPU"):
+        kv_dtype_for(torch.float32, FP32, CPU, "fp8_e4m3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        kv_dtype_for(torch.float32, FP32, CPU, "int4")
+    model = ModelConfig.from_dir(tiny_llama_dir)
+    limits = StepLimits(max_step_tokens=64, context_len=512, max_running_requests=8, graph_batch=0)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 10 * GIB)
+    tokens = {
+        d: kv_pool_size(EngineConfig(), model, d, CPU, limits, no_scratch)
+        for d in (torch.float32, torch.int8)
+    }
+    per_token = 2 * model.num_layers * model.num_kv_heads * (model.head_dim + 4)
+    assert tokens[torch.int8] == int(10 * GIB * 0.15) // per_token
+    ratio = tokens[torch.int8] / tokens[torch.float32]
+    assert ratio == pytest.approx(4 * model.head_dim / (model.head_dim + 4), rel=1e-3)
+
+
 def test_step_limits_follow_the_engine_flags() -> None:
     config = EngineConfig(max_running_requests=12, cuda_graph_max_bs=8)
     assert StepLimits.of(config, 2048, 512) == StepLimits(2048, 512, 12, 8)

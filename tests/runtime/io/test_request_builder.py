@@ -97,6 +97,10 @@ CASES = [
          "(--max-logprobs)", args={"return_logprob": True, "top_logprobs_num": 21}),
     Case("prompt longer than the context", {}, {"prompt": "ab " * 400}, "text", "prompt",
          f"longer than the context length {CONTEXT_LEN}", args={"text": "ab " * 400}),
+    # Refused by its length in characters before it is tokenized, offline too (was server-only).
+    Case("prompt text no tokenization can fit", {}, {"prompt": "x" * 200_000}, "text", "prompt",
+         f"200000 characters cannot fit the context length {CONTEXT_LEN}", args={"text": "x" * 200_000},
+         code="context_length_exceeded"),
 ]  # fmt: skip
 
 

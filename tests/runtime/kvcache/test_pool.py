@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixlm_runtime.kvcache import RowAllocator, TokenAllocator
-from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable, dequantize_int8, quantize_int8
 
 
 def _free_set(alloc: TokenAllocator) -> set[int]:
@@ -358,25 +358,82 @@ def test_req_to_token_table_write_of_nothing_is_a_noop() -> None:
     assert torch.all(table.req_to_token == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_copy_from_moves_every_layer_between_pools(test_device: torch.device, dtype: torch.dtype) -> None:
-    """The host tier's copies: the device pool's slots into host slots and back, K and V of every
-    layer, bit for bit; the other slots untouched. Both tiers of a bf16 pool (--dtype bfloat16 on CPU)
-    are bf16."""
+    """The host tier's copies: the device pool's slots into host slots and back, every tensor of every
+    layer (K and V, an int8 pool's scales too), bit for bit; the other slots untouched. Both tiers of a
+    bf16 pool (--dtype bfloat16 on CPU) are bf16, of an int8 one (--kv-cache-dtype int8) int8."""
     device = KVPool(8, 3, 2, 4, dtype, test_device)
     host = KVPool(6, 3, 2, 4, dtype, "cpu")
-    for buf in device.k_buffers + device.v_buffers + host.k_buffers + host.v_buffers:
-        buf.copy_(torch.randn(buf.shape))
-    before = [b.clone() for b in host.k_buffers + host.v_buffers]
+    assert len(host.tensors()) == 3 * (4 if dtype == torch.int8 else 2)
+    for buf in device.tensors() + host.tensors():
+        buf.copy_((torch.randn(buf.shape) * 30).to(buf.dtype))
+    before = [b.clone() for b in host.tensors()]
     host.copy_from(device, [3, 7, 1], [6, 2, 4])
-    for mine, theirs, old in zip(
-        host.k_buffers + host.v_buffers, device.k_buffers + device.v_buffers, before
-    ):
+    for mine, theirs, old in zip(host.tensors(), device.tensors(), before):
         assert torch.equal(mine[[6, 2, 4]], theirs[[3, 7, 1]].cpu())
         assert torch.equal(mine[[1, 3, 5]], old[[1, 3, 5]])
     device.copy_from(host, [6, 2], [5, 8])
-    for mine, theirs in zip(device.k_buffers + device.v_buffers, host.k_buffers + host.v_buffers):
+    for mine, theirs in zip(device.tensors(), host.tensors()):
         assert torch.equal(mine[[5, 8]].cpu(), theirs[[6, 2]])
+
+
+def test_an_int8_pool_copies_only_to_and_from_int8() -> None:
+    """Codes without their scales mean nothing in another pool: such a copy is refused."""
+    int8, fp32 = KVPool(4, 1, 1, 4, torch.int8, "cpu"), KVPool(4, 1, 1, 4, torch.float32, "cpu")
+    for dst, src in ((int8, fp32), (fp32, int8)):
+        with pytest.raises(ValueError, match="int8 only to int8"):
+            dst.copy_from(src, [1], [2])
+
+
+def test_int8_round_trip_error_is_within_half_a_step() -> None:
+    """quantize_int8: per (token, head) the largest |x| becomes +-127 exactly, every value comes back
+    within half a quantization step (scale / 2), an all-zero head stays zero (scale 0)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 64, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    x[5, 1] = 0.0
+    codes, scale = quantize_int8(x)
+    assert codes.dtype == torch.int8 and scale.shape == (64, 3) and scale.dtype == torch.float32
+    assert torch.equal(
+        codes.abs().amax(-1)[scale > 0], torch.full_like(scale[scale > 0], 127, dtype=torch.int8)
+    )
+    back = dequantize_int8(codes, scale, torch.float32)
+    err = (back - x).abs()
+    assert torch.all(err <= scale[..., None] * (0.5 + 1e-5))
+    assert torch.all(err / x.abs().amax(-1, keepdim=True).clamp_min(1e-30) <= 1 / 254 + 1e-6)
+    assert scale[5, 1] == 0 and torch.all(codes[5, 1] == 0) and torch.all(back[5, 1] == 0)
+
+
+def test_an_int8_pool_stores_codes_and_scales_and_reads_them_dequantized() -> None:
+    """set_kv quantizes into the layer's codes and scales (slot 0 stays the zeroed dummy); read_kv gathers
+    and dequantizes the rows asked for (index or slice), nothing else; the layer's tensors are listed K,
+    V, K-scale, V-scale for tier code; a token costs 2 L H (D + 4) bytes, 3.76x fewer than float32's at
+    the default model's shape."""
+    pool = KVPool(10, 2, 3, 8, torch.int8, "cpu")
+    assert pool.quantized and pool.layer_tensors(1) == [
+        pool.k_buffers[1],
+        pool.v_buffers[1],
+        pool.k_scales[1],
+        pool.v_scales[1],
+    ]
+    assert all(torch.all(t[0] == 0) for t in pool.tensors())
+    k, v = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    loc = torch.tensor([7, 2, 9, 4])
+    pool.set_kv(1, loc, k, v)
+    for codes, scales, x in (
+        (pool.k_buffers[1], pool.k_scales[1], k),
+        (pool.v_buffers[1], pool.v_scales[1], v),
+    ):
+        want_codes, want_scales = quantize_int8(x)
+        assert torch.equal(codes[loc], want_codes) and torch.equal(scales[loc], want_scales)
+    got_k, got_v = pool.read_kv(1, loc, torch.float32)
+    torch.testing.assert_close(got_k, k, atol=k.abs().max().item() / 254 + 1e-6, rtol=0)
+    torch.testing.assert_close(got_v, v, atol=v.abs().max().item() / 254 + 1e-6, rtol=0)
+    whole_k, _ = pool.read_kv(1, slice(0, 11), torch.float32)
+    assert torch.equal(whole_k[loc], got_k) and torch.all(whole_k[0] == 0)
+    assert pool.bytes_per_token() == KVPool.bytes_per_token_for(2, 3, 8, torch.int8) == 2 * 2 * 3 * (8 + 4)
+    fp32, int8 = (KVPool.bytes_per_token_for(30, 3, 64, d) for d in (torch.float32, torch.int8))
+    assert (fp32, int8) == (46080, 12240)
 
 
 def test_copy_from_a_float32_pool_rounds_into_a_bf16_one() -> None:

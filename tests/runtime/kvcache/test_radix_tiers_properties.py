@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlm_runtime.kvcache import RadixCache, TokenAllocator, TreeNode
-from radixlm_runtime.step import DiskEntry, KVDrop, TierOp
+from radixlm_runtime.step import DiskEntry, KVCopy
 
 Prefix = tuple[int, ...]
 GARBAGE: Prefix = (-1,)
@@ -88,11 +88,11 @@ class TieredCacheMachine(RuleBasedStateMachine):
             self._run_ops(self.cache.take_copies())
 
     # -- the executor's side ------------------------------------------------------------------
-    def _run_ops(self, ops: list[TierOp]) -> list[int]:
+    def _run_ops(self, ops: list[KVCopy]) -> list[int]:
         failed: list[int] = []
         for op in ops:
-            if isinstance(op, KVDrop):
-                for s in op.slots:
+            if op.dst_tier is None:  # disk slots let go
+                for s in op.src:
                     fid, _ = self.where.pop(s)
                     self.files[fid].live -= 1
                     if self.files[fid].live == 0:

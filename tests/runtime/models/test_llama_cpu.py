@@ -48,12 +48,18 @@ def model_dirs(
 
 
 def _outputs(
-    model_dir: Path, quantization: str, native: bool, attention_backend: str = "auto", dtype: str = "float32"
+    model_dir: Path,
+    quantization: str,
+    native: bool,
+    attention_backend: str = "auto",
+    dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> list[tuple[list[int], list[float]]]:
     engine = rt.Engine(
         str(model_dir),
         device="cpu",
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
         max_total_tokens=8192,
         chunked_prefill_size=64,
@@ -61,9 +67,11 @@ def _outputs(
         attention_backend=attention_backend,
     )
     try:
-        # Kernel linears on the cpu backend; --dtype bfloat16 (bf16 arithmetic) keeps its KV in bf16.
+        # Kernel linears on the cpu backend; --dtype bfloat16 (bf16 arithmetic) keeps its KV in bf16,
+        # --kv-cache-dtype int8 in int8.
         assert (engine.runner.model.cpu_decoder is not None) == (attention_backend == "auto")
         kv_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        kv_dtype = torch.int8 if kv_cache_dtype == "int8" else kv_dtype
         assert engine.runner.kv_pool.dtype == kv_dtype
         if not native:
             engine.runner.model.cpu_decoder = None
@@ -115,6 +123,24 @@ def test_bf16_matches_the_python_layers_bit_for_bit(
     native = _outputs(model_dir, quantization, native=True, dtype="bfloat16")
     assert native == _outputs(model_dir, quantization, native=False, dtype="bfloat16")
     # bf16 arithmetic, not float32 under another name: the logprobs move, a little.
+    fp32 = _outputs(model_dir, quantization, native=True)
+    assert [lps for _, lps in native] != [lps for _, lps in fp32]
+    drift = max(abs(a - b) for (_, x), (_, y) in zip(native, fp32) for a, b in zip(x, y))
+    assert drift < 0.5
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int8_kv_matches_the_python_layers_bit_for_bit(
+    arch: str, quantization: str, model_dirs: dict[str, Path]
+) -> None:
+    """--kv-cache-dtype int8 (an int8 pool with per-token, per-head scales, which `_outputs` checks): the
+    C++ loop stores and reads it with the kernels the Python layers call, to the bit (gemma3: windowed
+    layers)."""
+    model_dir = model_dirs[arch]
+    native = _outputs(model_dir, quantization, native=True, kv_cache_dtype="int8")
+    assert native == _outputs(model_dir, quantization, native=False, kv_cache_dtype="int8")
+    # Quantized, not float32 under another name: the logprobs move, a little.
     fp32 = _outputs(model_dir, quantization, native=True)
     assert [lps for _, lps in native] != [lps for _, lps in fp32]
     drift = max(abs(a - b) for (_, x), (_, y) in zip(native, fp32) for a, b in zip(x, y))

@@ -1,5 +1,6 @@
 """`radixlm-server --dp-size 2` (tiny random-init model): two replicas behind the router on one port,
-both APIs answered, requests spread by the router, and SIGTERM leaves no process behind."""
+both APIs answered, requests spread by the router, a replica killed is routed around and started
+again, and SIGTERM leaves no process behind. The replicas on a Ray cluster: test_ray.py."""
 
 from __future__ import annotations
 
@@ -10,23 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import openai
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_harness import child_pids, free_port, pid_alive  # noqa: E402
+from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas, wait_healthy
+from server_harness import child_pids, descendants, free_port, pid_alive
 
 from radixlm_runtime.router.replicas import replica_argv, replica_flags
 from radixlm_runtime.server_args import ServerArgs
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 def test_replica_argv_drops_the_routers_own_flags() -> None:
@@ -55,27 +44,10 @@ def test_dp_size_serves_two_replicas_behind_one_port(tiny_llama_dir: Path, tmp_p
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
-        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-        for i in range(4):
-            out = httpx.post(
-                f"{url}/generate", json={"text": f"hello {i}", "sampling_params": params}, timeout=120
-            )
-            assert out.status_code == 200 and len(out.json()["output_ids"]) == 4
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        done = client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=3)
-        assert done.usage.completion_tokens == 3
-        replicas = httpx.get(f"{url}/server_info", timeout=30).json()["replicas"]
-        assert len(replicas) == 2 and all(r["healthy"] and r["routed"] >= 2 for r in replicas)
+        wait_healthy(url, proc, log)
+        answer_both_apis(url)
+        assert all(r["healthy"] and r["routed"] >= 2 for r in replicas(url))
+        kill_one_and_see_it_back(url, child_pids(proc.pid)[0], log)
     finally:
         family = descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)

@@ -11,17 +11,27 @@ from radixlm_runtime.scheduler.req import Req
 
 
 def message(
-    rid: str, ids: list[int], params: dict[str, Any] | None = None, session_id: str | None = None
+    rid: str,
+    ids: list[int],
+    params: dict[str, Any] | None = None,
+    session_id: str | None = None,
+    priority: int = 0,
 ) -> GenerateReq:
     """A scheduler request as both entry points send one."""
-    return GenerateReq(rid, list(ids), SamplingParams.from_dict(params), session_id=session_id)
+    return GenerateReq(
+        rid, list(ids), SamplingParams.from_dict(params), session_id=session_id, priority=priority
+    )
 
 
 def make_req(
-    rid: str, ids: list[int], params: dict[str, Any] | None = None, session_id: str | None = None
+    rid: str,
+    ids: list[int],
+    params: dict[str, Any] | None = None,
+    session_id: str | None = None,
+    priority: int = 0,
 ) -> Req:
     """A Req built the way the scheduler builds one, for tests of its parts."""
-    return Req.from_message(message(rid, ids, params, session_id), seed=0)
+    return Req(message(rid, ids, params, session_id, priority), seed=0)
 
 
 def assert_no_leak(engine: rt.Engine) -> None:

@@ -66,7 +66,7 @@ def _long_with_short_behind(engine: rt.Engine) -> tuple[list[list[ScheduledItem]
     steps = _record_steps(sched)
     reqs["long"] = sched.submit(message("long", LONG, GREEDY))
     sched.step()
-    assert sched.admission.chunked is reqs["long"]
+    assert sched.admission.partial == [reqs["long"]]
     reqs["short"] = sched.submit(message("short", SHORT, GREEDY))
     while sched.has_work():
         sched.step()
@@ -148,6 +148,37 @@ def test_a_stream_of_short_prompts_never_stalls_the_long_one(
     assert_no_leak(engine)
 
 
+def test_a_much_shorter_prompt_starts_chunking_ahead(
+    tiny_llama_dir: Path, alone: dict[str, list[int]]
+) -> None:
+    """A prompt longer than a step's budget but much shorter than a long prompt's remainder does not
+    wait for the long prompt's last chunk: it starts chunking too, and the two share the following
+    steps shortest remainder first, the long prompt keeping its share of each step."""
+    medium = [(11 * j + 5) % 290 + 3 for j in range(3 * BUDGET)]
+    alone_medium = _engine(tiny_llama_dir).generate(input_ids=medium, sampling_params=GREEDY)["output_ids"]
+    engine = _engine(tiny_llama_dir)
+    sched = engine.scheduler
+    steps = _record_steps(sched)
+    long = sched.submit(message("long", LONG, GREEDY))
+    sched.step()
+    mid = sched.submit(message("medium", medium, GREEDY))
+    sched.step()
+    assert sched.admission.partial == [long, mid]
+    while mid.output_len == 0:
+        sched.step()
+    assert long.kv_len < len(LONG)  # medium got its first token while long still had chunks to go
+    for items in steps[1:]:
+        chunks = {it.req.rid: it.extend_len for it in items if it.is_prefill}
+        if "long" in chunks and "medium" in chunks:
+            assert chunks["long"] >= MIN_CHUNK or long.kv_len == len(LONG)
+            assert chunks["medium"] >= chunks["long"]
+    while sched.has_work():
+        sched.step()
+    assert long.output_ids == alone["long"] and mid.output_ids == alone_medium
+    assert not sched.admission.partial
+    assert_no_leak(engine)
+
+
 def test_steps_carry_what_the_step_budget_allows(tiny_llama_dir: Path, alone: dict[str, list[int]]) -> None:
     engine = _engine(tiny_llama_dir, chunked_prefill_size=512)
     engine.scheduler.admission.step_budget = StepBudget(max_tokens=40, target_s=0.0)
@@ -213,12 +244,19 @@ def test_budget_without_spread_charges_everything_to_tokens() -> None:
     assert budget.tokens(0) == MIN_STEP_TOKENS
 
 
-def test_budget_never_below_a_multiple_of_the_decode_step() -> None:
-    """A machine so slow (or busy) that a decode step of 8 requests alone takes 0.5 s, over a
-    0.1 s target: a step may take 2.5 decode steps, most of it prefill, rather than 16 tokens."""
-    budget = StepBudget(max_tokens=1024, target_s=0.1, decode_ratio=2.5)
-    _device(budget, 0.4, 0.01, [8, 200, 8, 300])
-    assert budget.tokens(8) in (79, 80)  # (2.5 * (0.4 + 0.01 * 8) - 0.4) / 0.01, rounded down
+def test_budget_while_decoding_is_a_multiple_of_the_decode_step() -> None:
+    """While requests decode, a step carrying prefill is sized to 2.5 of their decode steps alone,
+    whatever the target: on a machine so slow (or busy) that a decode step of 8 requests takes
+    0.5 s, over a 0.1 s target, most of such a step is still prefill rather than 16 tokens; on a fast
+    one, the 250 ms target would put 13 decode steps' worth into one gap of the streams."""
+    slow = StepBudget(max_tokens=1024, target_s=0.1, decode_ratio=2.5)
+    _device(slow, 0.4, 0.01, [8, 200, 8, 300])
+    assert slow.tokens(8) in (79, 80)  # (2.5 * (0.4 + 0.01 * 8) - 0.4) / 0.01, rounded down
+    assert slow.tokens(0) == MIN_STEP_TOKENS  # nothing decodes: the target alone
+    fast = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    _device(fast, 0.010, 0.001, [8, 200, 8, 8, 200, 9])
+    assert fast.tokens(8) in (34, 35)  # (2.5 * (0.010 + 0.001 * 8) - 0.010) / 0.001
+    assert abs(fast.tokens(0) - 240) <= 1
     target_alone = StepBudget(max_tokens=1024, target_s=0.1)
     _device(target_alone, 0.4, 0.01, [8, 200, 8, 300])
     assert target_alone.tokens(8) == MIN_STEP_TOKENS

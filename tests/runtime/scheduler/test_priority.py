@@ -25,8 +25,8 @@ class Clock:
 
 
 def _req(rid: str, ids: list[int], priority: int, arrival: float = 0.0):
-    req = make_req(rid, ids)
-    req.priority, req.arrival_time = priority, arrival
+    req = make_req(rid, ids, priority=priority)
+    req.arrival_time = arrival
     return req
 
 

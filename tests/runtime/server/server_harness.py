@@ -44,6 +44,16 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid: children, their children, ..."""
+    out, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

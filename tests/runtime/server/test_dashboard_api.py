@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from server_harness import HEADERS, Server, launch_server
 
 from radixlm_runtime.io.finish import FinishReason
-from radixlm_runtime.io.messages import DashboardReq, ReqOutput
+from radixlm_runtime.io.messages import DashboardReq, GenerateReq, ReqOutput
 from radixlm_runtime.kvcache.allocator import TokenAllocator
 from radixlm_runtime.kvcache.radix_cache import RadixCache
 from radixlm_runtime.sampling.params import SamplingParams
@@ -53,7 +53,10 @@ def fake_scheduler(tree: RadixCache | None) -> Any:
 
 
 def make_req(rid: str, ids: list[int], **kw: Any) -> Req:
-    return Req(rid=rid, origin_input_ids=ids, sampling_params=SamplingParams(max_new_tokens=8), seed=0, **kw)
+    req = Req(GenerateReq(rid=rid, input_ids=ids, sampling_params=SamplingParams(max_new_tokens=8)), seed=0)
+    for name, value in kw.items():
+        setattr(req, name, value)
+    return req
 
 
 def test_hits_count_on_the_whole_path_and_survive_a_split() -> None:

@@ -1,8 +1,9 @@
 """The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, driven by selenium
 with no browser download) against a real server on the default model: the page loads without console
 errors, shows the radix tree after three programs that share a system prompt (one node hit 3 times),
-streams a playground answer with its cached tokens, shows a prompt's "<script>" as text, and refuses
-to show anything without the API key.
+draws a forked program's call graph with each call's cached tokens, streams a playground answer
+with its cached tokens, shows a prompt's "<script>" as text, and refuses to show anything without
+the API key.
 
 With RADIXLM_DASHBOARD_SCREENSHOTS=<dir> set, each view's screenshot is written there; the README's
 come from `RADIXLM_DASHBOARD_SCREENSHOTS=docs/dashboard pytest <this file>`.
@@ -182,7 +183,6 @@ def test_three_programs_share_one_node_hit_three_times(dash_server: Server, driv
     wait_for(lambda: len(rows(driver, "#programs .program")) >= 3, "program runs")
     runs = [r for r in rows(driver, "#programs .program") if "librarian" in r.text]
     assert len(runs) >= 3
-    screenshot(driver, "programs")
 
     show(driver, "requests")
     wait_for(
@@ -193,6 +193,44 @@ def test_three_programs_share_one_node_hit_three_times(dash_server: Server, driv
     wait_for(lambda: driver.find_element("id", "request-prompt").text, "a request's prompt")
     assert rows(driver, "#request-prompt .cached")
     screenshot(driver, "requests")
+    assert console_errors(driver) == []
+
+
+def test_programs_view_draws_the_call_graph(dash_server: Server, driver: Any) -> None:
+    """A program that forks: its first call is a root of the graph, the two branches hang under it,
+    each line shows its cached tokens (the branches find the shared prefix in the cache)."""
+
+    @sgl.function
+    def branches(s, topic):  # type: ignore[no-untyped-def]
+        s += sgl.system(SYSTEM)
+        s += sgl.user(f"Name one fact about {topic}.")
+        s += sgl.assistant(sgl.gen("fact", max_tokens=6, temperature=0))
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += sgl.user(f"Give detail {i + 1}.")
+            f += sgl.assistant(sgl.gen("detail", max_tokens=6, temperature=0))
+        forks.join()  # waits for both branches: the run ends after them
+
+    backend = sgl.RuntimeEndpoint(dash_server.url, api_key=API_KEY)
+    try:
+        branches.run(topic="maps", backend=backend).sync()
+    finally:
+        backend.shutdown()
+
+    open_dashboard(driver, dash_server, API_KEY)
+    show(driver, "programs")
+
+    def graph_lines() -> list[Any]:
+        runs = [r for r in rows(driver, "#programs .program") if r.text.startswith("branches")]
+        return runs[0].find_elements("css selector", ".call-graph .call") if runs else []
+
+    lines = wait_for(lambda: (ls := graph_lines()) and len(ls) >= 3 and ls, "the forked program's call graph")
+    indent = [float(line.value_of_css_property("padding-left").removesuffix("px")) for line in lines]
+    cached = [int(line.text.split(" / ")[0].split()[-1]) for line in lines]
+    assert indent[0] == 0.0
+    assert sum(1 for x in indent[1:] if x > 0.0) >= 2, indent  # both branches under the first call
+    assert all(c > 0 for c, x in zip(cached, indent) if x > 0.0), (cached, indent)
+    screenshot(driver, "programs")
     assert console_errors(driver) == []
 
 

@@ -118,10 +118,18 @@ def test_layout_of_a_pool_names_every_tensor_it_holds() -> None:
     from radixlm_runtime.kvcache.pool import KVPool
 
     pool = KVPool(8, 2, 2, 4, torch.bfloat16, "cpu")
-    layout = layout_of(pool.token_tensors())
-    assert [s.name for s in layout] == ["k0", "k1", "v0", "v1"]
+    layout = layout_of(pool.named_tensors())
+    assert [s.name for s in layout] == ["k0", "v0", "k1", "v1"]
     assert {s.dtype for s in layout} == {"torch.bfloat16"} and layout[0].row_shape == (2, 4)
     assert sum(s.row_bytes for s in layout) == pool.bytes_per_token()
+    # An int8 pool stores its codes and each token's per-head scales: every one of them is listed.
+    int8 = KVPool(8, 2, 2, 4, torch.int8, "cpu")
+    layout = layout_of(int8.named_tensors())
+    names = ["k0", "v0", "k_scale0", "v_scale0", "k1", "v1", "k_scale1", "v_scale1"]
+    assert [s.name for s in layout] == names
+    assert [s.dtype for s in layout[:4]] == ["torch.int8"] * 2 + ["torch.float32"] * 2
+    assert layout[2].row_shape == (2,)
+    assert sum(s.row_bytes for s in layout) == int8.bytes_per_token()
 
 
 def test_a_slot_written_twice_is_a_bug(tmp_path: Path) -> None:
