@@ -194,6 +194,30 @@ def test_lpm_orders_by_cached_prefix() -> None:
     assert [r.rid for r in SchedulePolicy("fcfs", tree).order(waiting)] == ["none", "short", "long"]
 
 
+def test_lpm_weighs_a_prefix_by_the_tier_it_comes_from() -> None:
+    """Equal cached prefixes: one in the pool goes first, then one on the host tier (a copy back),
+    then one on disk only (a file read, then that copy), then nothing cached (recomputed)."""
+    alloc, host, disk = TokenAllocator(64), TokenAllocator(4), TokenAllocator(64)
+    tree = RadixCache(alloc, host, disk_allocator=disk)
+    for first in (1, 2, 3):
+        tree.insert([first, 5, 5, 5], alloc.alloc(4))
+    # The least recently used leave first: [2, ...] to the host tier, then [3, ...] there, pushing
+    # [2, ...] on to disk (the host tier holds 4 tokens).
+    tree.match_node([1, 5, 5, 5])
+    assert tree.evict(8) == 8
+    tiers = {k: tree.match_node([k, 5, 5, 5])[1].tier for k in (1, 2, 3)}
+    assert tiers == {1: "device", 2: "disk", 3: "host"}
+    waiting = [_req("none", [4, 5, 5, 5, 6]), *(_req(f"{t}", [k, 5, 5, 5, 6]) for k, t in tiers.items())]
+    ordered = SchedulePolicy("lpm", tree).order(waiting)
+    assert [r.rid for r in ordered] == ["device", "host", "disk", "none"]
+    assert [(r.prefix_len, r.load_len, r.disk_len) for r in ordered] == [
+        (4, 0, 0),
+        (4, 4, 0),
+        (4, 4, 4),
+        (0, 0, 0),
+    ]
+
+
 def test_dfs_weight_keeps_prefix_groups_together() -> None:
     alloc = TokenAllocator(64)
     tree = RadixCache(alloc)
