@@ -18,7 +18,6 @@ collectives fail once its sockets close).
 from __future__ import annotations
 
 import atexit
-import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -40,12 +39,12 @@ from radixlm_runtime.executor.model_runner import ModelRunner, resolve_device
 from radixlm_runtime.executor.step_io import StepOutputs
 from radixlm_runtime.step import StepPlan, StepResult
 from radixlm_runtime.utils.logging import get_logger, setup_logging
+from radixlm_runtime.utils.process import die_with_parent
 
 logger = get_logger(__name__)
 
 # How long close() waits for the workers to leave after the stop message before killing them.
 STOP_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 def _encode_extra(obj: Any) -> Any:
@@ -83,12 +82,9 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when its parent (rank 0) dies, however it dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the collectives fail once rank 0 is gone
-        pass
+    """The kernel kills this worker when rank 0 dies, however it dies (elsewhere than Linux the
+    collectives fail once rank 0 is gone)."""
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl
         os._exit(1)
 

@@ -13,7 +13,6 @@ with it, on a Ray cluster (router/ray_replicas.py).
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from radixlm_runtime.config import RouterConfig
 from radixlm_runtime.router.app import create_router_app
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger
+from radixlm_runtime.utils.process import die_with_parent
 
 logger = get_logger("radixlm_runtime.router.replicas")
 
@@ -39,7 +39,6 @@ STARTUP_TIMEOUT_S = 600.0
 OWN_FLAGS = ("--dp-size", "--host", "--port", "--ray-address", "--kv-disk-dir")
 # A replica that keeps dying is started again at most this often.
 RESTART_BACKOFF_S = 2.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -62,11 +61,10 @@ def replica_flags(args: ServerArgs, index: int) -> list[str]:
     return [] if disk_dir is None else ["--kv-disk-dir", str(Path(disk_dir) / f"replica-{index}")]
 
 
-def _die_with_parent() -> None:
+def _drain_with_parent() -> None:
     """In the replica, before exec: SIGTERM (a drain) when the thread that started it exits, so a
     supervisor killed without its own cleanup (kill -9, a Ray actor killed) leaves no server behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -90,7 +88,7 @@ class ReplicaProcess:
         self._watch = threading.Thread(target=self._supervise, name=f"replica {self.url}", daemon=True)
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self.cmd, preexec_fn=_die_with_parent)
+        return subprocess.Popen(self.cmd, preexec_fn=_drain_with_parent)
 
     @property
     def pid(self) -> int:

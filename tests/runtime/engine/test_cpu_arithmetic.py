@@ -38,6 +38,7 @@ def _run(model_dir: Path, native: bool, **arithmetic: Any) -> tuple[list, list]:
         device="cpu",
         max_total_tokens=8192,
         chunked_prefill_size=64,
+        prefill_step_target_ms=0,  # fixed step sizes: the batches must not depend on measured times
         log_level="warning",
         **{"dtype": "float32", **arithmetic},
     )

@@ -63,6 +63,9 @@ def _outputs(
         quantization=quantization,
         max_total_tokens=8192,
         chunked_prefill_size=64,
+        # Steps of a fixed size: a budget sized by measured step times would batch differently from
+        # run to run, and quantized GEMMs are not batch-invariant (that is --deterministic's job).
+        prefill_step_target_ms=0,
         log_level="warning",
         attention_backend=attention_backend,
     )
