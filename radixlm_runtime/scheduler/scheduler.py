@@ -12,6 +12,7 @@ generated, so nothing is lost or duplicated. Nothing here touches a tensor.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -261,7 +262,18 @@ class Scheduler:
         now = time.perf_counter()
         seconds = now - max(launched.launched_at, self._collected_at)
         self._collected_at = now
-        self.admission.step_budget.observe(sum(it.extend_len for it in launched.items), seconds)
+        tokens = sum(it.extend_len for it in launched.items)
+        self.admission.step_budget.observe(tokens, seconds)
+        if logger.isEnabledFor(logging.DEBUG):
+            prefill = sum(it.extend_len for it in launched.items if it.is_prefill)
+            logger.debug(
+                "step %.1f ms: %d tokens (%d prefill, %d partial prompts), %d requests",
+                seconds * 1000,
+                tokens,
+                prefill,
+                len(self.admission.partial),
+                len(launched.items),
+            )
 
     def _append_futures(self, launched: _Launched) -> None:
         """Gives every request sampled in the launched step its future token, so the next step can
