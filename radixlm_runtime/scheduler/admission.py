@@ -21,7 +21,7 @@ from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.speculative import Drafter
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.scheduler.step_budget import StepBudget, step_work
+from radixlm_runtime.scheduler.step_budget import StepBudget
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -94,10 +94,7 @@ class Admission:
     def schedule(self) -> list[ScheduledItem]:
         cfg = self.config
         self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        # The prefill's tokens cost what the deepest partial prompt's do (attention reads its prefix).
-        context = max((r.kv_len for r in self.partial), default=0)
-        decode_work = step_work([(r.kv_len, r.pending_len) for r in self.running])
-        step_tokens = self.step_budget.tokens(self._pending_tokens(), decode_work, context)
+        step_tokens = self.step_budget.tokens(self._pending_tokens())
         want = 0
         if self.partial:
             room = max(step_tokens - self._pending_tokens(), MIN_CHUNK)

@@ -30,7 +30,6 @@ from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.scheduler.speculative import Drafter, record_verify, roll_back_rejected
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.scheduler.step_budget import step_work
 from radixlm_runtime.step import Executor, ForwardItem, ItemResult, StepPlan, future_token
 from radixlm_runtime.utils.logging import get_logger
 
@@ -259,14 +258,12 @@ class Scheduler:
         return self._settle(items)
 
     def _time_step(self, launched: _Launched) -> None:
-        """Feeds the step's wall time (planning, forward, read-back), tokens and attention work to
-        the step budget."""
+        """Feeds the step's wall time (planning, forward, read-back) to the step budget."""
         now = time.perf_counter()
         seconds = now - max(launched.launched_at, self._collected_at)
         self._collected_at = now
         tokens = sum(it.extend_len for it in launched.items)
-        work = step_work([(it.prefix_len, it.extend_len) for it in launched.items])
-        self.admission.step_budget.observe(tokens, seconds, work)
+        self.admission.step_budget.observe(tokens, seconds)
         if logger.isEnabledFor(logging.DEBUG):
             prefill = sum(it.extend_len for it in launched.items if it.is_prefill)
             logger.debug(
