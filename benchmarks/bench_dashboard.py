@@ -73,11 +73,13 @@ def snapshot_ms(num_nodes: int, repeats: int = 5) -> float:
         for b in range(per):
             key = shared + [b] + [rng.randrange(1000, 40000) for _ in range(60)]
             tree.insert(key, tree.allocator.alloc(len(key)))
-    # The snapshot reads only these of the scheduler: its tree, sessions, pool size and constraints.
+    # The snapshot reads only these of the scheduler: its tree, sessions, pool and tier sizes and
+    # constraints.
     sessions = SimpleNamespace(pinned_ids=frozenset)
+    sizes = SimpleNamespace(max_total_tokens=tree.allocator.size, host_kv_tokens=0, disk_kv_tokens=0)
     scheduler = SimpleNamespace(
         cache=SimpleNamespace(tree=tree, sessions=sessions),
-        runner_info=SimpleNamespace(max_total_tokens=tree.allocator.size),
+        runner_info=sizes,
         constraints=[],
     )
     log = dashboard_snapshot.RequestLog()
