@@ -272,6 +272,18 @@ def test_long_context(out_dir: Path) -> None:
     assert all(t["cached_share"] < 0.5 for t in servers["host_off"][1:])
 
 
+def test_dashboard(out_dir: Path) -> None:
+    """Both modes serve every round, the open page's feeds answer, and the tree snapshot is timed at
+    each size (the stand-in scheduler carries every field the snapshot reads)."""
+    run([str(BENCH / "bench_dashboard.py"), "--tiny", "--out-dir", str(out_dir)])
+    result = json.loads((out_dir / "dashboard.json").read_text())
+    assert result["name"] == "dashboard" and result["tables"][0]["rows"]
+    assert set(result["median_output_tok_per_s"]) == {"closed", "open"}
+    assert all(v > 0 for v in result["median_output_tok_per_s"].values())
+    assert len(result["open_over_closed_per_round"]) == len(result["feed_seconds_per_round"]) >= 1
+    assert set(result["tree_snapshot_ms"]) == {"100", "2000", "10000"}
+
+
 def test_kv_tiers(out_dir: Path) -> None:
     """Every server gets every request; only those with a host tier load prefixes back from it, and
     the hit rates are shares of the prompt tokens."""
