@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import signal
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 import torch
-from bench_serving import NATIVE, OPENAI, Api, Request, send
+from bench_serving import NATIVE, OPENAI, Api, Request, long_documents, send
 from common import (
     Size,
     Table,
@@ -45,7 +44,6 @@ from common import (
 )
 from local_server import running_server, running_vllm_server
 from systems import SystemUnavailable
-from workloads import gsm8k_prompts
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.kvcache.pool import KVPool
@@ -67,22 +65,6 @@ SERVERS = {
 # Each turn appends this many tokens of answer (a canned one: every server gets the same ids) and
 # question to the conversation.
 ANSWER = "The document says so in its own words, near where it first comes up."
-
-
-def documents(tokenizer: Any, n: int, doc_tokens: int) -> list[list[int]]:
-    """n documents of exactly doc_tokens tokens: GSM8K questions, each document in an order of its
-    own, so no two share a prefix."""
-    questions = gsm8k_prompts(400, 0)[0]
-    rng = random.Random(0)
-    docs = []
-    for _ in range(n):
-        ids: list[int] = []
-        while len(ids) < doc_tokens:
-            ids += tokenizer.encode(
-                "\n\n".join(rng.sample(questions, len(questions))), add_special_tokens=False
-            )
-        docs.append(ids[:doc_tokens])
-    return docs
 
 
 def conversation_turns(tokenizer: Any, doc: list[int], turns: int) -> list[list[int]]:
@@ -164,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_path(None)
     tokenizer = load_tokenizer(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    docs = documents(tokenizer, sizes["conversations"], sizes["doc_tokens"])
+    docs = long_documents(sizes["conversations"], sizes["doc_tokens"])
     prompts = [conversation_turns(tokenizer, doc, sizes["turns"]) for doc in docs]
     longest = max(len(p[-1]) for p in prompts) + sizes["max_new_tokens"]
     if longest > config.max_position_embeddings:
