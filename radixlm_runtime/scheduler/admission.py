@@ -21,7 +21,7 @@ from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.speculative import Drafter
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.scheduler.step_budget import StepBudget
+from radixlm_runtime.scheduler.step_budget import PrefillBudget, StepBudget
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -94,48 +94,51 @@ class Admission:
     def schedule(self) -> list[ScheduledItem]:
         cfg = self.config
         self.new_token_ratio = max(cfg.new_token_ratio, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        step_tokens = self.step_budget.tokens(self._pending_tokens())
         want = 0
         if self.partial:
-            room = max(step_tokens - self._pending_tokens(), MIN_CHUNK)
-            want = min(sum(_remaining(r) for r in self.partial), room)
+            left = sum(_remaining(r) for r in self.partial)
+            fits = self.step_budget.start(self._pending_tokens()).fit(self.partial[0].kv_len, left)
+            want = min(left, max(fits, MIN_CHUNK))
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
         items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
-        budget = step_tokens - decode_tokens
+        budget = self.step_budget.start(decode_tokens)
         if self.partial:
             if not cfg.disable_prefill_interleave and self.waiting and len(self.partial) < MAX_PARTIAL:
-                keep = min(want, max(MIN_CHUNK, int(budget * CHUNKED_SHARE)))
-                ahead = self._admit(budget - keep, decode_tokens, interleave=True)
+                first = self.partial[0]
+                keep = _first_share(first, budget)
+                budget.take(first.kv_len, keep)
+                ahead = self._admit(budget, decode_tokens, interleave=True)
+                budget.give_back(first.kv_len, keep)
                 self.stats.interleaved_prefills += len(ahead)
                 items.extend(ahead)
-                budget -= sum(it.extend_len for it in ahead)
             scheduled = {id(it.req) for it in items}
-            chunks = self._partial_chunks(max(budget, MIN_CHUNK), scheduled)
-            items.extend(chunks)
-            budget -= sum(it.extend_len for it in chunks)
-        if budget > 0 and not self.partial and self.waiting:
+            items.extend(self._partial_chunks(budget, scheduled))
+        if not budget.spent and not self.partial and self.waiting:
             items.extend(self._admit(budget, sum(it.extend_len for it in items)))
         return items
 
-    def _partial_chunks(self, budget: int, scheduled: set[int]) -> list[ScheduledItem]:
+    def _partial_chunks(self, budget: PrefillBudget, scheduled: set[int]) -> list[ScheduledItem]:
         """The next chunk of each partial prefill not already in this step, shortest remainder first;
-        the one that started first (head of `partial`) is served its share of `budget` before the
-        others. Partials whose last chunk is scheduled leave the list."""
+        the one that started first (head of `partial`) is served its share of `budget` (at least
+        MIN_CHUNK tokens) before the others. Partials whose last chunk is scheduled leave the list."""
         waiting = [r for r in self.partial if id(r) not in scheduled]
         if not waiting:
             return []
         first = waiting[0]
-        share = {id(first): min(_remaining(first), max(MIN_CHUNK, int(budget * CHUNKED_SHARE)))}
-        left = budget - share[id(first)]
+        share = {id(first): _first_share(first, budget)}
+        budget.take(first.kv_len, share[id(first)])
         for req in sorted(waiting[1:], key=_remaining):
-            share[id(req)] = min(_remaining(req), max(left, 0))
-            left -= share[id(req)]
-        share[id(first)] += min(_remaining(first) - share[id(first)], max(left, 0))
+            share[id(req)] = budget.fit(req.kv_len, _remaining(req))
+            budget.take(req.kv_len, share[id(req)])
+        done = first.kv_len + share[id(first)]
+        more = budget.fit(done, len(first.token_ids) - done)
+        budget.take(done, more)
+        share[id(first)] += more
         chunks = [ScheduledItem(r, r.kv_len, share[id(r)]) for r in waiting if share[id(r)] > 0]
-        done = {id(it.req) for it in chunks if it.completes}
-        self.partial = [r for r in self.partial if id(r) not in done]
+        finished = {id(it.req) for it in chunks if it.completes}
+        self.partial = [r for r in self.partial if id(r) not in finished]
         return chunks
 
     def _reserve_decode(self, extra: int) -> list[Req]:
@@ -173,7 +176,7 @@ class Admission:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""
         return sum(r.pending_len for r in self.running)
 
-    def _admit(self, budget: int, scheduled: int, interleave: bool = False) -> list[ScheduledItem]:
+    def _admit(self, budget: PrefillBudget, scheduled: int, interleave: bool = False) -> list[ScheduledItem]:
         """Admits waiting requests in policy order within the budget, the last one possibly
         chunked; `scheduled` tokens of this step already need KV slots, and so do the partial
         prefills' remaining tokens. `interleave`: these go ahead of the partial prefills' chunks, so
@@ -188,14 +191,16 @@ class Admission:
         seen_prefixes: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
         for req in ordered:
-            if budget <= 0 or len(self.running) + len(items) >= self.max_running_requests:
+            if budget.spent or len(self.running) + len(items) >= self.max_running_requests:
                 break
             prefix_len = req.prefix_len
             total = len(req.token_ids)
             probe = tuple(req.token_ids[: prefix_len + IN_BATCH_PREFIX_CHECK])
             if len(probe) == prefix_len + IN_BATCH_PREFIX_CHECK and probe in seen_prefixes:
                 continue
-            ext = min(total - prefix_len, budget)
+            ext = budget.fit(prefix_len, total - prefix_len)
+            if ext <= 0:
+                break
             if interleave and ext < total - prefix_len and total - prefix_len > shorter_than:
                 continue
             # Host-tier tokens of the prefix take device slots when they are loaded back.
@@ -209,7 +214,7 @@ class Admission:
                 req.first_scheduled_time = time.monotonic()
             admitted.add(id(req))
             items.append(ScheduledItem(req, req.kv_len, ext))
-            budget -= ext
+            budget.take(prefix_len, ext)
             reserved += need
             if req.kv_len + ext < total:
                 self.partial.append(req)
@@ -237,6 +242,13 @@ class Admission:
                 pinned += len(node.key)
             node = node.parent
         return pinned
+
+
+def _first_share(first: Req, budget: PrefillBudget) -> int:
+    """The tokens the partial prefill that started first is served ahead of the others: its share of
+    the budget, at least MIN_CHUNK (so it always advances), at most what it has left."""
+    left = _remaining(first)
+    return min(left, max(MIN_CHUNK, budget.fit(first.kv_len, left, CHUNKED_SHARE)))
 
 
 def _remaining(req: Req) -> int:

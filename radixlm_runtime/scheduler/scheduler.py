@@ -30,6 +30,7 @@ from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import check_session_id
 from radixlm_runtime.scheduler.speculative import Drafter, record_verify, roll_back_rejected
 from radixlm_runtime.scheduler.stats import SchedulerStats
+from radixlm_runtime.scheduler.step_budget import StepShape
 from radixlm_runtime.step import Executor, ForwardItem, ItemResult, StepPlan, future_token
 from radixlm_runtime.utils.logging import get_logger
 
@@ -262,15 +263,15 @@ class Scheduler:
         now = time.perf_counter()
         seconds = now - max(launched.launched_at, self._collected_at)
         self._collected_at = now
-        tokens = sum(it.extend_len for it in launched.items)
-        self.admission.step_budget.observe(tokens, seconds)
+        shape = StepShape.of(launched.items)
+        self.admission.step_budget.observe(shape, seconds)
         if logger.isEnabledFor(logging.DEBUG):
-            prefill = sum(it.extend_len for it in launched.items if it.is_prefill)
             logger.debug(
-                "step %.1f ms: %d tokens (%d prefill, %d partial prompts), %d requests",
+                "step %.1f ms: %d tokens (%d prefill, attention work %.0f, %d partial prompts), %d requests",
                 seconds * 1000,
-                tokens,
-                prefill,
+                shape.tokens,
+                shape.prefill,
+                shape.attention,
                 len(self.admission.partial),
                 len(launched.items),
             )

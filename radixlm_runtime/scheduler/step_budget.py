@@ -1,22 +1,33 @@
-"""The token budget of the next step, sized by time on this device.
+"""The prefill budget of the next step, sized by time on this device.
 
-A step that carries prefill tokens puts a gap into every running stream, and every request that
-arrives meanwhile waits behind it. How many tokens fit a given time depends on the device, the model
-and what else the machine runs, so it is measured while serving: each step's wall time is fitted
-against its token count (least squares over the recent steps, older ones weighing less), and the
-budget is what the fit says fits the step's target time:
+A step that carries prefill puts a gap into every running stream, and every request that arrives
+meanwhile waits behind it. How long a step takes depends on the device, the model and what else the
+machine runs, so it is measured while serving, per component:
 
-- while requests decode, `decode_ratio` times what the fit predicts for their decode step alone, so
-  a stream's slowest gaps stay within that factor of its usual one, on a fast device or a slow one;
+- the decode step alone: steps without prefill, their time fitted as a line in the decode tokens;
+- prefill: what a step with prefill took beyond that decode prediction, fitted (least squares, no
+  intercept) as a cost per prefill token plus a cost per (token x context) pair, the attention work.
+  A chunk at context 3,500 costs several times one at context 200: its attention reads the whole
+  prefix, and a line in tokens alone always lags the chunk it sizes.
+
+Older steps weigh less (about the last 20 count). The step's target time is:
+
+- while requests decode, `decode_ratio` times their decode step alone, so a stream's slowest gaps stay
+  within that factor of its usual one, on a fast device or a slow one;
 - while nothing decodes (nobody to stall), `target_s`, which bounds the wait of arrivals.
 
-The budget grows at most twofold past the largest step measured so far, so it never extrapolates
-far from what was seen.
+Admission spends what is left after the decode prediction chunk by chunk, each at its own context
+(`PrefillBudget`). Without a target (`target_s` 0) the budget is `max_tokens` tokens a step. The
+budget grows at most twofold past the largest step measured so far, so it never extrapolates far
+from what was seen.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 # A step always carries at least this many tokens, however slow the device looks.
 MIN_STEP_TOKENS = 16
@@ -26,9 +37,46 @@ FIRST_STEP_TOKENS = 64
 DECAY = 0.95
 
 
+def attention_work(context: int, tokens: int) -> float:
+    """(token x context) pairs of `tokens` new tokens after `context` computed ones: each attends to
+    the prefix and to the new tokens before it."""
+    return tokens * (context + tokens / 2)
+
+
+class _Chunk(Protocol):
+    prefix_len: int
+    extend_len: int
+    is_prefill: bool
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computed, as the cost model sees it."""
+
+    decode: int  # tokens of running requests (their sampled tokens, drafts)
+    prefill: int  # prompt tokens
+    attention: float  # the prompt tokens' attention work (attention_work summed over chunks)
+
+    @classmethod
+    def of(cls, items: Iterable[_Chunk]) -> StepShape:
+        decode = prefill = 0
+        attention = 0.0
+        for it in items:
+            if it.is_prefill:
+                prefill += it.extend_len
+                attention += attention_work(it.prefix_len, it.extend_len)
+            else:
+                decode += it.extend_len
+        return cls(decode, prefill, attention)
+
+    @property
+    def tokens(self) -> int:
+        return self.decode + self.prefill
+
+
 @dataclass
-class _Fit:
-    """Exponentially weighted sums of (tokens, seconds), for a line seconds = a + b * tokens."""
+class _Line:
+    """Exponentially weighted sums of (x, y), for a line y = a + b * x."""
 
     n: float = 0.0
     x: float = 0.0
@@ -37,53 +85,140 @@ class _Fit:
     xy: float = 0.0
 
     def add(self, x: float, y: float) -> None:
-        for name in ("n", "x", "y", "xx", "xy"):
-            setattr(self, name, getattr(self, name) * DECAY)
-        self.n += 1.0
-        self.x += x
-        self.y += y
-        self.xx += x * x
-        self.xy += x * y
+        self.n = self.n * DECAY + 1.0
+        self.x = self.x * DECAY + x
+        self.y = self.y * DECAY + y
+        self.xx = self.xx * DECAY + x * x
+        self.xy = self.xy * DECAY + x * y
 
-    def line(self) -> tuple[float, float]:
-        """(seconds per step, seconds per token). Where the steps measured are all of one size (or
-        the fit slopes down, as noise can make it), every second is charged to the tokens: an
-        overestimate per token, so the budget errs small."""
+    def predict(self, x: float) -> float:
+        """The line at x; 0 before anything was added. Where the points measured all share one x
+        (or the fit slopes down, as noise can make it), every second is charged to x: an
+        overestimate past the points, so the budget errs small."""
+        if self.n == 0.0:
+            return 0.0
         var = self.n * self.xx - self.x * self.x
         slope = (self.n * self.xy - self.x * self.y) / var if var > 1e-9 * self.n * self.xx else 0.0
         if slope <= 0.0:
-            return 0.0, self.y / self.x
-        return max(0.0, (self.y - slope * self.x) / self.n), slope
+            return self.y / self.x * x if self.x > 0.0 else self.y / self.n
+        return max(0.0, (self.y - slope * self.x) / self.n) + slope * x
+
+
+@dataclass
+class _PrefillFit:
+    """Exponentially weighted least squares of y = b * tokens + e * work, both costs >= 0."""
+
+    tt: float = 0.0
+    tw: float = 0.0
+    ww: float = 0.0
+    ty: float = 0.0
+    wy: float = 0.0
+
+    def add(self, tokens: float, work: float, y: float) -> None:
+        self.tt = self.tt * DECAY + tokens * tokens
+        self.tw = self.tw * DECAY + tokens * work
+        self.ww = self.ww * DECAY + work * work
+        self.ty = self.ty * DECAY + tokens * y
+        self.wy = self.wy * DECAY + work * y
+
+    @property
+    def measured(self) -> bool:
+        return self.tt > 0.0
+
+    def costs(self) -> tuple[float, float]:
+        """(seconds per token, seconds per (token x context) pair). Where the chunks measured all sat
+        at one context the two cannot be told apart: all is charged per token."""
+        det = self.tt * self.ww - self.tw * self.tw
+        if det > 1e-6 * self.tt * self.ww:
+            b = (self.ty * self.ww - self.wy * self.tw) / det
+            e = (self.tt * self.wy - self.tw * self.ty) / det
+            if b >= 0.0 and e >= 0.0:
+                return b, e
+            if b < 0.0 and e > 0.0:
+                return 0.0, max(self.wy / self.ww, 0.0)
+        return max(self.ty / self.tt, 0.0), 0.0
+
+
+@dataclass
+class PrefillBudget:
+    """What one step may still spend on prefill: `seconds` at `per_token` + `per_pair` x context per
+    token, and at most `tokens` tokens. Without a time target, seconds are unbounded and `tokens` is
+    the budget."""
+
+    seconds: float
+    tokens: int
+    per_token: float = 0.0
+    per_pair: float = 0.0
+
+    def cost(self, context: int, tokens: int) -> float:
+        return self.per_token * tokens + self.per_pair * attention_work(context, tokens)
+
+    def fit(self, context: int, want: int, share: float = 1.0) -> int:
+        """How many of `want` tokens after `context` computed ones fit `share` of what is left."""
+        cap = min(want, int(self.tokens * share))
+        if cap <= 0 or math.isinf(self.seconds):
+            return max(cap, 0)
+        left = self.seconds * share
+        if left <= 0.0:
+            return 0
+        # Largest n with per_pair / 2 * n^2 + (per_token + per_pair * context) * n <= left.
+        lin = self.per_token + self.per_pair * context
+        if self.per_pair > 0.0:
+            n = (-lin + math.sqrt(lin * lin + 2.0 * self.per_pair * left)) / self.per_pair
+        else:
+            n = left / lin if lin > 0.0 else float(cap)
+        return max(0, min(cap, int(n)))
+
+    def take(self, context: int, tokens: int) -> None:
+        self.seconds -= self.cost(context, tokens)
+        self.tokens -= tokens
+
+    def give_back(self, context: int, tokens: int) -> None:
+        self.seconds += self.cost(context, tokens)
+        self.tokens += tokens
+
+    @property
+    def spent(self) -> bool:
+        return self.tokens <= 0 or self.seconds <= 0.0
 
 
 class StepBudget:
-    """Tokens the next step may carry: `max_tokens` when no target is set (`target_s` 0), else as
-    many as the measured step times say fit the step's target (between MIN_STEP_TOKENS and
-    max_tokens)."""
+    """The measured step costs and, from them, each step's `PrefillBudget`."""
 
     def __init__(self, max_tokens: int, target_s: float, decode_ratio: float = 0.0) -> None:
         self.max_tokens = max_tokens
         self.target_s = target_s
         self.decode_ratio = decode_ratio
-        self._fit = _Fit()
+        self._decode = _Line()
+        self._prefill = _PrefillFit()
         self._largest = 0
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Records one step: the tokens it computed and its wall time."""
-        if tokens <= 0 or seconds <= 0.0:
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Records one step: what it computed and its wall time."""
+        if shape.tokens <= 0 or seconds <= 0.0:
             return
-        self._fit.add(float(tokens), seconds)
-        self._largest = max(self._largest, tokens)
+        if shape.prefill:
+            self._prefill.add(shape.prefill, shape.attention, seconds - self._decode.predict(shape.decode))
+        else:
+            self._decode.add(shape.decode, seconds)
+        self._largest = max(self._largest, shape.tokens)
 
-    def tokens(self, decode_tokens: int) -> int:
-        """The budget of a step whose running requests compute `decode_tokens` (included in it)."""
+    def start(self, decode_tokens: int) -> PrefillBudget:
+        """The prefill budget of a step whose running requests compute `decode_tokens`."""
         if self.target_s <= 0.0:
-            return self.max_tokens
+            return PrefillBudget(math.inf, self.max_tokens - decode_tokens)
         if self._largest == 0:
-            return min(self.max_tokens, FIRST_STEP_TOKENS)
-        per_step, per_token = self._fit.line()
+            return PrefillBudget(math.inf, min(self.max_tokens, FIRST_STEP_TOKENS) - decode_tokens)
+        tokens = min(self.max_tokens, 2 * self._largest) - decode_tokens
+        if not self._prefill.measured:
+            return PrefillBudget(math.inf, tokens)
+        per_token, per_pair = self._prefill.costs()
+        decode = self._decode.predict(decode_tokens)
         target = self.target_s
-        if decode_tokens and self.decode_ratio > 0.0:
-            target = self.decode_ratio * (per_step + per_token * decode_tokens)
-        fits = int((target - per_step) / per_token)
-        return max(MIN_STEP_TOKENS, min(fits, 2 * self._largest, self.max_tokens))
+        if decode_tokens and self.decode_ratio > 0.0 and self._decode.n > 0.0:
+            target = self.decode_ratio * decode
+        budget = PrefillBudget(target - decode, tokens, per_token, per_pair)
+        least = MIN_STEP_TOKENS - decode_tokens
+        if least > 0 and budget.fit(0, least) < least:
+            budget.seconds = budget.cost(0, least)
+        return budget

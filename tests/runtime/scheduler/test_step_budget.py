@@ -1,0 +1,165 @@
+"""The step budget on its own: a simulated device whose step time is known exactly (a per-step cost,
+a cost per decode token, per prefill token, and per (prefill token x context) pair), fed to the
+budget as the scheduler feeds measured steps; the budgets it hands out must fit the step's target."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from radixlm_runtime.scheduler.step_budget import (
+    FIRST_STEP_TOKENS,
+    MIN_STEP_TOKENS,
+    StepBudget,
+    StepShape,
+    attention_work,
+)
+
+
+@dataclass(frozen=True)
+class Device:
+    step: float  # seconds a step
+    decode: float  # seconds a decode token
+    token: float  # seconds a prefill token
+    pair: float = 0.0  # seconds a (prefill token x context) pair
+
+    def seconds(self, decode: int, chunks: list[tuple[int, int]]) -> float:
+        """A step of `decode` decode tokens and prefill chunks of (context, tokens)."""
+        prefill = sum(n for _, n in chunks)
+        work = sum(attention_work(c, n) for c, n in chunks)
+        return self.step + self.decode * decode + self.token * prefill + self.pair * work
+
+    def run(self, budget: StepBudget, decode: int, chunks: list[tuple[int, int]]) -> float:
+        shape = StepShape(decode, sum(n for _, n in chunks), sum(attention_work(c, n) for c, n in chunks))
+        seconds = self.seconds(decode, chunks)
+        budget.observe(shape, seconds)
+        return seconds
+
+
+def _warm(budget: StepBudget, device: Device) -> None:
+    """Decode steps of several batch sizes, prefill chunks at several sizes and contexts."""
+    for _ in range(3):
+        for d in (1, 4, 8):
+            device.run(budget, d, [])
+        for context, n in ((0, 50), (300, 200), (2000, 60), (3500, 100)):
+            device.run(budget, 0, [(context, n)])
+
+
+def test_budget_is_what_fits_the_target() -> None:
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    device = Device(step=0.010, decode=0.001, token=0.001)
+    _warm(budget, device)
+    # 10 ms a step plus 1 ms a token: 240 tokens fit 250 ms.
+    assert abs(budget.start(0).fit(0, 10**6) - 240) <= 1
+    # A slower device (or a busier machine) shrinks it as its steps come in.
+    _warm(budget, Device(step=0.010, decode=0.001, token=0.004))
+    for _ in range(10):
+        _warm(budget, Device(step=0.010, decode=0.001, token=0.004))
+    assert abs(budget.start(0).fit(0, 10**6) - 60) <= 1
+    # A faster one grows it, never past the fixed budget.
+    fast = Device(step=0.001, decode=0.00001, token=0.00001)
+    for _ in range(20):
+        _warm(budget, fast)
+    fast.run(budget, 0, [(0, 1024)])
+    assert budget.start(0).fit(0, 10**6) == 1024
+
+
+def test_a_chunk_is_sized_at_its_own_context() -> None:
+    """Attention makes a token at context 3,500 dearer than one at context 0: the budget gives the
+    deep chunk fewer tokens, and each chunk's step lands on the target."""
+    device = Device(step=0.010, decode=0.001, token=0.001, pair=1e-6)
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    _warm(budget, device)
+    shallow = budget.start(0).fit(0, 10**6)
+    deep = budget.start(0).fit(3500, 10**6)
+    assert deep < shallow / 2
+    for context, n in ((0, shallow), (3500, deep)):
+        assert device.seconds(0, [(context, n)]) == pytest.approx(0.25, rel=0.02)
+
+
+def test_a_long_prompt_chunked_beside_decodes_keeps_every_step_within_the_ratio() -> None:
+    """The case a line in tokens alone got wrong: a 4,000-token prompt chunked while 8 requests
+    decode, on a device where attention dominates deep chunks. Every step stays within the decode
+    ratio of the decode step alone (a small margin for the fit catching up), first chunk to last."""
+    device = Device(step=0.008, decode=0.0005, token=0.0012, pair=3.5e-7)
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    _warm(budget, device)
+    alone = device.seconds(8, [])
+    done, steps = 0, 0
+    while done < 4000:
+        share = budget.start(8)
+        n = min(4000 - done, max(share.fit(done, 4000 - done), 1))
+        seconds = device.run(budget, 8, [(done, n)])
+        assert seconds <= 2.5 * alone * 1.05, (done, n, seconds / alone)
+        done += n
+        steps += 1
+    # ... and it does not crawl: the last chunks still carry a handful of tokens each.
+    assert steps < 4000 / 5
+
+
+def test_budget_starts_small_and_at_most_doubles() -> None:
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    assert budget.start(0).tokens == FIRST_STEP_TOKENS
+    device = Device(step=0.0, decode=0.0001, token=0.0001)
+    device.run(budget, 0, [(0, FIRST_STEP_TOKENS)])
+    assert budget.start(0).fit(0, 10**6) == 2 * FIRST_STEP_TOKENS
+    device.run(budget, 0, [(0, 2 * FIRST_STEP_TOKENS)])
+    assert budget.start(0).fit(0, 10**6) == 4 * FIRST_STEP_TOKENS
+
+
+def test_chunks_at_one_context_charge_everything_per_token() -> None:
+    """Chunks all at one context cannot separate the per-token cost from the attention one: all of
+    it is charged per token, exact at that context."""
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    device = Device(step=0.0, decode=0.0, token=0.001, pair=1e-6)
+    for n in (100, 50, 100, 80) * 3:
+        device.run(budget, 0, [(1000, n)])
+    n = budget.start(0).fit(1000, 10**6)
+    assert device.seconds(0, [(1000, n)]) == pytest.approx(0.25, rel=0.05)
+
+
+def test_a_slow_device_still_carries_the_minimum() -> None:
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    _warm(budget, Device(step=5.0, decode=0.1, token=0.1))
+    assert budget.start(0).fit(0, 10**6) == MIN_STEP_TOKENS
+    assert budget.start(4).fit(0, 10**6) == MIN_STEP_TOKENS - 4
+
+
+def test_budget_while_decoding_is_a_multiple_of_the_decode_step() -> None:
+    """While requests decode, a step carrying prefill is sized to 2.5 of their decode steps alone,
+    whatever the target: on a machine so slow (or busy) that a decode step of 8 requests takes
+    0.5 s, over a 0.1 s target, most of such a step is still prefill rather than 16 tokens; on a fast
+    one, the 250 ms target would put 13 decode steps' worth into one gap of the streams."""
+    slow = StepBudget(max_tokens=1024, target_s=0.1, decode_ratio=2.5)
+    _warm(slow, Device(step=0.4, decode=0.01, token=0.01))
+    assert slow.start(8).fit(0, 10**6) in (71, 72)  # (2.5 * 0.48 - 0.48) / 0.01
+    assert slow.start(0).fit(0, 10**6) == MIN_STEP_TOKENS  # nothing decodes: the target alone
+    fast = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    _warm(fast, Device(step=0.010, decode=0.001, token=0.001))
+    assert fast.start(8).fit(0, 10**6) in (26, 27)  # (2.5 * 0.018 - 0.018) / 0.001
+    assert abs(fast.start(0).fit(0, 10**6) - 240) <= 1
+    target_alone = StepBudget(max_tokens=1024, target_s=0.1)
+    _warm(target_alone, Device(step=0.4, decode=0.01, token=0.01))
+    assert target_alone.start(8).fit(0, 10**6) == MIN_STEP_TOKENS - 8
+
+
+def test_shares_and_refunds() -> None:
+    """Admission holds back the first partial prefill's share while others are admitted, then gives
+    it back: the budget ends where it started."""
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    _warm(budget, Device(step=0.010, decode=0.001, token=0.001, pair=1e-6))
+    share = budget.start(0)
+    before = (share.seconds, share.tokens)
+    quarter = share.fit(2000, 10**6, 0.25)
+    assert 0 < quarter < share.fit(2000, 10**6)
+    share.take(2000, quarter)
+    share.give_back(2000, quarter)
+    assert (share.seconds, share.tokens) == pytest.approx(before)
+
+
+def test_no_target_is_the_fixed_budget() -> None:
+    budget = StepBudget(max_tokens=1024, target_s=0.0)
+    Device(step=5.0, decode=0.1, token=0.1).run(budget, 0, [(0, 200)])
+    assert budget.start(0).fit(3000, 10**6) == 1024
+    assert budget.start(8).fit(0, 10**6) == 1016
