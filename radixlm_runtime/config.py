@@ -217,8 +217,9 @@ class SchedulerConfig:
         "Wall time a step carrying prefill is sized to while no request decodes (it bounds the wait "
         "of requests arriving behind a long prompt's chunk); while requests decode, "
         "--prefill-step-decode-ratio sizes it instead. Step times are measured on this device while "
-        "serving (a least-squares line of step time over step tokens, recent steps weighing most), and "
-        "the step's token budget is what fits, between 16 and --chunked-prefill-size tokens. "
+        "serving (the decode step alone as a line in its tokens; prefill as a cost per token plus one "
+        "per token x context, the attention work; recent steps weighing most), and each chunk gets "
+        "what fits at its own context, between 16 and --chunked-prefill-size tokens a step. "
         "0: every step takes --chunked-prefill-size tokens, however long that takes.",
     )
     prefill_step_decode_ratio: float = flag(
