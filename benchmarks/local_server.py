@@ -18,6 +18,8 @@ import httpx
 from common import child_env
 from systems import SystemUnavailable, vllm_env, vllm_venv
 
+from radixlm_runtime.utils.process import wait_healthy
+
 STARTUP_TIMEOUT_S = 300.0
 # vLLM compiles its model graph at start-up: minutes on a 2-core machine.
 VLLM_STARTUP_TIMEOUT_S = 900.0
@@ -39,16 +41,7 @@ def _serving(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_healthy(url, proc, timeout_s, log_path)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -11,14 +11,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
-
-import httpx
 
 from radixlm.backend.runtime_endpoint import RuntimeEndpoint
 from radixlm_runtime.server_args import ServerArgs
+from radixlm_runtime.utils.process import wait_healthy
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -58,27 +57,11 @@ class Runtime:
         )
         atexit.register(self.shutdown)
         try:
-            self._wait_healthy(startup_timeout_s, args.server.api_key)
+            wait_healthy(self.url, self.process, startup_timeout_s, Path(self.log_path), "radixlm server")
             self.endpoint = RuntimeEndpoint(self.url, api_key=args.server.api_key)
         except BaseException:
             self.shutdown()
             raise
-
-    def _wait_healthy(self, timeout_s: float, api_key: str | None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"radixlm server exited with code {self.process.returncode} while starting; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"radixlm server at {self.url} not healthy after {timeout_s}s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 4000) -> str:
         with open(self.log_path, errors="replace") as f:

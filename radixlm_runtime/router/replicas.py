@@ -18,19 +18,17 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import httpx
 import uvicorn
 
 from radixlm_runtime.config import RouterConfig
 from radixlm_runtime.router.app import create_router_app
 from radixlm_runtime.server_args import ServerArgs
 from radixlm_runtime.utils.logging import get_logger
-from radixlm_runtime.utils.process import die_with_parent
+from radixlm_runtime.utils.process import die_with_parent, wait_healthy
 
 logger = get_logger("radixlm_runtime.router.replicas")
 
@@ -97,19 +95,8 @@ class ReplicaProcess:
     def wait_healthy(self) -> None:
         """Returns once /health answers 200; raises when the process exits or never gets there.
         Supervision starts after it: a replica that cannot start is an error, not a restart loop."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                raise RuntimeError(f"replica {self.url} exited with code {code} while starting")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self._watch.start()
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"replica {self.url} not healthy after {STARTUP_TIMEOUT_S:.0f}s")
+        wait_healthy(self.url, self.proc, STARTUP_TIMEOUT_S, what="replica")
+        self._watch.start()
 
     def _supervise(self) -> None:
         while not self._stopping.is_set():

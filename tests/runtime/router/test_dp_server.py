@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas, wait_healthy
+from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas
 from server_harness import child_pids, descendants, free_port, pid_alive
 
 from radixlm_runtime.router.replicas import replica_argv, replica_flags
 from radixlm_runtime.server_args import ServerArgs
+from radixlm_runtime.utils.process import wait_healthy
 
 
 def test_replica_argv_drops_the_routers_own_flags() -> None:
@@ -44,7 +45,7 @@ def test_dp_size_serves_two_replicas_behind_one_port(tiny_llama_dir: Path, tmp_p
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
     try:
-        wait_healthy(url, proc, log)
+        wait_healthy(url, proc, 180, log)
         answer_both_apis(url)
         assert all(r["healthy"] and r["routed"] >= 2 for r in replicas(url))
         kill_one_and_see_it_back(url, child_pids(proc.pid)[0], log)

@@ -18,8 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas, wait_healthy
+from dp_helpers import answer_both_apis, kill_one_and_see_it_back, replicas
 from server_harness import free_port, pid_alive
+
+from radixlm_runtime.utils.process import wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +81,7 @@ def test_two_replicas_on_a_two_node_ray_cluster(cluster: Any, tiny_llama_dir: Pa
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
     try:
-        wait_healthy(url, proc, log, timeout_s=300)
+        wait_healthy(url, proc, 300, log)
         # One placement group per replica, each on a node of its own (one CPU per node).
         ray.init(address=cluster.address, logging_level="WARNING")
         groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith("radixlm-")]

@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from dp_helpers import wait_healthy
 from server_harness import Server, child_pids, free_port, pid_alive
+
+from radixlm_runtime.utils.process import wait_healthy
 
 KEY = "router-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,7 +36,7 @@ def replica(tmp_path: Path, model_dir: Path, port: int | None = None) -> Server:
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
     server = Server(proc, f"http://127.0.0.1:{port}", log, AUTH)
-    wait_healthy(server.url, proc, log)
+    wait_healthy(server.url, proc, 180, log)
     return server
 
 
@@ -47,7 +48,7 @@ class Router:
         args += ["--port", self.url.rsplit(":", 1)[1], "--api-key", KEY, "--health-check-interval-s", "0.5"]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-        wait_healthy(self.url, self.proc, self.log)
+        wait_healthy(self.url, self.proc, 180, self.log)
 
     def info(self) -> dict:
         return httpx.get(f"{self.url}/server_info", headers=AUTH, timeout=30).json()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import requests
 
+from radixlm_runtime.utils.process import wait_healthy
+
 API_KEY = "test-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 MAX_TOTAL_TOKENS = 20000
@@ -106,18 +108,12 @@ def launch_server(tmp_path: Path, *extra: str, api_key: str | None = API_KEY) ->
     server = Server(
         proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {api_key}"} if api_key else {}
     )
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} while starting:\n{server.log()}")
-        try:
-            if requests.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{server.log()}")
+    try:
+        wait_healthy(server.url, proc, STARTUP_TIMEOUT_S, log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def wait_idle(server: Server, timeout_s: float = 60.0) -> dict:
