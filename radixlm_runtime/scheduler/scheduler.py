@@ -264,17 +264,20 @@ class Scheduler:
         seconds = now - max(launched.launched_at, self._collected_at)
         self._collected_at = now
         shape = StepShape.of(launched.items)
-        self.admission.step_budget.observe(shape, seconds)
+        budget = self.admission.step_budget
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "step %.1f ms: %d tokens (%d prefill, attention work %.0f, %d partial prompts), %d requests",
+                "step %.1f ms (model: %.1f): %d tokens (%d prefill, attention work %.0f, "
+                "%d partial prompts), %d requests",
                 seconds * 1000,
+                budget.predict(shape) * 1000,
                 shape.tokens,
                 shape.prefill,
                 shape.attention,
                 len(self.admission.partial),
                 len(launched.items),
             )
+        budget.observe(shape, seconds)
 
     def _append_futures(self, launched: _Launched) -> None:
         """Gives every request sampled in the launched step its future token, so the next step can

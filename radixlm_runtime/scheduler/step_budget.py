@@ -203,6 +203,11 @@ class StepBudget:
             self._decode.add(shape.decode, seconds)
         self._largest = max(self._largest, shape.tokens)
 
+    def predict(self, shape: StepShape) -> float:
+        """The model's time for a step of this shape (0 before it measured any)."""
+        per_token, per_pair = self._prefill.costs() if self._prefill.measured else (0.0, 0.0)
+        return self._decode.predict(shape.decode) + per_token * shape.prefill + per_pair * shape.attention
+
     def start(self, decode_tokens: int) -> PrefillBudget:
         """The prefill budget of a step whose running requests compute `decode_tokens`."""
         if self.target_s <= 0.0:

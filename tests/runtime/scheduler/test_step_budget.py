@@ -163,3 +163,13 @@ def test_no_target_is_the_fixed_budget() -> None:
     Device(step=5.0, decode=0.1, token=0.1).run(budget, 0, [(0, 200)])
     assert budget.start(0).fit(3000, 10**6) == 1024
     assert budget.start(8).fit(0, 10**6) == 1016
+
+
+def test_the_model_predicts_each_component() -> None:
+    """After decode steps of several sizes and chunks at several contexts, the model's time for a
+    step it never saw (decoding and a deep chunk together) is the device's."""
+    device = Device(step=0.010, decode=0.001, token=0.001, pair=1e-6)
+    budget = StepBudget(max_tokens=1024, target_s=0.25)
+    _warm(budget, device)
+    shape = StepShape(6, 40, attention_work(3000, 40))
+    assert budget.predict(shape) == pytest.approx(device.seconds(6, [(3000, 40)]), rel=0.02)
