@@ -122,8 +122,8 @@ class EngineConfig:
     )
     kv_disk_bytes: int = flag(
         8 * 2**30,
-        "Size cap of the disk KV tier in bytes of KV (headers aside); the least recently used entries "
-        "go when it is full. Default 8 GiB.",
+        "Size cap of the disk KV tier: its entry files' bytes, headers included (an entry counts whole "
+        "until its file is deleted); the least recently used entries go when it is full. Default 8 GiB.",
     )
     mem_fraction_static: float | None = flag(
         None,

@@ -41,9 +41,19 @@ class RunnerInfo:
     # What the disk tier held at start (a restart): the tree rebuilds itself from these.
     disk_entries: tuple[DiskEntry, ...] = ()
     kv_bytes_per_token: int = 0  # of every tier (the bytes a tier move of one token copies)
+    # The bytes of a disk entry file beside its KV rows: fixed, and per token id of its path.
+    disk_entry_header: tuple[int, int] = (0, 0)
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
     # the next step meanwhile (overlap scheduling).
     async_launch: bool = False
+
+    def disk_entry_slots(self, num_tokens: int, path_tokens: int) -> int:
+        """Disk tier slots a disk entry of num_tokens rows under a path of path_tokens ids costs: its
+        file's bytes, header included, in whole tokens' worth (DiskStore.entry_slots), so that the
+        tree holding the disk tier's slots holds its files' bytes within --kv-disk-bytes."""
+        fixed, per_path_token = self.disk_entry_header
+        bpt = self.kv_bytes_per_token
+        return num_tokens + (-(-(fixed + per_path_token * path_tokens) // bpt) if bpt else 0)
 
 
 def future_token(row: int) -> int:

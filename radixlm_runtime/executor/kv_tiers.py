@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from radixlm_runtime.kvcache.disk_tier import DiskStore, layout_of, model_identity
+from radixlm_runtime.kvcache.disk_tier import TOKEN_ID_BYTES, DiskStore, layout_of, model_identity
 from radixlm_runtime.kvcache.pool import KVPool
 from radixlm_runtime.step import DiskEntry, KVCopy, Tier
 from radixlm_runtime.utils.logging import get_logger
@@ -49,6 +49,11 @@ class KVTiers:
     @property
     def disk_tokens(self) -> int:
         return self.disk.capacity_tokens if self.disk is not None else 0
+
+    @property
+    def disk_entry_header(self) -> tuple[int, int]:
+        """An entry file's bytes beside its KV rows: fixed, and per token id of its path."""
+        return (self.disk.header_bytes, TOKEN_ID_BYTES) if self.disk is not None else (0, 0)
 
     def _tier(self, tier: Tier) -> KVPool:
         if tier == "device":

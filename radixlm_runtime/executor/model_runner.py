@@ -134,6 +134,7 @@ class ModelRunner:
             disk_kv_tokens=self.tiers.disk_tokens,
             disk_entries=self.tiers.disk_entries,
             kv_bytes_per_token=self.kv_pool.bytes_per_token(),
+            disk_entry_header=self.tiers.disk_entry_header,
             async_launch=self.device.type == "cuda",
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.

@@ -2,20 +2,24 @@
 directory of its own per model identity, so that a server started again on the same model and
 directory serves the prefixes it finds there.
 
-An entry file is `MAGIC`, the header's length (4 bytes, little-endian), a JSON header and the raw
-bytes of every tensor the pool holds per token, tensor after tensor (no pickle). The header names
-the identity (the model's weights and config, the KV dtype and layout), the path's token ids (the
-stored tokens are its last `num_tokens`), the tensors' names, dtypes and per-token shapes, and the
-payload's CRC-32 (zlib's: a few times faster than a cryptographic digest, and the writer thread's
-time is taken from the CPU kernels; it detects corruption, not tampering). A file is written to a
+An entry file is `MAGIC`, the JSON header's length (4 bytes, little-endian), a JSON header naming the
+identity (the model's weights and config, the KV dtype and layout) and the tensors' names, dtypes
+and per-token shapes, then three little-endian uint32s (the tokens stored, the tokens of their path,
+the payload's CRC-32), the path's token ids (int32 each; the stored tokens are its last
+`num_tokens`) and the raw bytes of every tensor the pool holds per token, tensor after tensor (no
+pickle). So a file's size is a function of its token counts alone (`entry_bytes`), which the radix
+tree charges its disk capacity in whole files with (RunnerInfo.disk_entry_slots). The CRC is
+zlib's: a few times faster than a cryptographic digest, and the writer thread's time is taken from
+the CPU kernels; it detects corruption, not tampering. A file is written to a
 temporary name, fsynced and renamed, so a crash leaves no half-written entry; at start, files of
 another identity or layout, or shorter or longer than their header says, are deleted; a payload
 whose checksum does not match is reported when read (never served) and the file deleted.
 
 The radix tree (scheduler) hands out disk slots, one per token; this store maps each slot to a row
-of an entry and deletes an entry's file once none of its slots is held. Writes run on a thread of
-their own: a step waits only for the gather of the rows it stores, and reads of an entry still being
-written are served from memory.
+of an entry and deletes an entry's file once none of its slots is held. The tree charges each entry
+its file's whole size (`entry_slots`) until then, so the files stay within the disk tier's bytes.
+Writes run on a thread of their own: a step waits only for the gather of the rows it stores, and
+reads of an entry still being written are served from memory.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import json
 import os
 import queue
+import struct
 import threading
 import time
 import zlib
@@ -40,7 +45,9 @@ from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MAGIC = b"RLMKV1\n"
+MAGIC = b"RLMKV2\n"
+_COUNTS = struct.Struct("<III")  # tokens stored, tokens of the path, CRC-32
+TOKEN_ID_BYTES = 4  # a path token id in the header (int32)
 LOCK = ".lock"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SUFFIX = ".kv"
@@ -130,6 +137,9 @@ class DiskStore:
         self.layout = layout
         self.capacity_tokens = capacity_tokens
         self.token_bytes = sum(s.row_bytes for s in layout)
+        self._header_json = json.dumps({"identity": identity, "tensors": self._layout_json()}).encode()
+        # An entry file's bytes before its path's token ids: the same for every entry of this store.
+        self.header_bytes = len(MAGIC) + 4 + len(self._header_json) + _COUNTS.size
         self._slots: dict[int, tuple[_Entry, int]] = {}  # disk slot -> (entry, row)
         self._names = (f"{time.time_ns():x}-{os.getpid()}-{i}" for i in range(1 << 62))
         # ("write", entry, tokens) and ("delete", entry, None), in order; None stops the thread.
@@ -157,10 +167,12 @@ class DiskStore:
             found.append((path.stat().st_mtime, path, header))
         found.sort(key=lambda f: f[0], reverse=True)
         entries: list[DiskEntry] = []
-        total = 0
+        total = cost = 0
         for _, path, header in found:
             n = header["num_tokens"]
-            if total + n > self.capacity_tokens:
+            # Kept while the files' bytes, in whole tokens' worth each as the tree counts them, fit.
+            entry_cost = self.entry_slots(n, len(header["tokens"]))
+            if cost + entry_cost > self.capacity_tokens:
                 path.unlink(missing_ok=True)
                 continue
             entry = _Entry(path, n, n)
@@ -169,6 +181,7 @@ class DiskStore:
                 self._slots[slot] = (entry, row)
             entries.append(DiskEntry(tuple(header["tokens"]), slots))
             total += n
+            cost += entry_cost
         if entries:
             logger.info("disk KV tier: %d entries, %d tokens found in %s", len(entries), total, self.dir)
         return entries
@@ -183,24 +196,40 @@ class DiskStore:
             return None
         if header.get("identity") != self.identity or header.get("tensors") != self._layout_json():
             return None
-        n = header.get("num_tokens")
-        tokens = header.get("tokens")
-        if not isinstance(n, int) or not isinstance(tokens, list) or not 0 < n <= len(tokens):
+        n, tokens = header["num_tokens"], header["tokens"]
+        if not 0 < n <= len(tokens):
             return None
         return header if size == payload_at + n * self.token_bytes else None
 
+    def entry_bytes(self, num_tokens: int, path_tokens: int) -> int:
+        """The size of an entry file of num_tokens rows under a path of path_tokens token ids."""
+        return self.header_bytes + TOKEN_ID_BYTES * path_tokens + num_tokens * self.token_bytes
+
+    def entry_slots(self, num_tokens: int, path_tokens: int) -> int:
+        """An entry file's bytes in whole tokens' worth: the disk slots the tree charges for it
+        (RunnerInfo.disk_entry_slots, from `header_bytes`, computes the same)."""
+        return -(-self.entry_bytes(num_tokens, path_tokens) // self.token_bytes)
+
     @staticmethod
     def _read_header(f: Any) -> tuple[dict[str, Any], int]:
+        """An entry's header (identity, tensors, num_tokens, tokens, crc32) and where its payload
+        starts."""
         if f.read(len(MAGIC)) != MAGIC:
             raise ValueError("not a KV entry file")
         length = int.from_bytes(f.read(4), "little")
         raw = f.read(length)
-        if len(raw) != length:
+        counts = f.read(_COUNTS.size)
+        if len(raw) != length or len(counts) != _COUNTS.size:
             raise ValueError("truncated header")
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
-        return header, len(MAGIC) + 4 + length
+        num_tokens, path_tokens, crc = _COUNTS.unpack(counts)
+        ids = f.read(TOKEN_ID_BYTES * path_tokens)
+        if len(ids) != TOKEN_ID_BYTES * path_tokens:
+            raise ValueError("truncated header")
+        header.update(num_tokens=num_tokens, tokens=list(struct.unpack(f"<{path_tokens}i", ids)), crc32=crc)
+        return header, len(MAGIC) + 4 + length + _COUNTS.size + len(ids)
 
     def _layout_json(self) -> list[list[Any]]:
         return [[s.name, s.dtype, list(s.row_shape)] for s in self.layout]
@@ -306,18 +335,13 @@ class DiskStore:
         crc = 0
         for part in parts:
             crc = zlib.crc32(part, crc)
-        header = {
-            "identity": self.identity,
-            "tensors": self._layout_json(),
-            "num_tokens": entry.num_tokens,
-            "tokens": tokens,
-            "crc32": crc,
-        }
-        raw = json.dumps(header).encode()
+        raw = self._header_json
+        counts = _COUNTS.pack(entry.num_tokens, len(tokens), crc)
         tmp = entry.path.with_suffix(".tmp")
         try:
             with tmp.open("wb") as f:
-                f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
+                f.write(MAGIC + len(raw).to_bytes(4, "little") + raw + counts)
+                f.write(struct.pack(f"<{len(tokens)}i", *tokens))
                 for part in parts:
                     f.write(part)
                 f.flush()

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
-from radixlm_runtime.kvcache.radix_cache import Mover, RadixCache, TreeNode
+from radixlm_runtime.kvcache.radix_cache import EntryCost, Mover, RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
 from radixlm_runtime.step import DiskEntry, KVCopy
@@ -33,15 +33,19 @@ class CacheManager:
         disk_write_through: bool = False,
         move: Mover | None = None,
         disk_entries: Sequence[DiskEntry] = (),
+        disk_entry_cost: EntryCost | None = None,
     ) -> None:
         """`move` runs tier moves at once (Executor.move_kv): reads from the disk tier go through it.
-        `disk_entries`: what the disk tier held at start, which the tree is rebuilt from."""
+        `disk_entries`: what the disk tier held at start, which the tree is rebuilt from;
+        `disk_entry_cost`: the disk slots an entry file costs (RunnerInfo.disk_entry_slots)."""
         self.allocator = allocator
         self.rows = rows
         self.tree = (
             None
             if disable_radix_cache
-            else RadixCache(allocator, host_allocator, write_through, disk_allocator, disk_write_through)
+            else RadixCache(
+                allocator, host_allocator, write_through, disk_allocator, disk_write_through, disk_entry_cost
+            )
         )
         if disk_allocator is not None and move is None:
             raise ValueError("a disk tier needs the executor's move_kv to read it")

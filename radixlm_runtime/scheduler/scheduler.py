@@ -66,6 +66,7 @@ class Scheduler:
             config.kv_disk_write_policy == "write_through",
             runner.move_kv if info.disk_kv_tokens else None,
             info.disk_entries,
+            info.disk_entry_slots,
         )
         self.drafter = (
             Drafter(
