@@ -685,7 +685,10 @@ class RadixCache:
             path.append(walk)
             assert walk.parent is not None
             walk = walk.parent
-        fetched: list[TreeNode] = []
+        # Each node read with the disk slots it is read from: making room for the next one may let go
+        # of a node's disk copy, spare once it has host slots (the read runs first: it is recorded
+        # first).
+        fetched: list[tuple[TreeNode, list[int]]] = []
         # Locked while making room in the host tier: that must take no part of this path.
         self.inc_lock_ref(node)
         try:
@@ -697,18 +700,17 @@ class RadixCache:
                 self._record("disk", "host", disk_node.disk_value, host)
                 disk_node.host_value = host
                 self._host_size += len(host)
-                fetched.append(disk_node)
+                fetched.append((disk_node, disk_node.disk_value))
         finally:
             self.dec_lock_ref(node)
         if not fetched:
             return 0
         failed = set(move(self.take_copies()))
         got = 0
-        for disk_node in fetched:
+        for disk_node, read_from in fetched:
             if disk_node.parent is None:
                 continue  # left the tree below a node that failed
-            assert disk_node.disk_value is not None
-            if failed.isdisjoint(disk_node.disk_value):
+            if failed.isdisjoint(read_from):
                 got += len(disk_node.key)
                 self._push("host", disk_node)
                 self._push("disk", disk_node)
