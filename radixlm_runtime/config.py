@@ -272,6 +272,13 @@ class SchedulerConfig:
         "disk traffic; a crash loses what was only in memory).",
         ("write_through", "write_back"),
     )
+    disable_kv_disk_prefetch: bool = flag(
+        False,
+        "With --kv-disk-dir, read a waiting request's prefix from the disk tier only when it is "
+        "admitted, in the step that needs it. By default it is read ahead on a thread of its own while "
+        "the request waits (up to the host tier's size in bytes at a time), and the request waits for "
+        "that read while other requests' steps run instead of stalling a step on the disk.",
+    )
     disable_overlap_schedule: bool = flag(
         False,
         "Plan each step only after the previous one's tokens are read back. By default, where steps "

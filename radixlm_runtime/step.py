@@ -196,6 +196,14 @@ class Executor(Protocol):
         tier (RunnerInfo.disk_kv_tokens), which one without it (tensor parallelism) need not answer."""
         ...
 
+    def prefetch_kv(self, disk_slots: list[int]) -> int:
+        """Starts reading these disk slots' data into host memory in the background (for a request
+        waiting with a prefix on disk), so that the move_kv that reads them later, while other steps
+        computed, waits only for what is still being read; a hint, which changes no slot. Returns how
+        many of these slots are still being read (0: a move_kv reading them waits on no file). Called
+        only where the executor has a disk tier, like move_kv."""
+        ...
+
     def close(self) -> None:
         """Finishes what is still being written to the disk tier and releases what the executor
         started (tensor-parallel ranks); the last call."""

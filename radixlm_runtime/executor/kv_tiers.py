@@ -35,14 +35,17 @@ class KVTiers:
         numerics: dict[str, Any],
     ) -> KVTiers:
         """The tiers of `pool`; the disk tier's entries keyed by the model's files, the `numerics`
-        that change its KV (dtype, arithmetic, quantization) and the pool's layout."""
+        that change its KV (dtype, arithmetic, quantization) and the pool's layout, and read ahead
+        (for requests waiting with a prefix on disk) up to the host tier's size in bytes, which is
+        where they are read into."""
         if disk_dir is None:
             return cls(pool, host, None)
         layout = layout_of(pool.named_tensors())
         Path(disk_dir).mkdir(parents=True, exist_ok=True)
         identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
         capacity = disk_bytes // pool.bytes_per_token()
-        store = DiskStore(Path(disk_dir), identity, layout, capacity)
+        ahead = host.size * host.bytes_per_token() if host is not None else 0
+        store = DiskStore(Path(disk_dir), identity, layout, capacity, ahead)
         logger.info("disk KV tier: %s, %d tokens (%.2f GiB)", store.dir, capacity, disk_bytes / 2**30)
         return cls(pool, host, store)
 
@@ -60,6 +63,11 @@ class KVTiers:
             return self.pool
         assert tier == "host" and self.host is not None, f"a KV copy through the {tier} tier, which is off"
         return self.host
+
+    def prefetch(self, slots: list[int]) -> int:
+        """Starts reading these disk slots' entries ahead (DiskStore.prefetch); the slots still being
+        read."""
+        return self.disk.prefetch(slots) if self.disk is not None else 0
 
     def run(self, ops: list[KVCopy]) -> list[int]:
         """Runs the moves in order; returns the disk slots whose entry failed its checksum (their

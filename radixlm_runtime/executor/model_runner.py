@@ -175,6 +175,10 @@ class ModelRunner:
         """Runs tier moves now (reads from the disk tier); the disk slots that failed their checksum."""
         return self.tiers.run(ops)
 
+    def prefetch_kv(self, disk_slots: list[int]) -> int:
+        """Starts reading these disk slots' entries ahead of a move_kv that reads them."""
+        return self.tiers.prefetch(disk_slots)
+
     def close(self) -> None:
         """Finishes the disk tier's pending writes; nothing else to stop: the executor is this process
         (tensor parallelism's ranks: executor/tp.py)."""

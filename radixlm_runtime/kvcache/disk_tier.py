@@ -19,7 +19,10 @@ The radix tree (scheduler) hands out disk slots, one per token; this store maps 
 of an entry and deletes an entry's file once none of its slots is held. The tree charges each entry
 its file's whole size (`entry_slots`) until then, so the files stay within the disk tier's bytes.
 Writes run on a thread of their own: a step waits only for the gather of the rows it stores, and
-reads of an entry still being written are served from memory.
+reads of an entry still being written are served from memory. Reads can start ahead too (`prefetch`,
+for a request waiting with a prefix on disk): a reader thread loads the entries' files into memory,
+within a budget of bytes, and the read that needs them later waits only for what is still being
+read. A prefetched file is checked when it is used, like any other: one that failed is never served.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import struct
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,10 @@ MAGIC = b"RLMKV2\n"
 _COUNTS = struct.Struct("<III")  # tokens stored, tokens of the path, CRC-32
 TOKEN_ID_BYTES = 4  # a path token id in the header (int32)
 LOCK = ".lock"
+# A read ahead that no prefetch call asked for again in this many calls is let go when another one
+# needs its room (its request went away, say); one still asked for never is, so the requests waiting
+# on reads ahead never take each other's room in turns.
+PREFETCH_STALE_CALLS = 256
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SUFFIX = ".kv"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
@@ -110,18 +118,40 @@ def model_identity(
     return h.hexdigest()
 
 
+class _Prefetch:
+    """An entry's file read ahead on the reader thread: once `done` is set, its rows per tensor (None:
+    the file could not be read or failed its checksum); `used`: rows of it read since."""
+
+    __slots__ = ("done", "rows", "used", "asked")
+
+    def __init__(self, asked: int) -> None:
+        self.done = threading.Event()
+        self.rows: list[torch.Tensor] | None = None
+        self.used = 0
+        self.asked = asked  # DiskStore.prefetch's call count when it was last asked for
+
+
 @dataclass
 class _Entry:
     path: Path
     num_tokens: int
     live: int  # slots of this entry the tree holds
     rows: list[torch.Tensor] | None = None  # while its write is queued: the data, per tensor
+    prefetch: _Prefetch | None = None  # its file read ahead (or being read)
 
 
 class DiskStore:
-    """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens."""
+    """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens' worth
+    of bytes; up to `prefetch_bytes` of them read ahead into memory at a time."""
 
-    def __init__(self, root: Path, identity: str, layout: list[TensorSpec], capacity_tokens: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        identity: str,
+        layout: list[TensorSpec],
+        capacity_tokens: int,
+        prefetch_bytes: int = 0,
+    ) -> None:
         self.dir = Path(root) / identity[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         # One server per directory: another one's scan would take this one's files for its own.
@@ -146,8 +176,18 @@ class DiskStore:
         self._jobs: queue.Queue[tuple[str, _Entry, list[int] | None] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
-        # Since start: bytes written and read, entries that failed their checksum.
+        # Entries read ahead or being read, oldest first, and their bytes.
+        self.prefetch_bytes = prefetch_bytes
+        self._prefetched: OrderedDict[int, _Entry] = OrderedDict()
+        self._prefetched_size = 0
+        self._prefetch_calls = 0
+        self._reads: queue.Queue[_Entry | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._reader.start()
+        # Since start: bytes written and read, entries that failed their checksum; entry files read
+        # when a read needed them, read ahead, and read ahead then used.
         self.bytes_written = self.bytes_read = self.corrupt_entries = 0
+        self.files_read = self.files_prefetched = self.prefetch_hits = 0
 
     # -- start ---------------------------------------------------------------------------------
     def scan(self) -> list[DiskEntry]:
@@ -258,7 +298,7 @@ class DiskStore:
             by_entry[id(entry)][2].append(row)
         failed: list[int] = []
         for entry, positions, rows in by_entry.values():
-            data = self._entry_rows(entry)
+            data = self._entry_rows(entry, len(positions))
             if data is None:
                 failed.extend(slots[i] for i in positions)
                 continue
@@ -268,12 +308,37 @@ class DiskStore:
                 dst[pos] = src[idx]
         return out, failed
 
-    def _entry_rows(self, entry: _Entry) -> list[torch.Tensor] | None:
-        """An entry's rows per tensor: from memory while its write is pending, else from its file,
+    def _entry_rows(self, entry: _Entry, wanted: int) -> list[torch.Tensor] | None:
+        """An entry's rows per tensor (`wanted` of them are read): from memory while its write is
+        pending, else from its file, read ahead (waiting for what is still being read) or now,
         checked against its digest (None when that fails, the file then deleted)."""
         rows = entry.rows
         if rows is not None:
             return rows
+        ahead = entry.prefetch
+        if ahead is not None:
+            ahead.done.wait()
+            rows = ahead.rows
+            ahead.used += wanted
+            self.prefetch_hits += 1
+            if rows is None or ahead.used >= entry.live:
+                self._forget_prefetch(entry)  # read whole (what the tree holds of it): memory back
+        else:
+            rows = self._load(entry)
+            self.files_read += 1
+        if rows is None:
+            self.corrupt_entries += 1
+            logger.warning(
+                "disk KV tier: %s failed its checksum; dropped, its tokens are recomputed", entry.path.name
+            )
+            entry.path.unlink(missing_ok=True)
+            return None
+        self.bytes_read += entry.num_tokens * self.token_bytes
+        return rows
+
+    def _load(self, entry: _Entry) -> list[torch.Tensor] | None:
+        """An entry's rows per tensor from its file; None where the file is gone, short or fails its
+        checksum. No side effect: the reader thread runs it too."""
         expected = entry.num_tokens * self.token_bytes
         buf = bytearray(expected)
         try:
@@ -284,13 +349,7 @@ class DiskStore:
         except (OSError, ValueError):
             header, whole = {}, False
         if not whole or zlib.crc32(buf) != header.get("crc32"):
-            self.corrupt_entries += 1
-            logger.warning(
-                "disk KV tier: %s failed its checksum; dropped, its tokens are recomputed", entry.path.name
-            )
-            entry.path.unlink(missing_ok=True)
             return None
-        self.bytes_read += expected
         out: list[torch.Tensor] = []
         offset = 0
         for spec in self.layout:
@@ -306,7 +365,71 @@ class DiskStore:
             entry, _ = self._slots.pop(slot)
             entry.live -= 1
             if entry.live == 0:
+                self._forget_prefetch(entry)
                 self._jobs.put(("delete", entry, None))
+
+    # -- reads ahead ---------------------------------------------------------------------------
+    def prefetch(self, slots: list[int]) -> int:
+        """Starts reading the files of the entries holding these slots on the reader thread, as far
+        as `prefetch_bytes` allows (finished ones nobody asked for lately are let go for room);
+        entries in memory already or being read are left as they are. Returns how many of these slots are in
+        entries still being read (0: a read of them now waits for no file)."""
+        self._prefetch_calls += 1
+        pending = 0
+        for slot in slots:
+            entry, _ = self._slots[slot]
+            if entry.rows is not None:
+                continue
+            ahead = entry.prefetch
+            if ahead is None:
+                size = entry.num_tokens * self.token_bytes
+                if not self._room_ahead(size):
+                    continue
+                ahead = entry.prefetch = _Prefetch(self._prefetch_calls)
+                self._prefetched[id(entry)] = entry
+                self._prefetched_size += size
+                self.files_prefetched += 1
+                self._reads.put(entry)
+            ahead.asked = self._prefetch_calls
+            if not ahead.done.is_set():
+                pending += 1
+        return pending
+
+    def _room_ahead(self, size: int) -> bool:
+        """Whether `size` more bytes can be read ahead, once finished reads ahead that nobody asked
+        for lately (PREFETCH_STALE_CALLS) are let go as far as needed."""
+        stale = self._prefetch_calls - PREFETCH_STALE_CALLS
+        for entry in list(self._prefetched.values()):
+            if self._prefetched_size + size <= self.prefetch_bytes:
+                break
+            ahead = entry.prefetch
+            assert ahead is not None
+            if ahead.done.is_set() and ahead.asked < stale:
+                self._forget_prefetch(entry)
+        return self._prefetched_size + size <= self.prefetch_bytes
+
+    def _forget_prefetch(self, entry: _Entry) -> None:
+        if entry.prefetch is None:
+            return
+        del self._prefetched[id(entry)]
+        self._prefetched_size -= entry.num_tokens * self.token_bytes
+        entry.prefetch = None
+
+    def prefetched_bytes(self) -> int:
+        """Bytes of entries read ahead (or being read) and not let go yet."""
+        return self._prefetched_size
+
+    def _read_loop(self) -> None:
+        while (entry := self._reads.get()) is not None:
+            ahead = entry.prefetch
+            if ahead is None or ahead.done.is_set():
+                continue  # let go before its turn
+            try:
+                ahead.rows = self._load(entry)
+            except Exception:
+                logger.exception("disk KV tier: reading %s ahead failed", entry.path.name)
+            finally:
+                ahead.done.set()
 
     def held_tokens(self) -> int:
         return len(self._slots)
@@ -358,7 +481,9 @@ class DiskStore:
         self._jobs.join()
 
     def close(self) -> None:
-        """Finishes the queued writes and stops the writer thread."""
+        """Finishes the queued writes and stops the writer and reader threads."""
         self._jobs.put(None)
+        self._reads.put(None)
         self._writer.join()
+        self._reader.join()
         self._lock.close()

@@ -270,6 +270,18 @@ class RadixCache:
             node = node.parent
         return n, node
 
+    def disk_path_slots(self, node: TreeNode) -> list[int]:
+        """Disk slots of the disk-only end of node's path (what `fetch` reads), top down; none
+        where node has left the tree. Changes nothing: what the executor may read ahead."""
+        if self._nodes.get(node.id) is not node:
+            return []
+        parts: list[list[int]] = []
+        while not node.in_memory and node is not self.root_node:
+            assert node.disk_value is not None and node.parent is not None
+            parts.append(node.disk_value)
+            node = node.parent
+        return [s for part in reversed(parts) for s in part]
+
     def path_key(self, node: TreeNode) -> list[int]:
         """Token ids from the root down to node."""
         parts: list[list[int]] = []

@@ -90,3 +90,88 @@ def test_headers_count_against_the_cap(tmp_path: Path) -> None:
     assert len(found) == 2 and sum(again.entry_slots(len(e.slots), len(e.tokens)) for e in found) <= 8
     assert _bytes_on_disk(again) <= cap
     again.close()
+
+
+def _restarted(tmp_path: Path, keys: list[list[int]]) -> tuple[RadixCache, KVTiers]:
+    """Tiers whose disk tier holds an entry per key (written, then found again by a new store, as a
+    restarted server does), with a fresh tree rebuilt from them; the store reads ahead up to the
+    host tier's bytes."""
+    tree, tiers = _tiers(tmp_path, device=64, host=32, disk_bytes=64 * 2048)
+    for key in keys:
+        _compute(tree, tiers, key)
+    tiers.close()
+    assert tiers.disk is not None and tiers.host is not None
+    old = tiers.disk
+    store = DiskStore(tmp_path, "a" * 40, old.layout, old.capacity_tokens, 32 * old.token_bytes)
+    tiers = KVTiers(tiers.pool, tiers.host, store)
+    tree = RadixCache(
+        TokenAllocator(64),
+        TokenAllocator(32),
+        disk_allocator=TokenAllocator(store.capacity_tokens),
+        disk_write_through=True,
+        disk_entry_cost=store.entry_slots,
+    )
+    tree.restore(tiers.disk_entries)
+    assert not tiers.run(tree.take_copies())
+    return tree, tiers
+
+
+def test_a_prefetched_entry_is_read_once_and_served_from_memory(tmp_path: Path) -> None:
+    key = list(range(1, 11))
+    tree, tiers = _restarted(tmp_path, [key])
+    store = tiers.disk
+    assert store is not None
+    loads: list[Path] = []
+    load = store._load
+    store._load = lambda entry: loads.append(entry.path) or load(entry)  # type: ignore[method-assign]
+    _, node = tree.match_node(key)
+    slots = tree.disk_path_slots(node)
+    assert len(slots) == 10
+    assert tiers.prefetch(slots) in (0, 10)  # being read, or read already
+    assert tiers.prefetch(slots) in (0, 10) and store.files_prefetched == 1  # not read twice
+    assert tree.fetch(node, tiers.run) == 10
+    assert len(loads) == 1 and store.files_read == 0 and store.prefetch_hits == 1
+    assert store.prefetched_bytes() == 0  # used whole: its memory let go
+    # What was read ahead is what was written: the host slots hold the rows of the device's.
+    assert tree.load(node) == 10
+    assert node.value is not None
+    tiers.close()
+
+
+def test_a_corrupt_prefetched_entry_is_recomputed_not_served(tmp_path: Path) -> None:
+    key = list(range(1, 11))
+    tree, tiers = _restarted(tmp_path, [key, [*key, 11, 12]])
+    store = tiers.disk
+    assert store is not None
+    first = max(store.dir.glob("*.kv"), key=lambda p: p.stat().st_size)  # the 10-token entry
+    data = bytearray(first.read_bytes())
+    data[-3] ^= 0x10
+    first.write_bytes(data)
+    length, node = tree.match_node([*key, 11, 12])
+    assert length == 12
+    assert tiers.prefetch(tree.disk_path_slots(node)) in (0, 12)
+    assert tree.fetch(node, tiers.run) == 0  # the first entry failed: nothing of the path served
+    assert tree.disk_failed_tokens == 10 and store.corrupt_entries == 1 and store.files_read == 0
+    assert tree.match_node([*key, 11, 12])[0] == 0  # recomputed from scratch
+    assert not first.exists()
+    # The second entry's tokens left the tree with the first: its file goes, its read ahead too.
+    assert not tiers.run(tree.take_copies())
+    store.flush()
+    assert not list(store.dir.glob("*.kv")) and store.prefetched_bytes() == 0
+    tiers.close()
+
+
+def test_reads_ahead_stay_within_their_budget_and_keep_their_room(tmp_path: Path) -> None:
+    """5 entries of 12 tokens, 32 tokens' worth read ahead: two are, the others are refused (read
+    when admitted) rather than taking the room of reads still asked for, which are never read twice."""
+    keys = [[k] * 12 for k in range(1, 6)]
+    tree, tiers = _restarted(tmp_path, keys)
+    store = tiers.disk
+    assert store is not None
+    for _ in range(3):  # a scheduler asks every step for every waiting request
+        for key in keys:
+            _, node = tree.match_node(key)
+            tiers.prefetch(tree.disk_path_slots(node))
+            assert store.prefetched_bytes() <= 32 * store.token_bytes
+    assert store.files_prefetched == 2
+    tiers.close()

@@ -208,6 +208,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         host_len, device_node = self.cache.host_suffix(node)
         disk_len, _ = self.cache.disk_suffix(node)
         assert 0 <= disk_len <= host_len <= length
+        assert len(self.cache.disk_path_slots(node)) == disk_len  # what a read ahead would read
         slots = self.cache.path_slots(device_node)
         assert len(slots) == length - host_len
 
