@@ -200,7 +200,12 @@ class EngineConfig:
         if self.kv_disk_dir is not None and self.kv_host_tokens == 0:
             raise ValueError("kv_disk_dir needs a host tier to load through: set kv_host_tokens > 0")
         if self.kv_disk_dir is not None and self.tp_size > 1:
-            raise ValueError("kv_disk_dir: no disk tier under tensor parallelism (tp_size > 1) yet")
+            raise ValueError(
+                "kv_disk_dir: no disk tier under tensor parallelism (tp_size > 1) yet: each rank holds "
+                "its own KV heads, so each would write and read its own shard of every entry, and the "
+                "tensor-parallel executor does not run the tree's disk reads (move_kv) on its ranks. "
+                "Use tp_size 1 with a disk tier, or no kv_disk_dir"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

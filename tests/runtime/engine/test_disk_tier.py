@@ -199,6 +199,8 @@ def test_disk_tier_flags_are_validated(tmp_path: Path) -> None:
         rt.Engine(kv_disk_bytes=0)
     with pytest.raises(ValueError, match="kv_disk_write_policy"):
         rt.Engine(kv_disk_write_policy="never")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        rt.Engine(kv_disk_dir=str(tmp_path), kv_host_tokens=64, tp_size=2)
 
 
 def test_one_server_per_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:
