@@ -11,11 +11,20 @@ after the restart >= 5x lower for a 1,000-token prefix.
     python benchmarks/bench_kv_restart.py
     python benchmarks/bench_kv_restart.py --prefix-tokens 4000
     python benchmarks/bench_kv_restart.py --tiny
+
+--prefetch-ab N: after the cold run, N times each (alternating which goes first), a server restarted
+on a copy of its directory (the copy's pages dropped from the page cache, so it is read from the
+device) with and without --disable-kv-disk-prefetch serves two long background generations and,
+once they decode, every prompt at once. Reported per variant: the seconds the scheduler spent
+blocked reading the disk tier (disk_read_seconds: the step that admits a prompt waits for them), the
+background streams' longest gap between tokens, and the prompts' TTFT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
 import statistics
 import sys
@@ -88,6 +97,91 @@ def run_server(extra: list[str], log: Path, reqs: list[Request], max_new_tokens:
     }
 
 
+async def concurrent(url: str, reqs: list[Request], max_new_tokens: int) -> dict[str, Any]:
+    """Two background generations, then (once both decode) every prompt at once."""
+    decoding = [asyncio.Event(), asyncio.Event()]
+
+    def api(started: asyncio.Event) -> Any:
+        def read(chunk: dict[str, Any], out: Outcome) -> int:
+            started.set()
+            return NATIVE.read(chunk, out)
+
+        return replace(NATIVE, read=read)
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        stories = [Request("background", f"Story {i}: once upon a time") for i in range(len(decoding))]
+        background = [
+            asyncio.create_task(send(client, url, api(e), story, 8 * max_new_tokens))
+            for story, e in zip(stories, decoding)
+        ]
+        for e in decoding:
+            await e.wait()
+        docs = await asyncio.gather(*(send(client, url, NATIVE, r, max_new_tokens) for r in reqs))
+        streams = await asyncio.gather(*background)
+    return {
+        "ttft_ms": [1000 * o.ttft for o in docs],
+        "background_max_gap_ms": max(1000 * max(o.itls) for o in streams),
+    }
+
+
+def uncached_copy(src: Path, dst: Path) -> None:
+    """A copy of a disk tier directory, flushed and dropped from the page cache."""
+    shutil.copytree(src, dst)
+    for path in dst.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def prefetch_ab(
+    flags: list[str], disk_dir: Path, tmp: Path, reqs: list[Request], max_new_tokens: int, repeats: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Restarts on copies of disk_dir, with and without reading ahead, `repeats` times each."""
+    runs: dict[str, list[dict[str, Any]]] = {"prefetch": [], "no_prefetch": []}
+    for r in range(repeats):
+        for variant in ("prefetch", "no_prefetch") if r % 2 == 0 else ("no_prefetch", "prefetch"):
+            kv = tmp / f"kv-{variant}-{r}"
+            uncached_copy(disk_dir, kv)
+            off = ["--disable-kv-disk-prefetch"] if variant == "no_prefetch" else []
+            extra = [*flags[:-1], str(kv), *off]
+            with running_server(extra, tmp / f"{variant}-{r}.log") as url:
+                asyncio.run(serve(url, [Request("warm", "Hello")], 2))
+                run = asyncio.run(concurrent(url, reqs, max_new_tokens))
+                info = httpx.get(f"{url}/server_info", timeout=30).json()
+            run.update({k: info[k] for k in ("disk_read_seconds", "disk_reads", "disk_hit_tokens")})
+            runs[variant].append(run)
+    return runs
+
+
+def _spread(values: list[float], spec: str) -> str:
+    """Median [min-max]."""
+    return f"{fmt(statistics.median(values), spec)} [{fmt(min(values), spec)}-{fmt(max(values), spec)}]"
+
+
+def prefetch_table(runs: dict[str, list[dict[str, Any]]]) -> Table:
+    rows = [
+        [
+            variant,
+            str(len(rs)),
+            _spread([1000 * r["disk_read_seconds"] for r in rs], ".1f"),
+            _spread([r["background_max_gap_ms"] for r in rs], ".0f"),
+            _spread([statistics.median(r["ttft_ms"]) for r in rs], ".0f"),
+            str(rs[0]["disk_hit_tokens"]),
+        ]
+        for variant, rs in runs.items()
+    ]
+    return Table(
+        "After a restart, every prompt at once beside two background generations: disk reads ahead "
+        "of admission (default) vs in the admitting step (--disable-kv-disk-prefetch); median [min-max]",
+        ["variant", "runs", "blocked on disk ms", "background max gap ms", "median TTFT ms", "disk hits"],
+        rows,
+    )
+
+
 def plot(path: Path, cold: dict[str, Any], warm: dict[str, Any]) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -104,6 +198,7 @@ def plot(path: Path, cold: dict[str, Any], warm: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
+    ap.add_argument("--prefetch-ab", type=int, default=0, metavar="N", help="see the module docstring")
     args, sizes = parse_sizes(ap, argv, SIZES)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
     reqs = documents(sizes["prompts"], sizes["prefix_tokens"])
@@ -111,6 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--kv-host-tokens", str(2 * longest), "--kv-disk-dir", str(Path(tmp) / "kv")]
         cold = run_server(flags, Path(tmp) / "cold.log", reqs, sizes["max_new_tokens"])
+        ab = {}
+        if args.prefetch_ab:
+            ab = prefetch_ab(
+                flags, Path(tmp) / "kv", Path(tmp), reqs, sizes["max_new_tokens"], args.prefetch_ab
+            )
         warm = run_server(flags, Path(tmp) / "restarted.log", reqs, sizes["max_new_tokens"])
     identical = [a == b for a, b in zip(cold["output_ids"], warm["output_ids"], strict=True)]
     speedup = statistics.median(cold["ttft_ms"]) / statistics.median(warm["ttft_ms"])
@@ -139,14 +239,16 @@ def main(argv: list[str] | None = None) -> None:
         f"generated tokens identical to the cold (uncached) run for {sum(identical)} of "
         f"{len(identical)} prompts",
     ]
+    tables = [table, prefetch_table(ab)] if ab else [table]
     figure = f"{NAME}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, cold, warm)
     save_result(
         args.out_dir,
         NAME,
-        {"cold": cold, "restarted": warm, "identical": identical, "ttft_speedup": speedup},
-        [table],
+        {"cold": cold, "restarted": warm, "identical": identical, "ttft_speedup": speedup}
+        | ({"prefetch_ab": ab} if ab else {}),
+        tables,
         notes,
         [figure],
         sizes,

@@ -122,8 +122,8 @@ class EngineConfig:
     )
     kv_disk_bytes: int = flag(
         8 * 2**30,
-        "Size cap of the disk KV tier in bytes of KV (headers aside); the least recently used entries "
-        "go when it is full. Default 8 GiB.",
+        "Size cap of the disk KV tier: its entry files' bytes, headers included (an entry counts whole "
+        "until its file is deleted); the least recently used entries go when it is full. Default 8 GiB.",
     )
     mem_fraction_static: float | None = flag(
         None,
@@ -200,7 +200,12 @@ class EngineConfig:
         if self.kv_disk_dir is not None and self.kv_host_tokens == 0:
             raise ValueError("kv_disk_dir needs a host tier to load through: set kv_host_tokens > 0")
         if self.kv_disk_dir is not None and self.tp_size > 1:
-            raise ValueError("kv_disk_dir: no disk tier under tensor parallelism (tp_size > 1) yet")
+            raise ValueError(
+                "kv_disk_dir: no disk tier under tensor parallelism (tp_size > 1) yet: each rank holds "
+                "its own KV heads, so each would write and read its own shard of every entry, and the "
+                "tensor-parallel executor does not run the tree's disk reads (move_kv) on its ranks. "
+                "Use tp_size 1 with a disk tier, or no kv_disk_dir"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,6 +277,13 @@ class SchedulerConfig:
         "and at a graceful shutdown what is still only in memory, as far as the tier has free room (less "
         "disk traffic; a crash loses what was only in memory).",
         ("write_through", "write_back"),
+    )
+    disable_kv_disk_prefetch: bool = flag(
+        False,
+        "With --kv-disk-dir, read a waiting request's prefix from the disk tier only when it is "
+        "admitted, in the step that needs it. By default it is read ahead on a thread of its own while "
+        "the request waits (up to the host tier's size in bytes at a time), and the request waits for "
+        "that read while other requests' steps run instead of stalling a step on the disk.",
     )
     disable_overlap_schedule: bool = flag(
         False,

@@ -41,9 +41,19 @@ class RunnerInfo:
     # What the disk tier held at start (a restart): the tree rebuilds itself from these.
     disk_entries: tuple[DiskEntry, ...] = ()
     kv_bytes_per_token: int = 0  # of every tier (the bytes a tier move of one token copies)
+    # The bytes of a disk entry file beside its KV rows: fixed, and per token id of its path.
+    disk_entry_header: tuple[int, int] = (0, 0)
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
     # the next step meanwhile (overlap scheduling).
     async_launch: bool = False
+
+    def disk_entry_slots(self, num_tokens: int, path_tokens: int) -> int:
+        """Disk tier slots a disk entry of num_tokens rows under a path of path_tokens ids costs: its
+        file's bytes, header included, in whole tokens' worth (DiskStore.entry_slots), so that the
+        tree holding the disk tier's slots holds its files' bytes within --kv-disk-bytes."""
+        fixed, per_path_token = self.disk_entry_header
+        bpt = self.kv_bytes_per_token
+        return num_tokens + (-(-(fixed + per_path_token * path_tokens) // bpt) if bpt else 0)
 
 
 def future_token(row: int) -> int:
@@ -184,6 +194,14 @@ class Executor(Protocol):
         the scheduler must see succeed before it plans on them). Returns the disk slots whose data
         failed its checksum: those copies were not made. Called only where the executor has a disk
         tier (RunnerInfo.disk_kv_tokens), which one without it (tensor parallelism) need not answer."""
+        ...
+
+    def prefetch_kv(self, disk_slots: list[int]) -> int:
+        """Starts reading these disk slots' data into host memory in the background (for a request
+        waiting with a prefix on disk), so that the move_kv that reads them later, while other steps
+        computed, waits only for what is still being read; a hint, which changes no slot. Returns how
+        many of these slots are still being read (0: a move_kv reading them waits on no file). Called
+        only where the executor has a disk tier, like move_kv."""
         ...
 
     def close(self) -> None:

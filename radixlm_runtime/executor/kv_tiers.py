@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from radixlm_runtime.kvcache.disk_tier import DiskStore, layout_of, model_identity
+from radixlm_runtime.kvcache.disk_tier import TOKEN_ID_BYTES, DiskStore, layout_of, model_identity
 from radixlm_runtime.kvcache.pool import KVPool
 from radixlm_runtime.step import DiskEntry, KVCopy, Tier
 from radixlm_runtime.utils.logging import get_logger
@@ -35,14 +35,17 @@ class KVTiers:
         numerics: dict[str, Any],
     ) -> KVTiers:
         """The tiers of `pool`; the disk tier's entries keyed by the model's files, the `numerics`
-        that change its KV (dtype, arithmetic, quantization) and the pool's layout."""
+        that change its KV (dtype, arithmetic, quantization) and the pool's layout, and read ahead
+        (for requests waiting with a prefix on disk) up to the host tier's size in bytes, which is
+        where they are read into."""
         if disk_dir is None:
             return cls(pool, host, None)
         layout = layout_of(pool.named_tensors())
         Path(disk_dir).mkdir(parents=True, exist_ok=True)
         identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
         capacity = disk_bytes // pool.bytes_per_token()
-        store = DiskStore(Path(disk_dir), identity, layout, capacity)
+        ahead = host.size * host.bytes_per_token() if host is not None else 0
+        store = DiskStore(Path(disk_dir), identity, layout, capacity, ahead)
         logger.info("disk KV tier: %s, %d tokens (%.2f GiB)", store.dir, capacity, disk_bytes / 2**30)
         return cls(pool, host, store)
 
@@ -50,11 +53,21 @@ class KVTiers:
     def disk_tokens(self) -> int:
         return self.disk.capacity_tokens if self.disk is not None else 0
 
+    @property
+    def disk_entry_header(self) -> tuple[int, int]:
+        """An entry file's bytes beside its KV rows: fixed, and per token id of its path."""
+        return (self.disk.header_bytes, TOKEN_ID_BYTES) if self.disk is not None else (0, 0)
+
     def _tier(self, tier: Tier) -> KVPool:
         if tier == "device":
             return self.pool
         assert tier == "host" and self.host is not None, f"a KV copy through the {tier} tier, which is off"
         return self.host
+
+    def prefetch(self, slots: list[int]) -> int:
+        """Starts reading these disk slots' entries ahead (DiskStore.prefetch); the slots still being
+        read."""
+        return self.disk.prefetch(slots) if self.disk is not None else 0
 
     def run(self, ops: list[KVCopy]) -> list[int]:
         """Runs the moves in order; returns the disk slots whose entry failed its checksum (their

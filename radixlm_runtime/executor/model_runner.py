@@ -134,6 +134,7 @@ class ModelRunner:
             disk_kv_tokens=self.tiers.disk_tokens,
             disk_entries=self.tiers.disk_entries,
             kv_bytes_per_token=self.kv_pool.bytes_per_token(),
+            disk_entry_header=self.tiers.disk_entry_header,
             async_launch=self.device.type == "cuda",
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
@@ -173,6 +174,10 @@ class ModelRunner:
     def move_kv(self, ops: list[KVCopy]) -> list[int]:
         """Runs tier moves now (reads from the disk tier); the disk slots that failed their checksum."""
         return self.tiers.run(ops)
+
+    def prefetch_kv(self, disk_slots: list[int]) -> int:
+        """Starts reading these disk slots' entries ahead of a move_kv that reads them."""
+        return self.tiers.prefetch(disk_slots)
 
     def close(self) -> None:
         """Finishes the disk tier's pending writes; nothing else to stop: the executor is this process

@@ -2,20 +2,27 @@
 directory of its own per model identity, so that a server started again on the same model and
 directory serves the prefixes it finds there.
 
-An entry file is `MAGIC`, the header's length (4 bytes, little-endian), a JSON header and the raw
-bytes of every tensor the pool holds per token, tensor after tensor (no pickle). The header names
-the identity (the model's weights and config, the KV dtype and layout), the path's token ids (the
-stored tokens are its last `num_tokens`), the tensors' names, dtypes and per-token shapes, and the
-payload's CRC-32 (zlib's: a few times faster than a cryptographic digest, and the writer thread's
-time is taken from the CPU kernels; it detects corruption, not tampering). A file is written to a
+An entry file is `MAGIC`, the JSON header's length (4 bytes, little-endian), a JSON header naming the
+identity (the model's weights and config, the KV dtype and layout) and the tensors' names, dtypes
+and per-token shapes, then three little-endian uint32s (the tokens stored, the tokens of their path,
+the payload's CRC-32), the path's token ids (int32 each; the stored tokens are its last
+`num_tokens`) and the raw bytes of every tensor the pool holds per token, tensor after tensor (no
+pickle). So a file's size is a function of its token counts alone (`entry_bytes`), which the radix
+tree charges its disk capacity in whole files with (RunnerInfo.disk_entry_slots). The CRC is
+zlib's: a few times faster than a cryptographic digest, and the writer thread's time is taken from
+the CPU kernels; it detects corruption, not tampering. A file is written to a
 temporary name, fsynced and renamed, so a crash leaves no half-written entry; at start, files of
 another identity or layout, or shorter or longer than their header says, are deleted; a payload
 whose checksum does not match is reported when read (never served) and the file deleted.
 
 The radix tree (scheduler) hands out disk slots, one per token; this store maps each slot to a row
-of an entry and deletes an entry's file once none of its slots is held. Writes run on a thread of
-their own: a step waits only for the gather of the rows it stores, and reads of an entry still being
-written are served from memory.
+of an entry and deletes an entry's file once none of its slots is held. The tree charges each entry
+its file's whole size (`entry_slots`) until then, so the files stay within the disk tier's bytes.
+Writes run on a thread of their own: a step waits only for the gather of the rows it stores, and
+reads of an entry still being written are served from memory. Reads can start ahead too (`prefetch`,
+for a request waiting with a prefix on disk): a reader thread loads the entries' files into memory,
+within a budget of bytes, and the read that needs them later waits only for what is still being
+read. A prefetched file is checked when it is used, like any other: one that failed is never served.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import hashlib
 import json
 import os
 import queue
+import struct
 import threading
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +49,14 @@ from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MAGIC = b"RLMKV1\n"
+MAGIC = b"RLMKV2\n"
+_COUNTS = struct.Struct("<III")  # tokens stored, tokens of the path, CRC-32
+TOKEN_ID_BYTES = 4  # a path token id in the header (int32)
 LOCK = ".lock"
+# A read ahead that no prefetch call asked for again in this many calls is let go when another one
+# needs its room (its request went away, say); one still asked for never is, so the requests waiting
+# on reads ahead never take each other's room in turns.
+PREFETCH_STALE_CALLS = 256
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 SUFFIX = ".kv"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)}
@@ -103,18 +118,40 @@ def model_identity(
     return h.hexdigest()
 
 
+class _Prefetch:
+    """An entry's file read ahead on the reader thread: once `done` is set, its rows per tensor (None:
+    the file could not be read or failed its checksum); `used`: rows of it read since."""
+
+    __slots__ = ("done", "rows", "used", "asked")
+
+    def __init__(self, asked: int) -> None:
+        self.done = threading.Event()
+        self.rows: list[torch.Tensor] | None = None
+        self.used = 0
+        self.asked = asked  # DiskStore.prefetch's call count when it was last asked for
+
+
 @dataclass
 class _Entry:
     path: Path
     num_tokens: int
     live: int  # slots of this entry the tree holds
     rows: list[torch.Tensor] | None = None  # while its write is queued: the data, per tensor
+    prefetch: _Prefetch | None = None  # its file read ahead (or being read)
 
 
 class DiskStore:
-    """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens."""
+    """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens' worth
+    of bytes; up to `prefetch_bytes` of them read ahead into memory at a time."""
 
-    def __init__(self, root: Path, identity: str, layout: list[TensorSpec], capacity_tokens: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        identity: str,
+        layout: list[TensorSpec],
+        capacity_tokens: int,
+        prefetch_bytes: int = 0,
+    ) -> None:
         self.dir = Path(root) / identity[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         # One server per directory: another one's scan would take this one's files for its own.
@@ -130,14 +167,27 @@ class DiskStore:
         self.layout = layout
         self.capacity_tokens = capacity_tokens
         self.token_bytes = sum(s.row_bytes for s in layout)
+        self._header_json = json.dumps({"identity": identity, "tensors": self._layout_json()}).encode()
+        # An entry file's bytes before its path's token ids: the same for every entry of this store.
+        self.header_bytes = len(MAGIC) + 4 + len(self._header_json) + _COUNTS.size
         self._slots: dict[int, tuple[_Entry, int]] = {}  # disk slot -> (entry, row)
         self._names = (f"{time.time_ns():x}-{os.getpid()}-{i}" for i in range(1 << 62))
         # ("write", entry, tokens) and ("delete", entry, None), in order; None stops the thread.
         self._jobs: queue.Queue[tuple[str, _Entry, list[int] | None] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
-        # Since start: bytes written and read, entries that failed their checksum.
+        # Entries read ahead or being read, oldest first, and their bytes.
+        self.prefetch_bytes = prefetch_bytes
+        self._prefetched: OrderedDict[int, _Entry] = OrderedDict()
+        self._prefetched_size = 0
+        self._prefetch_calls = 0
+        self._reads: queue.Queue[_Entry | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="kv-disk-reader", daemon=True)
+        self._reader.start()
+        # Since start: bytes written and read, entries that failed their checksum; entry files read
+        # when a read needed them, read ahead, and read ahead then used.
         self.bytes_written = self.bytes_read = self.corrupt_entries = 0
+        self.files_read = self.files_prefetched = self.prefetch_hits = 0
 
     # -- start ---------------------------------------------------------------------------------
     def scan(self) -> list[DiskEntry]:
@@ -157,10 +207,12 @@ class DiskStore:
             found.append((path.stat().st_mtime, path, header))
         found.sort(key=lambda f: f[0], reverse=True)
         entries: list[DiskEntry] = []
-        total = 0
+        total = cost = 0
         for _, path, header in found:
             n = header["num_tokens"]
-            if total + n > self.capacity_tokens:
+            # Kept while the files' bytes, in whole tokens' worth each as the tree counts them, fit.
+            entry_cost = self.entry_slots(n, len(header["tokens"]))
+            if cost + entry_cost > self.capacity_tokens:
                 path.unlink(missing_ok=True)
                 continue
             entry = _Entry(path, n, n)
@@ -169,6 +221,7 @@ class DiskStore:
                 self._slots[slot] = (entry, row)
             entries.append(DiskEntry(tuple(header["tokens"]), slots))
             total += n
+            cost += entry_cost
         if entries:
             logger.info("disk KV tier: %d entries, %d tokens found in %s", len(entries), total, self.dir)
         return entries
@@ -183,24 +236,40 @@ class DiskStore:
             return None
         if header.get("identity") != self.identity or header.get("tensors") != self._layout_json():
             return None
-        n = header.get("num_tokens")
-        tokens = header.get("tokens")
-        if not isinstance(n, int) or not isinstance(tokens, list) or not 0 < n <= len(tokens):
+        n, tokens = header["num_tokens"], header["tokens"]
+        if not 0 < n <= len(tokens):
             return None
         return header if size == payload_at + n * self.token_bytes else None
 
+    def entry_bytes(self, num_tokens: int, path_tokens: int) -> int:
+        """The size of an entry file of num_tokens rows under a path of path_tokens token ids."""
+        return self.header_bytes + TOKEN_ID_BYTES * path_tokens + num_tokens * self.token_bytes
+
+    def entry_slots(self, num_tokens: int, path_tokens: int) -> int:
+        """An entry file's bytes in whole tokens' worth: the disk slots the tree charges for it
+        (RunnerInfo.disk_entry_slots, from `header_bytes`, computes the same)."""
+        return -(-self.entry_bytes(num_tokens, path_tokens) // self.token_bytes)
+
     @staticmethod
     def _read_header(f: Any) -> tuple[dict[str, Any], int]:
+        """An entry's header (identity, tensors, num_tokens, tokens, crc32) and where its payload
+        starts."""
         if f.read(len(MAGIC)) != MAGIC:
             raise ValueError("not a KV entry file")
         length = int.from_bytes(f.read(4), "little")
         raw = f.read(length)
-        if len(raw) != length:
+        counts = f.read(_COUNTS.size)
+        if len(raw) != length or len(counts) != _COUNTS.size:
             raise ValueError("truncated header")
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
-        return header, len(MAGIC) + 4 + length
+        num_tokens, path_tokens, crc = _COUNTS.unpack(counts)
+        ids = f.read(TOKEN_ID_BYTES * path_tokens)
+        if len(ids) != TOKEN_ID_BYTES * path_tokens:
+            raise ValueError("truncated header")
+        header.update(num_tokens=num_tokens, tokens=list(struct.unpack(f"<{path_tokens}i", ids)), crc32=crc)
+        return header, len(MAGIC) + 4 + length + _COUNTS.size + len(ids)
 
     def _layout_json(self) -> list[list[Any]]:
         return [[s.name, s.dtype, list(s.row_shape)] for s in self.layout]
@@ -229,7 +298,7 @@ class DiskStore:
             by_entry[id(entry)][2].append(row)
         failed: list[int] = []
         for entry, positions, rows in by_entry.values():
-            data = self._entry_rows(entry)
+            data = self._entry_rows(entry, len(positions))
             if data is None:
                 failed.extend(slots[i] for i in positions)
                 continue
@@ -239,12 +308,37 @@ class DiskStore:
                 dst[pos] = src[idx]
         return out, failed
 
-    def _entry_rows(self, entry: _Entry) -> list[torch.Tensor] | None:
-        """An entry's rows per tensor: from memory while its write is pending, else from its file,
+    def _entry_rows(self, entry: _Entry, wanted: int) -> list[torch.Tensor] | None:
+        """An entry's rows per tensor (`wanted` of them are read): from memory while its write is
+        pending, else from its file, read ahead (waiting for what is still being read) or now,
         checked against its digest (None when that fails, the file then deleted)."""
         rows = entry.rows
         if rows is not None:
             return rows
+        ahead = entry.prefetch
+        if ahead is not None:
+            ahead.done.wait()
+            rows = ahead.rows
+            ahead.used += wanted
+            self.prefetch_hits += 1
+            if rows is None or ahead.used >= entry.live:
+                self._forget_prefetch(entry)  # read whole (what the tree holds of it): memory back
+        else:
+            rows = self._load(entry)
+            self.files_read += 1
+        if rows is None:
+            self.corrupt_entries += 1
+            logger.warning(
+                "disk KV tier: %s failed its checksum; dropped, its tokens are recomputed", entry.path.name
+            )
+            entry.path.unlink(missing_ok=True)
+            return None
+        self.bytes_read += entry.num_tokens * self.token_bytes
+        return rows
+
+    def _load(self, entry: _Entry) -> list[torch.Tensor] | None:
+        """An entry's rows per tensor from its file; None where the file is gone, short or fails its
+        checksum. No side effect: the reader thread runs it too."""
         expected = entry.num_tokens * self.token_bytes
         buf = bytearray(expected)
         try:
@@ -255,13 +349,7 @@ class DiskStore:
         except (OSError, ValueError):
             header, whole = {}, False
         if not whole or zlib.crc32(buf) != header.get("crc32"):
-            self.corrupt_entries += 1
-            logger.warning(
-                "disk KV tier: %s failed its checksum; dropped, its tokens are recomputed", entry.path.name
-            )
-            entry.path.unlink(missing_ok=True)
             return None
-        self.bytes_read += expected
         out: list[torch.Tensor] = []
         offset = 0
         for spec in self.layout:
@@ -277,7 +365,71 @@ class DiskStore:
             entry, _ = self._slots.pop(slot)
             entry.live -= 1
             if entry.live == 0:
+                self._forget_prefetch(entry)
                 self._jobs.put(("delete", entry, None))
+
+    # -- reads ahead ---------------------------------------------------------------------------
+    def prefetch(self, slots: list[int]) -> int:
+        """Starts reading the files of the entries holding these slots on the reader thread, as far
+        as `prefetch_bytes` allows (finished ones nobody asked for lately are let go for room);
+        entries in memory already or being read are left as they are. Returns how many of these slots are in
+        entries still being read (0: a read of them now waits for no file)."""
+        self._prefetch_calls += 1
+        pending = 0
+        for slot in slots:
+            entry, _ = self._slots[slot]
+            if entry.rows is not None:
+                continue
+            ahead = entry.prefetch
+            if ahead is None:
+                size = entry.num_tokens * self.token_bytes
+                if not self._room_ahead(size):
+                    continue
+                ahead = entry.prefetch = _Prefetch(self._prefetch_calls)
+                self._prefetched[id(entry)] = entry
+                self._prefetched_size += size
+                self.files_prefetched += 1
+                self._reads.put(entry)
+            ahead.asked = self._prefetch_calls
+            if not ahead.done.is_set():
+                pending += 1
+        return pending
+
+    def _room_ahead(self, size: int) -> bool:
+        """Whether `size` more bytes can be read ahead, once finished reads ahead that nobody asked
+        for lately (PREFETCH_STALE_CALLS) are let go as far as needed."""
+        stale = self._prefetch_calls - PREFETCH_STALE_CALLS
+        for entry in list(self._prefetched.values()):
+            if self._prefetched_size + size <= self.prefetch_bytes:
+                break
+            ahead = entry.prefetch
+            assert ahead is not None
+            if ahead.done.is_set() and ahead.asked < stale:
+                self._forget_prefetch(entry)
+        return self._prefetched_size + size <= self.prefetch_bytes
+
+    def _forget_prefetch(self, entry: _Entry) -> None:
+        if entry.prefetch is None:
+            return
+        del self._prefetched[id(entry)]
+        self._prefetched_size -= entry.num_tokens * self.token_bytes
+        entry.prefetch = None
+
+    def prefetched_bytes(self) -> int:
+        """Bytes of entries read ahead (or being read) and not let go yet."""
+        return self._prefetched_size
+
+    def _read_loop(self) -> None:
+        while (entry := self._reads.get()) is not None:
+            ahead = entry.prefetch
+            if ahead is None or ahead.done.is_set():
+                continue  # let go before its turn
+            try:
+                ahead.rows = self._load(entry)
+            except Exception:
+                logger.exception("disk KV tier: reading %s ahead failed", entry.path.name)
+            finally:
+                ahead.done.set()
 
     def held_tokens(self) -> int:
         return len(self._slots)
@@ -306,18 +458,13 @@ class DiskStore:
         crc = 0
         for part in parts:
             crc = zlib.crc32(part, crc)
-        header = {
-            "identity": self.identity,
-            "tensors": self._layout_json(),
-            "num_tokens": entry.num_tokens,
-            "tokens": tokens,
-            "crc32": crc,
-        }
-        raw = json.dumps(header).encode()
+        raw = self._header_json
+        counts = _COUNTS.pack(entry.num_tokens, len(tokens), crc)
         tmp = entry.path.with_suffix(".tmp")
         try:
             with tmp.open("wb") as f:
-                f.write(MAGIC + len(raw).to_bytes(4, "little") + raw)
+                f.write(MAGIC + len(raw).to_bytes(4, "little") + raw + counts)
+                f.write(struct.pack(f"<{len(tokens)}i", *tokens))
                 for part in parts:
                     f.write(part)
                 f.flush()
@@ -334,7 +481,9 @@ class DiskStore:
         self._jobs.join()
 
     def close(self) -> None:
-        """Finishes the queued writes and stops the writer thread."""
+        """Finishes the queued writes and stops the writer and reader threads."""
         self._jobs.put(None)
+        self._reads.put(None)
         self._writer.join()
+        self._reader.join()
         self._lock.close()

@@ -25,6 +25,11 @@ by one TokenAllocator per tier) or None.
   host-only ones, then disk-only ones.
 - Each tier evicts least recently used first from a heap of its candidates, checked lazily when
   popped, so evicting k nodes costs O(k log n) whatever the size of the tree.
+- The disk tier's slots are charged in whole entry files: writing a node costs the slots of its file
+  (`disk_entry_cost`: its tokens and its header's bytes, in whole tokens' worth), and they are
+  free again only when the last of the entry's tokens is let go (the executor then deletes the
+  file): a node split, then partly evicted, keeps its file, so the tree keeps counting all of it.
+  So the files on disk never take more than the disk tier's slots' worth of bytes.
 - A restarted server rebuilds the disk part of a fresh tree from the entries the executor found in
   its disk directory (`restore`: each entry names its path's token ids); at shutdown, what is only
   in memory is written first (`persist`), as far as the disk tier has room.
@@ -53,6 +58,19 @@ from radixlm_runtime.step import DiskEntry, KVCopy, Tier, TopLogprobs
 _Entry = tuple[float, int, "TreeNode"]
 # Runs tier moves at once; returns the disk slots whose data failed its checksum (Executor.move_kv).
 Mover = Callable[[list[KVCopy]], list[int]]
+# Disk slots an entry file of n tokens under a path of p tokens costs (RunnerInfo.disk_entry_slots).
+EntryCost = Callable[[int, int], int]
+
+
+class _DiskFile:
+    """One entry file of the disk tier: its tokens still held by nodes, and every disk slot it
+    costs (its tokens' and its header's), freed together once none of its tokens is held."""
+
+    __slots__ = ("live", "slots")
+
+    def __init__(self, live: int, slots: list[int]) -> None:
+        self.live = live
+        self.slots = slots
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -153,7 +171,9 @@ class RadixCache:
         write_through: bool = False,
         disk_allocator: TokenAllocator | None = None,
         disk_write_through: bool = False,
+        disk_entry_cost: EntryCost | None = None,
     ) -> None:
+        """`disk_entry_cost`: the disk slots an entry file costs (None: one per token, no header)."""
         if disk_allocator is not None and host_allocator is None:
             raise ValueError("a disk tier needs a host tier to load through")
         self.allocator = allocator
@@ -163,6 +183,9 @@ class RadixCache:
         self.write_through = write_through and host_allocator is not None
         # Write a node's KV to the disk tier when it is cached, not when it leaves the host tier.
         self.disk_write_through = disk_write_through and disk_allocator is not None
+        self._disk_cost: EntryCost = disk_entry_cost or (lambda n, _path: n)
+        # The entry file of every disk slot a node holds.
+        self._disk_files: dict[int, _DiskFile] = {}
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
         self._clock = itertools.count(1)
         self.root_node = TreeNode([], [], None, 0.0, lock_ref=1)
@@ -246,6 +269,18 @@ class RadixCache:
             assert node.parent is not None, "disk_suffix on a node detached from the tree"
             node = node.parent
         return n, node
+
+    def disk_path_slots(self, node: TreeNode) -> list[int]:
+        """Disk slots of the disk-only end of node's path (what `fetch` reads), top down; none
+        where node has left the tree. Changes nothing: what the executor may read ahead."""
+        if self._nodes.get(node.id) is not node:
+            return []
+        parts: list[list[int]] = []
+        while not node.in_memory and node is not self.root_node:
+            assert node.disk_value is not None and node.parent is not None
+            parts.append(node.disk_value)
+            node = node.parent
+        return [s for part in reversed(parts) for s in part]
 
     def path_key(self, node: TreeNode) -> list[int]:
         """Token ids from the root down to node."""
@@ -543,9 +578,10 @@ class RadixCache:
         allocator = self.host_allocator if tier == "host" else self.disk_allocator
         if allocator is None or n > allocator.size:
             return None
-        short = n - allocator.available_size()
-        if short > 0:
-            (self._evict_host if tier == "host" else self._evict_disk)(short)
+        if tier == "disk":
+            self._evict_disk(n)
+        elif n > allocator.available_size():
+            self._evict_host(n - allocator.available_size())
         return allocator.alloc(n)
 
     def _evict_host(self, num_tokens: int) -> None:
@@ -661,7 +697,10 @@ class RadixCache:
             path.append(walk)
             assert walk.parent is not None
             walk = walk.parent
-        fetched: list[TreeNode] = []
+        # Each node read with the disk slots it is read from: making room for the next one may let go
+        # of a node's disk copy, spare once it has host slots (the read runs first: it is recorded
+        # first).
+        fetched: list[tuple[TreeNode, list[int]]] = []
         # Locked while making room in the host tier: that must take no part of this path.
         self.inc_lock_ref(node)
         try:
@@ -673,18 +712,17 @@ class RadixCache:
                 self._record("disk", "host", disk_node.disk_value, host)
                 disk_node.host_value = host
                 self._host_size += len(host)
-                fetched.append(disk_node)
+                fetched.append((disk_node, disk_node.disk_value))
         finally:
             self.dec_lock_ref(node)
         if not fetched:
             return 0
         failed = set(move(self.take_copies()))
         got = 0
-        for disk_node in fetched:
+        for disk_node, read_from in fetched:
             if disk_node.parent is None:
                 continue  # left the tree below a node that failed
-            assert disk_node.disk_value is not None
-            if failed.isdisjoint(disk_node.disk_value):
+            if failed.isdisjoint(read_from):
                 got += len(disk_node.key)
                 self._push("host", disk_node)
                 self._push("disk", disk_node)
@@ -702,10 +740,14 @@ class RadixCache:
         start: each becomes a disk-only node under the path its tokens name. An entry whose path
         above it is in no entry is dropped (unreachable), and so are tokens another entry holds."""
         assert self.disk_allocator is not None and self.num_nodes() == 1, "restore into a fresh tree"
-        for entry in sorted(entries, key=lambda e: len(e.tokens)):
+        entries = sorted(entries, key=lambda e: len(e.tokens))
+        self.disk_allocator.claim([s for e in entries for s in e.slots])
+        for entry in entries:
             slots, tokens = list(entry.slots), list(entry.tokens)
-            self.disk_allocator.claim(slots)
-            self._disk_size += len(slots)
+            # The slots its header costs: the executor kept only the entries whose whole cost fits.
+            header = self.disk_allocator.alloc(self._disk_cost(len(slots), len(tokens)) - len(slots))
+            assert header is not None, "restored entries cost more than the disk tier holds"
+            self._hold_disk_file(slots, header)
             start = len(tokens) - len(slots)
             length, node = self.match_node(tokens)
             if length < start:
@@ -726,15 +768,16 @@ class RadixCache:
         it, which a restart could not reach. Returns the tokens written."""
         assert self.disk_allocator is not None
         written = 0
-        queue = deque(self.root_node.children.values())
+        # Each node with the length of its path, which its entry's header holds.
+        queue = deque((c, len(c.key)) for c in self.root_node.children.values())
         while queue:
-            node = queue.popleft()
+            node, path_len = queue.popleft()
             if node.disk_value is None:
-                if len(node.key) > self.disk_allocator.available_size():
+                if self._disk_cost(len(node.key), path_len) > self.disk_allocator.available_size():
                     continue
                 self._back_up_disk(node, "device" if node.on_device else "host")
                 written += len(node.key)
-            queue.extend(node.children.values())
+            queue.extend((c, path_len + len(c.key)) for c in node.children.values())
         return written
 
     def _back_up_disk(self, node: TreeNode, src_tier: Tier) -> bool:
@@ -742,23 +785,27 @@ class RadixCache:
         its path's tokens); False when there is no disk tier or no room in it."""
         src = node.value if src_tier == "device" else node.host_value
         assert src is not None and node.disk_value is None
-        disk = self._alloc("disk", len(node.key))
-        if disk is None:
+        path = self.path_key(node)
+        n = len(node.key)
+        slots = self._alloc("disk", self._disk_cost(n, len(path)))
+        if slots is None:
             return False
-        self._copies.append(KVCopy(src_tier, "disk", list(src), disk, self.path_key(node)))
+        disk = slots[:n]
+        self._hold_disk_file(disk, slots[n:])
+        self._copies.append(KVCopy(src_tier, "disk", list(src), disk, path))
         node.disk_value = disk
-        self._disk_size += len(disk)
         self.disk_stored_tokens += len(disk)
         self._push("disk", node)
         return True
 
-    def _evict_disk(self, num_tokens: int) -> None:
-        """Frees disk slots, least recently used first: spare copies of nodes in memory, and
-        disk-only leaves, which leave the tree."""
-        freed = 0
-        while freed < num_tokens and (node := self._pop_lru("disk")) is not None:
+    def _evict_disk(self, num_slots: int) -> None:
+        """Lets go of disk copies, least recently used first (spare copies of nodes in memory, and
+        disk-only leaves, which leave the tree), until num_slots disk slots are free: an entry's
+        slots are free once none of its tokens is held."""
+        assert self.disk_allocator is not None
+        free = self.disk_allocator.available_size
+        while free() < num_slots and (node := self._pop_lru("disk")) is not None:
             assert node.disk_value is not None and node.parent is not None
-            freed += len(node.disk_value)
             self.disk_evicted_tokens += len(node.disk_value)
             if node.in_memory:
                 self._free_disk(node)
@@ -781,12 +828,24 @@ class RadixCache:
         self._release_disk(node.disk_value)
         node.disk_value = None
 
+    def _hold_disk_file(self, slots: list[int], header: list[int]) -> None:
+        """Counts disk slots as held by nodes, in one entry file that also costs `header` slots."""
+        file = _DiskFile(len(slots), slots + header)
+        for s in slots:
+            self._disk_files[s] = file
+        self._disk_size += len(slots)
+
     def _release_disk(self, slots: list[int]) -> None:
-        """Returns disk slots to the free list and tells the executor to let go of their data."""
+        """Lets go of disk slots held by nodes and tells the executor to let go of their data; the
+        slots of an entry file none of whose tokens is held any more return to the free list."""
         if not slots:
             return
         assert self.disk_allocator is not None
-        self.disk_allocator.free(slots)
+        for s in slots:
+            file = self._disk_files.pop(s)
+            file.live -= 1
+            if file.live == 0:
+                self.disk_allocator.free(file.slots)
         self._disk_size -= len(slots)
         last = self._copies[-1] if self._copies else None
         if last is not None and last.dst_tier is None:

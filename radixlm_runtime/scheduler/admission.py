@@ -43,6 +43,11 @@ CHUNKED_SHARE = 0.25
 SHORTER_SHARE = 0.5
 # At most this many prompts are partly prefilled at once (each holds KV for its computed chunks).
 MAX_PARTIAL = 4
+# The first this many waiting requests with a prefix on the disk tier have it read ahead each step
+# (CacheManager.prefetch); one whose read is not done yet waits while other requests' steps run,
+# at most PREFETCH_MAX_WAIT steps, instead of stalling a step on the disk.
+PREFETCH_AHEAD = 8
+PREFETCH_MAX_WAIT = 256
 
 
 @dataclass(slots=True)
@@ -117,7 +122,28 @@ class Admission:
             items.extend(self._partial_chunks(budget, scheduled))
         if not budget.spent and not self.partial and self.waiting:
             items.extend(self._admit(budget, sum(it.extend_len for it in items)))
+        self._prefetch_waiting()
         return items
+
+    def _prefetch_waiting(self) -> None:
+        """Has the disk-only prefixes of the first PREFETCH_AHEAD waiting requests that have one
+        read ahead (from the matches of the last admission; stale ones read nothing)."""
+        ahead = 0
+        for req in self.waiting:
+            if ahead == PREFETCH_AHEAD:
+                break
+            if req.disk_len:
+                self.cache.prefetch(req)
+                ahead += 1
+
+    def _waits_for_prefetch(self, req: Req, busy: bool) -> bool:
+        """Whether req, whose prefix is partly on disk, waits this step for that part to be read
+        ahead: while it is being read and other work runs (whose steps the read overlaps), for at most
+        PREFETCH_MAX_WAIT steps. Otherwise it is admitted, its read waiting for what is left."""
+        if not busy or req.prefetch_waits >= PREFETCH_MAX_WAIT or not self.cache.prefetch(req):
+            return False
+        req.prefetch_waits += 1
+        return True
 
     def _partial_chunks(self, budget: PrefillBudget, scheduled: set[int]) -> list[ScheduledItem]:
         """The next chunk of each partial prefill not already in this step, shortest remainder first;
@@ -205,6 +231,8 @@ class Admission:
                 continue
             # Host-tier tokens of the prefix take device slots when they are loaded back.
             need = total - prefix_len + req.load_len + int(req.remaining_new_tokens() * self.new_token_ratio)
+            if req.disk_len and self._waits_for_prefetch(req, bool(scheduled or self.partial or items)):
+                continue
             if not self._fits(need + reserved, req, busy=bool(scheduled or self.partial or items)):
                 break
             if not self.cache.admit(req):

@@ -8,10 +8,10 @@ executor owns the tensors."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
-from radixlm_runtime.kvcache.radix_cache import Mover, RadixCache, TreeNode
+from radixlm_runtime.kvcache.radix_cache import EntryCost, Mover, RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
 from radixlm_runtime.step import DiskEntry, KVCopy
@@ -33,19 +33,26 @@ class CacheManager:
         disk_write_through: bool = False,
         move: Mover | None = None,
         disk_entries: Sequence[DiskEntry] = (),
+        disk_entry_cost: EntryCost | None = None,
+        prefetch: Callable[[list[int]], int] | None = None,
     ) -> None:
         """`move` runs tier moves at once (Executor.move_kv): reads from the disk tier go through it.
-        `disk_entries`: what the disk tier held at start, which the tree is rebuilt from."""
+        `disk_entries`: what the disk tier held at start, which the tree is rebuilt from;
+        `disk_entry_cost`: the disk slots an entry file costs (RunnerInfo.disk_entry_slots);
+        `prefetch` starts reading disk slots ahead (Executor.prefetch_kv; None: never)."""
         self.allocator = allocator
         self.rows = rows
         self.tree = (
             None
             if disable_radix_cache
-            else RadixCache(allocator, host_allocator, write_through, disk_allocator, disk_write_through)
+            else RadixCache(
+                allocator, host_allocator, write_through, disk_allocator, disk_write_through, disk_entry_cost
+            )
         )
         if disk_allocator is not None and move is None:
             raise ValueError("a disk tier needs the executor's move_kv to read it")
         self.move = move
+        self._prefetch = prefetch if disk_allocator is not None else None
         if self.tree is not None and disk_allocator is not None:
             self.tree.restore(disk_entries)
         # Prompt tokens admitted from the device pool and loaded back from the host and disk tiers;
@@ -114,6 +121,15 @@ class CacheManager:
         if self.tree is not None and req.last_node is not None:
             self.tree.inc_lock_ref(req.last_node)
         return True
+
+    def prefetch(self, req: Req) -> int:
+        """Starts reading the disk-only end of waiting req's match ahead (into the executor's
+        memory; the tree is unchanged), so that admitting it later reads no file; the tokens of it
+        still being read. Asking again is cheap: what is read or being read is not read again."""
+        if self._prefetch is None or self.tree is None or req.last_node is None or not req.disk_len:
+            return 0
+        slots = self.tree.disk_path_slots(req.last_node)
+        return self._prefetch(slots) if slots else 0
 
     def _fetch(self, req: Req) -> tuple[int, int]:
         """Reads the disk-only end of req's match back (RadixCache.fetch); what finds no room or

@@ -46,6 +46,7 @@ class Req:
     last_node: TreeNode | None = None
     load_len: int = 0  # of the match while waiting: trailing tokens not on the device (host or disk)
     disk_len: int = 0  # of those, the trailing ones on the disk tier only
+    prefetch_waits: int = 0  # steps it waited for that part to be read ahead (admission.py)
     kv_len: int = 0  # tokens whose KV is in the pool
     table_synced: int = 0  # leading entries of kv_slots the executor's table row already holds
 

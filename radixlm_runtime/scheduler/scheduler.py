@@ -67,6 +67,8 @@ class Scheduler:
             config.kv_disk_write_policy == "write_through",
             runner.move_kv if info.disk_kv_tokens else None,
             info.disk_entries,
+            info.disk_entry_slots,
+            runner.prefetch_kv if info.disk_kv_tokens and not config.disable_kv_disk_prefetch else None,
         )
         self.drafter = (
             Drafter(

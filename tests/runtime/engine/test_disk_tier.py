@@ -92,6 +92,25 @@ def test_a_restarted_engine_serves_prefixes_from_disk(
     second.shutdown()
 
 
+def test_a_batch_after_a_restart_reads_its_prefixes_ahead(
+    tiny_llama_dir: Path, reference: list[dict], tmp_path: Path
+) -> None:
+    """Every prompt at once after a restart: the first is admitted at once (nothing else runs), the
+    others' prefixes are read from disk ahead while it computes, then admitted without reading a
+    file; the tokens are the uncached engine's."""
+    first = _engine(tiny_llama_dir, tmp_path)
+    _serve(first)
+    first.shutdown()
+    second = _engine(tiny_llama_dir, tmp_path)
+    outs = second.generate(PROMPTS, GREEDY, return_logprob=True)
+    _same_as_reference(outs, reference)
+    store = second.runner.tiers.disk
+    assert store is not None and store.files_prefetched > 0 and store.prefetch_hits > 0
+    info = second.get_server_info()
+    assert info["disk_hit_tokens"] > 0 and info["disk_failed_tokens"] == 0
+    second.shutdown()
+
+
 def test_an_int8_pool_survives_a_restart_bit_for_bit(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The disk tier stores every tensor the pool holds: an int8 pool's codes and per-token scales
     come back from disk with the tokens and logprobs of an uncached int8 engine."""
@@ -180,6 +199,8 @@ def test_disk_tier_flags_are_validated(tmp_path: Path) -> None:
         rt.Engine(kv_disk_bytes=0)
     with pytest.raises(ValueError, match="kv_disk_write_policy"):
         rt.Engine(kv_disk_write_policy="never")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        rt.Engine(kv_disk_dir=str(tmp_path), kv_host_tokens=64, tp_size=2)
 
 
 def test_one_server_per_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -7,12 +7,16 @@ disk store: entries (files) of contents with the path tokens written beside them
 to (entry, row), an entry deleted once none of its slots is held. Copies the tree records are run in
 order before each step's "forward" (which writes the new tokens' contents), as the executor runs
 them; a read from a corrupted entry writes garbage and is reported failed. A restart rebuilds a
-fresh tree from the surviving entries, renumbered, as the executor's scan does.
+fresh tree from the surviving entries, renumbered, as the executor's scan does. A file's bytes are
+its rows' and a header's (fixed bytes and some per token of its path, or none), the tree charging
+each file its bytes in whole tokens' worth.
 
 After every step: each cached token's content, in whichever tiers hold it, is the one written for
 its prefix (a loaded prefix is bit-identical to what was stored, nothing stale or corrupt is
 served); every slot of each tier is in exactly one place (free or one node: nothing leaked, nothing
-held twice); the tiers nest; the counters count what the tree holds.
+held twice; a disk slot let go by its node stays charged until its file is deleted); the bytes of
+the files on disk are within the disk tier's cap, files partly let go included; the tiers nest; the
+counters count what the tree holds.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from radixlm_runtime.step import DiskEntry, KVCopy
 
 Prefix = tuple[int, ...]
 GARBAGE: Prefix = (-1,)
+TOKEN_BYTES = 4  # a token's KV in every tier; the disk tier's cap is its slots' worth of bytes
 
 keys = st.lists(st.integers(min_value=0, max_value=3), min_size=1, max_size=8) | st.lists(
     st.integers(min_value=0, max_value=1), min_size=1, max_size=8
@@ -54,6 +59,14 @@ class _File:
     live: int
     corrupt: bool = False
 
+    def size(self, header: tuple[int, int]) -> int:
+        """The file's bytes: its rows, and its header (fixed, and per token of its path)."""
+        return len(self.contents) * TOKEN_BYTES + header[0] + header[1] * len(self.tokens)
+
+    def cost(self, header: tuple[int, int]) -> int:
+        """Its bytes in whole tokens' worth: the disk slots the tree charges for it."""
+        return -(-self.size(header) // TOKEN_BYTES)
+
 
 class TieredCacheMachine(RuleBasedStateMachine):
     @initialize(
@@ -62,10 +75,20 @@ class TieredCacheMachine(RuleBasedStateMachine):
         disk=st.sampled_from([0, 8, 32]),
         write_through=st.booleans(),
         disk_write_through=st.booleans(),
+        header=st.sampled_from([(0, 0), (3, 1), (6, 2)]),
     )
-    def setup(self, size: int, host: int, disk: int, write_through: bool, disk_write_through: bool) -> None:
+    def setup(
+        self,
+        size: int,
+        host: int,
+        disk: int,
+        write_through: bool,
+        disk_write_through: bool,
+        header: tuple[int, int],
+    ) -> None:
         self.sizes = (size, host, disk)
         self.policies = (write_through, disk_write_through)
+        self.header = header
         self.files: dict[int, _File] = {}
         self.next_file = 0
         self._fresh_cache([], {})
@@ -76,8 +99,14 @@ class TieredCacheMachine(RuleBasedStateMachine):
         self.alloc = TokenAllocator(size)
         self.host_alloc = TokenAllocator(host)
         self.disk_alloc = TokenAllocator(disk) if disk else None
+        fixed, per_path_token = self.header
         self.cache = RadixCache(
-            self.alloc, self.host_alloc, self.policies[0], self.disk_alloc, self.policies[1]
+            self.alloc,
+            self.host_alloc,
+            self.policies[0],
+            self.disk_alloc,
+            self.policies[1],
+            lambda n, path: n + -(-(fixed + per_path_token * path) // TOKEN_BYTES),
         )
         self.device: list[Prefix | None] = [None] * (size + 1)
         self.host: list[Prefix | None] = [None] * (host + 1)
@@ -179,6 +208,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         host_len, device_node = self.cache.host_suffix(node)
         disk_len, _ = self.cache.disk_suffix(node)
         assert 0 <= disk_len <= host_len <= length
+        assert len(self.cache.disk_path_slots(node)) == disk_len  # what a read ahead would read
         slots = self.cache.path_slots(device_node)
         assert len(slots) == length - host_len
 
@@ -209,9 +239,9 @@ class TieredCacheMachine(RuleBasedStateMachine):
             self._run_ops(self.cache.take_copies())
         capacity, kept, total = self.sizes[2], {}, 0
         for fid in sorted(self.files, reverse=True):
-            if total + len(self.files[fid].contents) <= capacity:
+            if total + self.files[fid].cost(self.header) <= capacity:
                 kept[fid] = self.files[fid]
-                total += len(self.files[fid].contents)
+                total += self.files[fid].cost(self.header)
         entries: list[DiskEntry] = []
         self.files = {}
         slot = 1
@@ -273,15 +303,28 @@ class TieredCacheMachine(RuleBasedStateMachine):
             (self.host_alloc, [s for n in nodes for s in n.host_value or ()]),
         ]
         if self.disk_alloc is not None:
-            tiers.append((self.disk_alloc, [s for n in nodes for s in n.disk_value or ()]))
-            assert set(self.where) == set(tiers[-1][1]), "the executor holds other disk slots than the tree"
+            disk_slots = [s for n in nodes for s in n.disk_value or ()]
+            assert set(self.where) == set(disk_slots), "the executor holds other disk slots than the tree"
+            # Every file costs its slots until it is deleted, whatever of it nodes still hold.
+            charged = sum(f.cost(self.header) for f in self.files.values())
+            assert self.disk_alloc.available_size() == self.disk_alloc.size - charged, "a disk slot leaked"
+            tiers.append((self.disk_alloc, disk_slots))
         for alloc, tree_slots in tiers:
             free = alloc.alloc(alloc.available_size())
             assert free is not None
             alloc.free(free)
             everything = free + tree_slots
             assert len(everything) == len(set(everything)), "a slot is in two places"
-            assert set(everything) == set(range(1, alloc.size + 1)), "a slot leaked"
+            assert set(everything) <= set(range(1, alloc.size + 1))
+            if alloc is not self.disk_alloc:
+                assert set(everything) == set(range(1, alloc.size + 1)), "a slot leaked"
+
+    @invariant()
+    def files_fit_the_disk_cap(self) -> None:
+        """The files on disk (the writer thread's queue flushed: the model deletes a file at once)
+        take no more bytes than the disk tier's cap, partly let go ones at their whole size."""
+        cap = self.sizes[2] * TOKEN_BYTES
+        assert sum(f.size(self.header) for f in self.files.values()) <= cap
 
     @invariant()
     def counters_count_the_tiers(self) -> None:
