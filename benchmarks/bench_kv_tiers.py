@@ -3,7 +3,10 @@ on, and a small host tier over a disk tier.
 
 Tenants each own a few-shot GSM8K prefix of their own (different solved examples), and as many
 multi-turn chats with a system prompt of their own; requests go round the tenants, so by the time a
-tenant comes back its prefix has left a pool sized to a fraction of the working set (--pool-fraction).
+tenant comes back its prefix has left a pool sized to a fraction of the working set (--pool-fraction
+of the distinct prompt tokens: the tokens of their radix tree). Each tenant sends 8 requests (4
+few-shot questions, 4 chat turns): with 4, half of all requests are a tenant's first of their kind,
+so no cache can serve more than about 40 % of the prompt tokens, whatever its tiers.
 Without a host tier those prefixes are recomputed; with one (--kv-host-tokens as large as the working
 set) they are copied back, under either write policy (copied out when evicted, or when cached). With
 host + disk, the host tier is as small as the pool and a disk tier (--kv-disk-dir in a temporary
@@ -51,7 +54,7 @@ from radixlm_runtime.models.loader import resolve_model_path
 NAME = "kv_tiers"
 SIZES = {
     "tenants": Size(12, 3, "tenants, each with its own few-shot prefix and chat system prompt"),
-    "rounds": Size(4, 4, "requests per tenant, alternating few-shot questions and chat turns", scales=False),
+    "rounds": Size(8, 4, "requests per tenant, alternating few-shot questions and chat turns", scales=False),
     "num_shots": Size(4, 1, "solved examples in each tenant's few-shot prefix", scales=False),
     "max_new_tokens": Size(16, 4, "tokens decoded per request", scales=False),
     "concurrency": Size(4, 2, "clients sending requests back to back", scales=False),
@@ -92,6 +95,20 @@ def tenant_requests(tokenizer: Any, tenants: int, rounds: int, num_shots: int) -
                 text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
                 reqs.append(Request("chat", text))
     return reqs
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    """The working set: tokens of the prompts' radix tree (a prefix shared by several counts once)."""
+    root: dict[int, dict] = {}
+    count = 0
+    for ids in prompts:
+        node = root
+        for t in ids:
+            if t not in node:
+                node[t] = {}
+                count += 1
+            node = node[t]
+    return count
 
 
 async def closed_loop(url: str, reqs: list[Request], concurrency: int, max_new_tokens: int) -> list[Outcome]:
@@ -167,10 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
     tokenizer = load_tokenizer(resolve_model_path(None))
     reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])
-    working_set = sum(len(tokenizer.encode(r.text)) for r in reqs)
-    pool = max(int(working_set * args.pool_fraction), 64 + max(len(tokenizer.encode(r.text)) for r in reqs))
-    host = ["--max-total-tokens", str(pool), "--kv-host-tokens", str(working_set), "--kv-host-write-policy"]
-    print(f"{len(reqs)} requests, {working_set} prompt tokens in all, KV pool {pool} tokens")
+    prompts = [tokenizer.encode(r.text) for r in reqs]
+    working_set = distinct_tokens(prompts)
+    pool = max(int(working_set * args.pool_fraction), 64 + max(map(len, prompts)))
+    # The host tier holds every prompt token sent (more than the working set and its outputs).
+    host_tokens = sum(map(len, prompts))
+    host = ["--max-total-tokens", str(pool), "--kv-host-tokens", str(host_tokens), "--kv-host-write-policy"]
+    print(f"{len(reqs)} requests, {working_set} distinct prompt tokens, KV pool {pool} tokens")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as logs:
         disk = ["--max-total-tokens", str(pool), "--kv-host-tokens", str(pool), "--kv-disk-dir"]
@@ -194,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"disk {r['disk_hit_rate']:.0%}"
                 )
     table = Table(
-        f"Multi-tenant: {sizes['tenants']} tenants x {sizes['rounds']} requests, {working_set} prompt "
-        f"tokens, KV pool {pool} tokens ({working_set / pool:.1f}x smaller), "
+        f"Multi-tenant: {sizes['tenants']} tenants x {sizes['rounds']} requests, {working_set} distinct "
+        f"prompt tokens, KV pool {pool} tokens ({working_set / pool:.1f}x smaller), "
         f"concurrency {sizes['concurrency']}",
         [
             "server",
