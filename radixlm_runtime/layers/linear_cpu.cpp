@@ -996,6 +996,28 @@ SIMD_AVX2 void quantize_chunk_avx2(const float* x, int8_t* q, float& dx, float& 
   dxs = dx * static_cast<float>(isum);
 }
 
+// quantize_chunk_scalar on 16-float vectors, one chunk at a time: for a row or two (decode), where
+// quantize_rows16_avx512 would reduce 16 rows' worth of vectors.
+SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __mmask16 fa = _mm512_cmp_ps_mask(_mm512_abs_ps(a), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const __mmask16 fb = _mm512_cmp_ps_mask(_mm512_abs_ps(b), _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+  const bool finite = fa == 0xFFFF && fb == 0xFFFF;
+  const __m512 inv = _mm512_set1_ps(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+  // Round to nearest even (the default rounding mode, as std::nearbyint), clamp, narrow.
+  const __m512i lim = _mm512_set1_epi32(127);
+  const __m512i qa = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), lim),
+                                      _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  const __m512i qb = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)), lim),
+                                      _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  dx = finite ? amax / 127.0f : NAN;
+  isum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  dxs = dx * static_cast<float>(isum);
+}
+
 struct MaxU32 {
   SIMD_VNNI __m512i operator()(__m512i a, __m512i b) const { return _mm512_max_epu32(a, b); }
 };
@@ -1079,6 +1101,13 @@ SIMD_VNNI void quantize_rows16_avx512(const float* x, int64_t k, int64_t rows, i
   }
 }
 
+// AMX from this many rows on (a tile holds 16; decode's few rows stay on VNNI).
+constexpr int64_t kAmxMinRows = 16;
+
+// From this many rows on the 512-bit quantizer takes 16 rows at a time (at 1 row it costs 1.4x the
+// chunk-at-a-time one, at 4 the same, at 16 half).
+constexpr int64_t kQuantizeRows16 = 4;
+
 // width: 0 scalar, 256 or 512 bits.
 const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int threads) {
   static thread_local QuantX fixed;
@@ -1092,17 +1121,16 @@ const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int
   qx.isum.resize(qx.dx.size());
   qx.bias.resize(qx.dx.size());
   const int nt = m >= 64 ? threads : 1;
-  if (width == 512) {
+  if (width == 512 && m >= kQuantizeRows16) {
     // Rows past m up to a multiple of 16 get zero codes here.
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < m; r += 16) quantize_rows16_avx512(x + r * k, k, std::min<int64_t>(16, m - r), r, qx);
     return qx;
   }
-  // Rows past m up to a multiple of 16 hold zero codes: an AMX tile reads 16 rows.
-  for (int64_t r = m; r < (m + 15) / 16 * 16; ++r) {
-    for (int64_t c = 0; c < chunks; ++c) memset(qx.q.data() + qx.at(r, c) * kChunk, 0, kChunk);
-  }
-  auto* quantize = width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
+  // Rows past m are not written here: only AMX tiles read them (16 rows), and the AMX path (16 rows and
+  // more, 512 bits) takes the branch above, which zeroes them.
+  static_assert(kAmxMinRows >= kQuantizeRows16, "the AMX path's padding rows are zeroed");
+  auto* quantize = width == 512 ? quantize_chunk_avx512 : width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
@@ -1440,8 +1468,6 @@ SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, flo
 
 // CPU features the act8 dispatch reads, as bits (so tests can hand it fake ones).
 constexpr unsigned kFeatAvx2 = 1, kFeatAvxVnni = 2, kFeatVnni512 = 4, kFeatAmxInt8 = 8;
-// AMX from this many rows on (a tile holds 16; decode's few rows stay on VNNI).
-constexpr int64_t kAmxMinRows = 16;
 
 // The act8 path a call runs for `rows` rows with these CPU features: 0 scalar; mode 1 256-bit (AVX-VNNI
 // where the CPU has it, else AVX2); mode 5 the 256-bit VNNI code on AVX512-VL (tests reach it on CPUs
