@@ -12,7 +12,7 @@
 // lane: the same bits.
 
 // MR rows of x times panel p (two halves of 8 output rows).
-template <int MR, bool NIBBLE>
+template <int MR, bool NIBBLE, bool MINS>
 ACT8_TARGET void micro(const Weights& w, const QuantX& qx, int64_t r0, int64_t p, float* c, int64_t valid) {
   constexpr int64_t kVectors = NIBBLE ? 4 : 8;
   const int64_t chunks = w.k / kChunk;
@@ -41,7 +41,7 @@ ACT8_TARGET void micro(const Weights& w, const QuantX& qx, int64_t r0, int64_t p
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
-        const int8_t* xr = qx.q.data() + (r0 + i) * w.k + ch * kChunk;
+        const int8_t* xr = qx.codes(r0 + i, ch);
         const __m256i xl = _mm256_set1_epi32(quad(xr + 4 * h)), xh = _mm256_set1_epi32(quad(xr + 16 + 4 * h));
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
@@ -53,15 +53,17 @@ ACT8_TARGET void micro(const Weights& w, const QuantX& qx, int64_t r0, int64_t p
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
       const int64_t f = (p * chunks + ch) * kPanel + half * 8;
-      const __m256 sc = _mm256_loadu_ps(w.scales + f), mn = _mm256_loadu_ps(w.mins + f);
+      const __m256 sc = _mm256_loadu_ps(w.scales + f);
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
-        const int64_t s = (r0 + i) * chunks + ch;
+        const int64_t s = qx.at(r0 + i, ch);
         __m256i sum = acc[i][half];
         if constexpr (!NIBBLE && D::kSumsUnsigned) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * qx.isum[s]));
         const __m256 scaled = _mm256_mul_ps(sc, _mm256_set1_ps(qx.dx[s]));
         out[i][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scaled, out[i][half]);
-        out[i][half] = _mm256_fmadd_ps(mn, _mm256_set1_ps(qx.dxs[s]), out[i][half]);
+        if constexpr (MINS) {
+          out[i][half] = _mm256_fmadd_ps(_mm256_loadu_ps(w.mins + f), _mm256_set1_ps(qx.dxs[s]), out[i][half]);
+        }
       }
     }
   }
@@ -69,12 +71,19 @@ ACT8_TARGET void micro(const Weights& w, const QuantX& qx, int64_t r0, int64_t p
   for (int i = 0; i < MR; ++i) store_row(c + i * w.n, out[i][0], out[i][1], valid);
 }
 
-template <bool NIBBLE>
-ACT8_TARGET void linear(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
+template <bool NIBBLE, bool MINS>
+ACT8_TARGET void linear_mins(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
   for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
     const int64_t valid = valid_columns(w, p);
     int64_t r = 0;
-    for (; r + 2 <= m; r += 2) micro<2, NIBBLE>(w, qx, r, p, y + r * w.n + p * kPanel, valid);
-    if (r < m) micro<1, NIBBLE>(w, qx, r, p, y + r * w.n + p * kPanel, valid);
+    for (; r + 2 <= m; r += 2) micro<2, NIBBLE, MINS>(w, qx, r, p, y + r * w.n + p * kPanel, valid);
+    if (r < m) micro<1, NIBBLE, MINS>(w, qx, r, p, y + r * w.n + p * kPanel, valid);
   });
+}
+
+// Weights without mins (symmetric) skip the min's fma, as the other paths do.
+template <bool NIBBLE>
+ACT8_TARGET void linear(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
+  if (w.mins) linear_mins<NIBBLE, true>(w, qx, m, y, threads);
+  else linear_mins<NIBBLE, false>(w, qx, m, y, threads);
 }

@@ -917,21 +917,31 @@ SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, floa
 //   sum(w x) over a chunk = scale * dx * sum(q qx) + min * dx * sum(qx).
 // int8 weights (signed) are stored as u = q + 128 (vpdpbusd takes unsigned bytes) and each chunk's sum
 // corrected by 128 * sum(qx), in integers: no float cancellation. Weights are repacked once at load into
-// u8 panels (bits | kAct8), per 16 output rows and
-// chunk, for one 64-byte load per vpdpbusd operand:
+// u8 panels (bits | kAct8), per 16 output rows and chunk, for one 64-byte load per vpdpbusd operand:
 //   int4: 4 vectors; vector h holds, for row j at bytes 4j..4j+3, GGUF bytes 4h..4h+3 of the row's chunk
 //         (low nibbles: columns 4h..4h+3; high nibbles: 16 + 4h..16 + 4h + 3): the file's own bytes;
 //   int8: 8 vectors; vector s holds row j's codes of columns 4s..4s+3, plus 128;
-// scales and mins [ceil(N / 16)][K / 32][16] float32 (symmetric int8: mins zero). Each output is the same integer sums and the same
-// float operations in the same order whatever the row count: batch-invariant, and the scalar path gives
-// the SIMD path's bits.
+// scales and mins [ceil(N / 16)][K / 32][16] float32; symmetric weights (Q8_0) have no mins (null), and
+// every path then skips the min's fma. Each output is the same integer sums and the same float
+// operations in the same order whatever the row count: batch-invariant, and the scalar path gives the
+// SIMD paths' bits.
 
 constexpr int kAct8 = 0x100;
 
+// The activation codes and steps of a call, in blocks of kRows rows: codes [blocks][K / 32][kRows][32],
+// steps and sums [blocks][K / 32][kRows] (at(r, c)). A chunk of a few consecutive rows is then one
+// contiguous run (one pointer and constant offsets in the kernels), and a row's chunks lie kRows
+// apart in order (streamed front to back); 16 rows from a multiple of 16 are one AMX tile, 32 bytes apart.
 struct QuantX {
+  static constexpr int64_t kRows = 48;
   std::vector<int8_t> q;
   std::vector<float> dx, dxs;  // per row and chunk: the step, and the step times the sum of the codes
   std::vector<int32_t> isum;   // per row and chunk: the sum of the codes
+  std::vector<int32_t> bias;   // -128 * isum: the int8 weights' correction (codes stored plus 128)
+  int64_t chunks = 0;
+
+  int64_t at(int64_t r, int64_t c) const { return ((r / kRows) * chunks + c) * kRows + r % kRows; }
+  const int8_t* codes(int64_t r, int64_t c) const { return q.data() + at(r, c) * kChunk; }
 };
 
 inline void quantize_chunk_scalar(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
@@ -986,6 +996,8 @@ SIMD_AVX2 void quantize_chunk_avx2(const float* x, int8_t* q, float& dx, float& 
   dxs = dx * static_cast<float>(isum);
 }
 
+// quantize_chunk_scalar on 16-float vectors, one chunk at a time: for a row or two (decode), where
+// quantize_rows16_avx512 would reduce 16 rows' worth of vectors.
 SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float& dxs, int32_t& isum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -1006,24 +1018,125 @@ SIMD_VNNI void quantize_chunk_avx512(const float* x, int8_t* q, float& dx, float
   dxs = dx * static_cast<float>(isum);
 }
 
+struct MaxU32 {
+  SIMD_VNNI __m512i operator()(__m512i a, __m512i b) const { return _mm512_max_epu32(a, b); }
+};
+struct AddI32 {
+  SIMD_VNNI __m512i operator()(__m512i a, __m512i b) const { return _mm512_add_epi32(a, b); }
+};
+
+// Lane j of the result: op over the 16 lanes of v[j] (a transpose-and-reduce tree: 45 instructions for
+// 16 reductions where one at a time takes 8 each, most of them on a dependency chain).
+template <typename Op>
+SIMD_VNNI inline __m512i reduce16(__m512i v[16], Op op) {
+  __m512i u[8], t[4], z[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    u[i] = op(_mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_i32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    t[i] = op(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) {
+    z[i] = op(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  }
+  const __m512 g = _mm512_castsi512_ps(z[0]), h = _mm512_castsi512_ps(z[1]);
+  const __m512i r =
+      op(_mm512_castps_si512(_mm512_shuffle_ps(g, h, 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(g, h, 0xDD)));
+  // Lane 4q + e holds v[q + 4e].
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// quantize_chunk_scalar on 16 rows at a time, chunk by chunk: the same codes and steps (max |x| taken on
+// the bits of |x|, which order as the floats do and put infinities and NaN above every finite value).
+// Rows r0 .. r0 + 15 (r0 a multiple of 16) of a chunk are contiguous in QuantX, so each chunk's codes
+// are one 512-byte run and its steps one vector each; rows from `rows` on read as zeros (zero codes:
+// the padding an AMX tile reads).
+SIMD_VNNI void quantize_rows16_avx512(const float* x, int64_t k, int64_t rows, int64_t r0, QuantX& qx) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+  const __m512 k127 = _mm512_set1_ps(127.0f);
+  for (int64_t c = 0; c < qx.chunks; ++c) {
+    const float* xc = x + c * kChunk;
+    const int64_t s = qx.at(r0, c);
+    __m512i v[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      v[j] = _mm512_setzero_si512();
+      if (j < rows) {
+        v[j] = _mm512_max_epu32(_mm512_and_si512(_mm512_loadu_si512(xc + j * k), magnitude),
+                                _mm512_and_si512(_mm512_loadu_si512(xc + j * k + 16), magnitude));
+      }
+    }
+    const __m512i top = reduce16(v, MaxU32());
+    const __mmask16 finite = _mm512_cmplt_epu32_mask(top, _mm512_set1_epi32(0x7F800000));
+    const __m512 amax = _mm512_castsi512_ps(top);
+    const __mmask16 scaled = finite & _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_maskz_div_ps(scaled, k127, amax));
+    int8_t* out = qx.q.data() + s * kChunk;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      v[j] = _mm512_setzero_si512();
+      if (j < rows) {
+        const __m512 iv = _mm512_set1_ps(inv[j]);
+        const __m512i qa = _mm512_max_epi32(
+            _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xc + j * k), iv)), lim), neg);
+        const __m512i qb = _mm512_max_epi32(
+            _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xc + j * k + 16), iv)), lim), neg);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * kChunk), _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * kChunk + 16), _mm512_cvtepi32_epi8(qb));
+        v[j] = _mm512_add_epi32(qa, qb);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j * kChunk), _mm256_setzero_si256());
+      }
+    }
+    const __m512i total = reduce16(v, AddI32());
+    const __m512 dx = _mm512_mask_div_ps(_mm512_set1_ps(NAN), finite, amax, k127);
+    _mm512_storeu_ps(qx.dx.data() + s, dx);
+    _mm512_storeu_ps(qx.dxs.data() + s, _mm512_mul_ps(dx, _mm512_cvtepi32_ps(total)));
+    _mm512_storeu_si512(qx.isum.data() + s, total);
+    _mm512_storeu_si512(qx.bias.data() + s, _mm512_mullo_epi32(total, _mm512_set1_epi32(-128)));
+  }
+}
+
+// AMX from this many rows on (a tile holds 16; decode's few rows stay on VNNI).
+constexpr int64_t kAmxMinRows = 16;
+
+// From this many rows on the 512-bit quantizer takes 16 rows at a time (at 1 row it costs 1.4x the
+// chunk-at-a-time one, at 4 the same, at 16 half).
+constexpr int64_t kQuantizeRows16 = 4;
+
 // width: 0 scalar, 256 or 512 bits.
 const QuantX& quantize_rows(const float* x, int64_t m, int64_t k, int width, int threads) {
   static thread_local QuantX fixed;
   QuantX& qx = fixed;  // the calling thread's, shared with the pool below
   const int64_t chunks = k / kChunk;
-  // Rows past m up to a multiple of 16 hold zero codes: an AMX tile reads 16 rows.
-  const int64_t padded = (m + 15) / 16 * 16;
-  qx.q.resize(padded * k);
-  std::fill(qx.q.begin() + m * k, qx.q.begin() + padded * k, 0);
-  qx.dx.resize(m * chunks);
-  qx.dxs.resize(m * chunks);
-  qx.isum.resize(m * chunks);
+  const int64_t blocks = (m + QuantX::kRows - 1) / QuantX::kRows;
+  qx.chunks = chunks;
+  qx.q.resize(blocks * QuantX::kRows * k);
+  qx.dx.resize(blocks * QuantX::kRows * chunks);
+  qx.dxs.resize(qx.dx.size());
+  qx.isum.resize(qx.dx.size());
+  qx.bias.resize(qx.dx.size());
+  const int nt = m >= 64 ? threads : 1;
+  if (width == 512 && m >= kQuantizeRows16) {
+    // Rows past m up to a multiple of 16 get zero codes here.
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < m; r += 16) quantize_rows16_avx512(x + r * k, k, std::min<int64_t>(16, m - r), r, qx);
+    return qx;
+  }
+  // Rows past m are not written here: only AMX tiles read them (16 rows), and the AMX path (16 rows and
+  // more, 512 bits) takes the branch above, which zeroes them.
+  static_assert(kAmxMinRows >= kQuantizeRows16, "the AMX path's padding rows are zeroed");
   auto* quantize = width == 512 ? quantize_chunk_avx512 : width == 256 ? quantize_chunk_avx2 : quantize_chunk_scalar;
-#pragma omp parallel for num_threads(m >= 64 ? threads : 1) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t at = r * k + c * kChunk, s = r * chunks + c;
-      quantize(x + at, qx.q.data() + at, qx.dx[s], qx.dxs[s], qx.isum[s]);
+      const int64_t s = qx.at(r, c);
+      quantize(x + r * k + c * kChunk, qx.q.data() + s * kChunk, qx.dx[s], qx.dxs[s], qx.isum[s]);
+      qx.bias[s] = -128 * qx.isum[s];
     }
   }
   return qx;
@@ -1056,13 +1169,14 @@ void act8_linear_scalar(const Weights& w, const QuantX& qx, int64_t m, float* y,
         float out = 0.0f;
         for (int64_t c = 0; c < chunks; ++c) {
           const uint8_t* chunk = w.q + (p * chunks + c) * vectors * 64;
-          const int8_t* xq = qx.q.data() + r * w.k + c * kChunk;
+          const int64_t s = qx.at(r, c);
+          const int8_t* xq = qx.q.data() + s * kChunk;
           int32_t acc = 0;
           for (int64_t i = 0; i < kChunk; ++i) acc += act8_code(chunk, nibble, j, i) * xq[i];
-          if (!nibble) acc -= 128 * qx.isum[r * chunks + c];
+          if (!nibble) acc -= 128 * qx.isum[s];
           const int64_t f = (p * chunks + c) * kPanel + j;
-          out = std::fma(static_cast<float>(acc), w.scales[f] * qx.dx[r * chunks + c], out);
-          out = std::fma(w.mins[f], qx.dxs[r * chunks + c], out);
+          out = std::fma(static_cast<float>(acc), w.scales[f] * qx.dx[s], out);
+          if (w.mins) out = std::fma(w.mins[f], qx.dxs[s], out);
         }
         y[r * w.n + p * kPanel + j] = out;
       }
@@ -1071,27 +1185,45 @@ void act8_linear_scalar(const Weights& w, const QuantX& qx, int64_t m, float* y,
 }
 
 // MR rows times NP consecutive panels: per chunk MR x NP int32 sums, then scaled into as many float
-// accumulators.
-template <int MR, int NP, bool NIBBLE>
+// accumulators. On Zen 4 vpdpbusd zmm, vmulps and vfmadd share two pipes (one zmm a cycle between
+// them) while the conversion, the nibble split, broadcasts and loads run beside them: per row, panel
+// and chunk the 8 vpdpbusd wait on the epilogue's mul and fma (and the min's fma where there are
+// mins), and everything else only has to stay out of their way. So the loop holds no integer
+// arithmetic but its pointers: the activations of the MR rows (QuantX's blocks) and their steps are
+// read at constant offsets, the int8 weights' correction starts the sums (bias) instead of a subtract,
+// and symmetric weights (no mins) skip the min's fma.
+template <int MR, int NP, bool NIBBLE, bool MINS>
 SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c, int64_t last_valid) {
   constexpr int64_t kVectors = NIBBLE ? 4 : 8;
   const int64_t chunks = w.k / kChunk;
+  const int64_t panel_bytes = chunks * kVectors * 64, panel_floats = chunks * kPanel;
+  const uint8_t* b = w.q + p0 * panel_bytes;
+  const float* sc = w.scales + p0 * panel_floats;
+  const float* mn = MINS ? w.mins + p0 * panel_floats : nullptr;
+  const int64_t s0 = qx.at(r0, 0);
+  const int8_t* xq = qx.q.data() + s0 * kChunk;
+  const float* dx = qx.dx.data() + s0;
+  const float* dxs = qx.dxs.data() + s0;
+  const int32_t* bias = qx.bias.data() + s0;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 out[MR][NP];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) out[i][j] = _mm512_setzero_ps();
   }
-  const int8_t* xq = qx.q.data() + r0 * w.k;
   for (int64_t ch = 0; ch < chunks; ++ch) {
+    // The MR rows' codes of a chunk 4 ahead (kRows x 32 bytes apart: a stride the hardware misses).
+    const int8_t* ahead = xq + 4 * QuantX::kRows * kChunk;
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    if constexpr (MR * kChunk > 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + MR * kChunk - 1), _MM_HINT_T0);
     __m512i acc[MR][NP];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
+      const __m512i start = NIBBLE ? _mm512_setzero_si512() : _mm512_set1_epi32(bias[i]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_si512();
+      for (int j = 0; j < NP; ++j) acc[i][j] = start;
     }
-    const uint8_t* b = w.q + (p0 * chunks + ch) * kVectors * 64;
-    const int64_t panel_bytes = chunks * kVectors * 64;
 #pragma GCC unroll 4
     for (int64_t h = 0; h < 4; ++h) {
       __m512i lo[NP], hi[NP];
@@ -1099,8 +1231,8 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
       for (int j = 0; j < NP; ++j) {
         const __m512i v = _mm512_loadu_si512(b + j * panel_bytes + h * 64);
         if constexpr (NIBBLE) {
-          lo[j] = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+          lo[j] = _mm512_and_si512(v, low4);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
         } else {
           lo[j] = v;
           hi[j] = _mm512_loadu_si512(b + j * panel_bytes + (h + 4) * 64);
@@ -1108,7 +1240,7 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
       }
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int8_t* xr = xq + i * w.k + ch * kChunk;
+        const int8_t* xr = xq + i * kChunk;
         const __m512i xl = _mm512_set1_epi32(quad(xr + 4 * h)), xh = _mm512_set1_epi32(quad(xr + 16 + 4 * h));
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
@@ -1119,18 +1251,23 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
-      const int64_t f = ((p0 + j) * chunks + ch) * kPanel;
-      const __m512 sc = _mm512_loadu_ps(w.scales + f), mn = _mm512_loadu_ps(w.mins + f);
+      const __m512 scale = _mm512_loadu_ps(sc + j * panel_floats);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const int64_t s = (r0 + i) * chunks + ch;
-        const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(qx.dx[s]));
-        __m512i sum = acc[i][j];
-        if constexpr (!NIBBLE) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qx.isum[s]));
-        out[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, out[i][j]);
-        out[i][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i][j]);
+        const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(dx[i]));
+        out[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), scaled, out[i][j]);
+        if constexpr (MINS) {
+          out[i][j] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + j * panel_floats), _mm512_set1_ps(dxs[i]), out[i][j]);
+        }
       }
     }
+    b += kVectors * 64;
+    sc += kPanel;
+    if constexpr (MINS) mn += kPanel;
+    xq += QuantX::kRows * kChunk;
+    dx += QuantX::kRows;
+    dxs += QuantX::kRows;
+    bias += QuantX::kRows;
   }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
@@ -1142,34 +1279,57 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
   }
 }
 
-template <int NP, bool NIBBLE>
+// Rows and panels per micro-kernel call: 4 x 2 keeps 8 sums and 8 float accumulators in registers,
+// each weight vector serving 4 rows and each activation broadcast 2 panels (6 x 2 and 4 x 3 measured
+// no faster on Zen 4: the epilogue's share of the multiply pipes is the same at every blocking).
+constexpr int64_t kAct8Rows = 4, kAct8Panels = 2;
+
+template <int NP, bool NIBBLE, bool MINS>
 SIMD_VNNI void micro_act8_rows(int64_t rows, const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c,
                                int64_t last_valid) {
   switch (rows) {
-    case 1: micro_act8<1, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
-    case 2: micro_act8<2, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
-    case 3: micro_act8<3, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
-    default: micro_act8<4, NP, NIBBLE>(w, qx, r0, p0, c, last_valid); break;
+    case 1: micro_act8<1, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
+    case 2: micro_act8<2, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
+    case 3: micro_act8<3, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
+    default: micro_act8<kAct8Rows, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
   }
 }
 
-template <bool NIBBLE>
+// Rows of x the AVX-512 kernel takes through its panels at a time: their codes (rows x K bytes) stay in
+// L2 while the thread's panels stream past them (each panel group from L1 across the block), instead
+// of every panel group reading all M rows' codes from L3 (at 2,048 rows of 576 columns, 1.2 MB).
+constexpr int64_t kAct8BlockBytes = 256 << 10;
+
+template <bool NIBBLE, bool MINS>
 SIMD_VNNI void act8_linear_avx512(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
-  constexpr int64_t kRows = 4;
-  const int64_t np = m <= 2 ? 4 : 2;
-  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
-    const int64_t last_valid = valid_columns(w, p + count - 1);
-    for (int64_t r = 0; r < m; r += kRows) {
-      const int64_t rows = std::min(kRows, m - r);
-      float* c = y + r * w.n + p * kPanel;
-      switch (count) {
-        case 1: micro_act8_rows<1, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
-        case 2: micro_act8_rows<2, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
-        case 3: micro_act8_rows<3, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
-        default: micro_act8_rows<4, NIBBLE>(rows, w, qx, r, p, c, last_valid); break;
+  constexpr int64_t kRows = kAct8Rows;
+  static_assert(QuantX::kRows % kRows == 0, "a block of rows lies in one of QuantX's");
+  const int64_t np = m <= 2 ? 4 : kAct8Panels;
+  const int64_t block = std::max<int64_t>(1, kAct8BlockBytes / w.k / QuantX::kRows) * QuantX::kRows;
+  const int64_t panels = (w.n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    // Contiguous, equal shares of the panels, as for_panel_share.
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+      const int64_t r1 = std::min(m, r0 + block);
+      for (int64_t p = p0; p < p1; p += np) {
+        const int64_t count = std::min(np, p1 - p);
+        const int64_t last_valid = valid_columns(w, p + count - 1);
+        for (int64_t r = r0; r < r1; r += kRows) {
+          const int64_t rows = std::min(kRows, r1 - r);
+          float* c = y + r * w.n + p * kPanel;
+          switch (count) {
+            case 1: micro_act8_rows<1, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            case 2: micro_act8_rows<2, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            case 3: micro_act8_rows<3, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            default: micro_act8_rows<4, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+          }
+        }
       }
     }
-  });
+  }
 }
 
 // The 256-bit kernels (linear_act8_lanes.h), one per integer dot product.
@@ -1279,21 +1439,22 @@ SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, flo
           } else {
             _tile_loadd(2, codes, 64);
           }
-          _tile_loadd(1, qx.q.data() + r0 * w.k + ch * kChunk, w.k);
+          _tile_loadd(1, qx.codes(r0, ch), kChunk);
           _tile_zero(0);
           _tile_dpbsud(0, 1, 2);
           _tile_stored(0, sums, 64);
           const int64_t f = (p * chunks + ch) * kPanel;
-          const __m512 sc = _mm512_loadu_ps(w.scales + f), mn = _mm512_loadu_ps(w.mins + f);
+          const __m512 sc = _mm512_loadu_ps(w.scales + f);
+          const __m512 mn = w.mins ? _mm512_loadu_ps(w.mins + f) : _mm512_setzero_ps();
 #pragma GCC unroll 16
           for (int i = 0; i < 16; ++i) {
             if (i >= rows) break;
-            const int64_t s = (r0 + i) * chunks + ch;
+            const int64_t s = qx.at(r0 + i, ch);
             __m512i sum = _mm512_load_si512(sums + i * 16);
             if constexpr (!NIBBLE) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qx.isum[s]));
             const __m512 scaled = _mm512_mul_ps(sc, _mm512_set1_ps(qx.dx[s]));
             out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scaled, out[i]);
-            out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i]);
+            if (w.mins) out[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(qx.dxs[s]), out[i]);
           }
         }
         for (int64_t i = 0; i < rows; ++i) {
@@ -1307,8 +1468,6 @@ SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, flo
 
 // CPU features the act8 dispatch reads, as bits (so tests can hand it fake ones).
 constexpr unsigned kFeatAvx2 = 1, kFeatAvxVnni = 2, kFeatVnni512 = 4, kFeatAmxInt8 = 8;
-// AMX from this many rows on (a tile holds 16; decode's few rows stay on VNNI).
-constexpr int64_t kAmxMinRows = 16;
 
 // The act8 path a call runs for `rows` rows with these CPU features: 0 scalar; mode 1 256-bit (AVX-VNNI
 // where the CPU has it, else AVX2); mode 5 the 256-bit VNNI code on AVX512-VL (tests reach it on CPUs
@@ -1347,7 +1506,8 @@ bool amx_int8_usable() {
       for (auto& v : scales) v = static_cast<float>(next() >> 8) / 16777216.0f;
       for (auto& v : mins) v = static_cast<float>(next() >> 8) / 16777216.0f - 0.5f;
       for (auto& v : x) v = static_cast<float>(next() >> 8) / 8388608.0f - 1.0f;
-      const Weights w{codes.data(), scales.data(), mins.data(), n, k, kChunk, bits | kAct8};
+      // int4 with mins, int8 without (symmetric): both forms of the epilogue.
+      const Weights w{codes.data(), scales.data(), bits == 4 ? mins.data() : nullptr, n, k, kChunk, bits | kAct8};
       act8_run(0, w, x.data(), m, a.data(), 1);
       act8_run(5, w, x.data(), m, b.data(), 1);
       if (memcmp(a.data(), b.data(), a.size() * sizeof(float)) != 0) return false;
@@ -1374,7 +1534,10 @@ void act8_run(int path, const Weights& w, const float* x, int64_t m, float* y, i
       break;
     case 3: nibble ? act8_vl::linear<true>(w, qx, m, y, threads) : act8_vl::linear<false>(w, qx, m, y, threads); break;
     case 4:
-      nibble ? act8_linear_avx512<true>(w, qx, m, y, threads) : act8_linear_avx512<false>(w, qx, m, y, threads);
+      if (nibble && w.mins) act8_linear_avx512<true, true>(w, qx, m, y, threads);
+      else if (nibble) act8_linear_avx512<true, false>(w, qx, m, y, threads);
+      else if (w.mins) act8_linear_avx512<false, true>(w, qx, m, y, threads);
+      else act8_linear_avx512<false, false>(w, qx, m, y, threads);
       break;
     default: nibble ? act8_linear_amx<true>(w, qx, m, y, threads) : act8_linear_amx<false>(w, qx, m, y, threads);
   }

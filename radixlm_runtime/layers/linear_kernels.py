@@ -272,12 +272,12 @@ ACT8_BITS = 0x100
 class Act8Panels:
     """An int4/int8 weight repacked for int8 activations (linear_cpu.cpp, "int8 activations"): u8 codes
     [ceil(N / 16), K / 32, V, 16, 4] (V = 4 vectors of GGUF nibble bytes for int4, 8 of code + 128 for
-    int8; rows past N zero) and float32 scales and mins [ceil(N / 16), K / 32, 16] (zero where the
-    weight has none). Every row count runs one kernel on it."""
+    int8; rows past N zero) and float32 scales and mins [ceil(N / 16), K / 32, 16] (mins None where
+    the weight has none: the kernels then skip their term). Every row count runs one kernel on it."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    mins: torch.Tensor
+    mins: torch.Tensor | None
     bits: int
     out_features: int
 
@@ -298,15 +298,11 @@ class Act8Panels:
             codes = (weight.qweight.to(torch.int16) + 128).to(torch.uint8).view(n, chunks, 8, 4)
         per_chunk = weight.group_size // CHUNK
         scales = weight.scales.repeat_interleave(per_chunk, dim=1)
-        mins = (
-            torch.zeros_like(scales)
-            if weight.mins is None
-            else weight.mins.repeat_interleave(per_chunk, dim=1)
-        )
+        mins = None if weight.mins is None else weight.mins.repeat_interleave(per_chunk, dim=1)
         return cls(
             _panels(codes, torch.uint8, lead=2),
             _panels(scales, torch.float32),
-            _panels(mins, torch.float32),
+            None if mins is None else _panels(mins, torch.float32),
             weight.bits,
             n,
         )
@@ -318,7 +314,8 @@ class Act8Panels:
     @functools.cached_property
     def kernel_args(self) -> tuple[int | None, ...]:
         """rq_linear's weight arguments: codes, scales, mins, N, group 32, bits | ACT8_BITS."""
-        ptrs = (self.codes.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr())
+        mins = None if self.mins is None else self.mins.data_ptr()
+        ptrs = (self.codes.data_ptr(), self.scales.data_ptr(), mins)
         return (*ptrs, self.out_features, CHUNK, self.bits | ACT8_BITS)
 
 

@@ -58,6 +58,7 @@ def _reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         (5, 33, 96, 32),
         (13, 100, 576, 64),
         (37, 200, 64, 32),
+        (100, 40, 96, 32),  # rows across the quantized activations' 48-row blocks
         (0, 17, 32, 32),
     ],
 )
@@ -68,6 +69,7 @@ def test_products_of_the_quantized_activations(
     weight = _quantized(bits, out_features, in_features, group)
     panels = Act8Panels.pack(weight)
     assert panels.in_features == in_features and panels.out_features == out_features
+    assert (panels.mins is None) == (weight.mins is None)  # symmetric: no mins' term on any path
     x = torch.randn(rows, in_features)
     outs = [cpu_linear(x, panels, mode=mode) for mode in MODES]
     torch.testing.assert_close(outs[0].double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
