@@ -21,7 +21,7 @@ from radixlm_runtime.scheduler.policy import PriorityRule, SchedulePolicy
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.speculative import Drafter
 from radixlm_runtime.scheduler.stats import SchedulerStats
-from radixlm_runtime.scheduler.step_budget import PrefillBudget, StepBudget
+from radixlm_runtime.scheduler.step_budget import MIN_CHUNK, PrefillBudget, StepBudget
 from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -32,8 +32,6 @@ NEW_TOKEN_RATIO_DECAY = 0.002
 # Requests whose uncached parts start with this many identical tokens are not prefilled in the
 # same step: the second one will find the first one's KV in the tree next step.
 IN_BATCH_PREFIX_CHECK = 32
-# A chunked prefill always advances by at least this many tokens, however many requests decode.
-MIN_CHUNK = 16
 # While shorter prompts go ahead of it, the partial prefill that started first keeps at least this
 # share of the step's prefill budget, so a stream of short requests slows a long prompt down but never
 # stalls it.

@@ -5,10 +5,11 @@ meanwhile waits behind it. How long a step takes depends on the device, the mode
 machine runs, so it is measured while serving, per component:
 
 - the decode step alone: steps without prefill, their time fitted as a line in the decode tokens;
-- prefill: what a step with prefill took beyond that decode prediction, fitted (least squares, no
-  intercept) as a cost per prefill token plus a cost per (token x context) pair, the attention work.
-  A chunk at context 3,500 costs several times one at context 200: its attention reads the whole
-  prefix, and a line in tokens alone always lags the chunk it sizes.
+- prefill: what a step with prefill took beyond that decode prediction, fitted (least squares) as a
+  cost per step that carries prefill (on CPU decode-only steps take the one-call decoder, prefill the
+  layer-by-layer path), a cost per prefill token and a cost per (token x context) pair, the attention
+  work. A chunk at context 3,500 costs several times one at context 200: its attention reads the
+  whole prefix, and a line in tokens alone always lags the chunk it sizes.
 
 Older steps weigh less (about the last 20 count). The step's target time is:
 
@@ -29,8 +30,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-# A step always carries at least this many tokens, however slow the device looks.
+# A step carries at least this many prompt tokens, however slow the device looks: MIN_STEP_TOKENS
+# while nothing decodes, MIN_CHUNK beside decodes (whose gaps a floor stretches past the decode ratio:
+# 16 tokens at context 3,000 cost 7 decode steps of the default model on 2 cores).
 MIN_STEP_TOKENS = 16
+MIN_CHUNK = 4
 # Before any step was measured: a step this size is cheap on any device, and its time starts the fit.
 FIRST_STEP_TOKENS = 64
 # Weight of a measured step after the next one: about the last 1 / (1 - DECAY) = 20 steps count.
@@ -104,39 +108,78 @@ class _Line:
         return max(0.0, (self.y - slope * self.x) / self.n) + slope * x
 
 
-@dataclass
 class _PrefillFit:
-    """Exponentially weighted least squares of y = b * tokens + e * work, both costs >= 0."""
+    """Exponentially weighted least squares of y = c * 1 + b * tokens + e * work (the prefill path's
+    cost per step, per token, per (token x context) pair), all three >= 0: the subset of terms with
+    non-negative costs that fits best."""
 
-    tt: float = 0.0
-    tw: float = 0.0
-    ww: float = 0.0
-    ty: float = 0.0
-    wy: float = 0.0
+    def __init__(self) -> None:
+        self.xx = [[0.0] * 3 for _ in range(3)]
+        self.xy = [0.0] * 3
+        self.yy = 0.0
+        self._costs: tuple[float, float, float] | None = None
 
     def add(self, tokens: float, work: float, y: float) -> None:
-        self.tt = self.tt * DECAY + tokens * tokens
-        self.tw = self.tw * DECAY + tokens * work
-        self.ww = self.ww * DECAY + work * work
-        self.ty = self.ty * DECAY + tokens * y
-        self.wy = self.wy * DECAY + work * y
+        x = (1.0, tokens, work)
+        for i in range(3):
+            self.xy[i] = self.xy[i] * DECAY + x[i] * y
+            for j in range(3):
+                self.xx[i][j] = self.xx[i][j] * DECAY + x[i] * x[j]
+        self.yy = self.yy * DECAY + y * y
+        self._costs = None
 
     @property
     def measured(self) -> bool:
-        return self.tt > 0.0
+        return self.xx[0][0] > 0.0
 
-    def costs(self) -> tuple[float, float]:
-        """(seconds per token, seconds per (token x context) pair). Where the chunks measured all sat
-        at one context the two cannot be told apart: all is charged per token."""
-        det = self.tt * self.ww - self.tw * self.tw
-        if det > 1e-6 * self.tt * self.ww:
-            b = (self.ty * self.ww - self.wy * self.tw) / det
-            e = (self.tt * self.wy - self.tw * self.ty) / det
-            if b >= 0.0 and e >= 0.0:
-                return b, e
-            if b < 0.0 and e > 0.0:
-                return 0.0, max(self.wy / self.ww, 0.0)
-        return max(self.ty / self.tt, 0.0), 0.0
+    def costs(self) -> tuple[float, float, float]:
+        """(seconds per step, per token, per (token x context) pair)."""
+        if self._costs is None:
+            self._costs = self._fit()
+        return self._costs
+
+    def _fit(self) -> tuple[float, float, float]:
+        best: tuple[float, list[float]] | None = None
+        for terms in ((0, 1, 2), (1, 2), (0, 1), (0, 2), (1,), (2,), (0,)):
+            coef = _solve([[self.xx[i][j] for j in terms] for i in terms], [self.xy[i] for i in terms])
+            if coef is None or min(coef) < 0.0:
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, c in zip(terms, coef):
+                full[i] = c
+            # Weighted squared error: yy - 2 c.xy + c.XX.c.
+            sse = self.yy - 2 * sum(c * self.xy[i] for i, c in enumerate(full))
+            sse += sum(full[i] * full[j] * self.xx[i][j] for i in range(3) for j in range(3))
+            if best is None or sse < best[0] - 1e-12:
+                best = (sse, full)
+        if best is None:
+            return 0.0, 0.0, 0.0
+        per_step, per_token, per_pair = best[1]
+        return per_step, per_token, per_pair
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """a x = b for a symmetric positive semi-definite a (normal equations), by Gaussian elimination on
+    a scaled to a unit diagonal (tokens and attention work differ by orders of magnitude); None where
+    it is (near) singular."""
+    n = len(b)
+    d = [math.sqrt(a[i][i]) for i in range(n)]
+    if min(d) <= 0.0:
+        return None
+    m = [[a[i][j] / (d[i] * d[j]) for j in range(n)] + [b[i] / d[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) <= 1e-9:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    y = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        y[r] = (m[r][n] - sum(m[r][c] * y[c] for c in range(r + 1, n))) / m[r][r]
+    return [y[i] / d[i] for i in range(n)]
 
 
 @dataclass
@@ -205,8 +248,11 @@ class StepBudget:
 
     def predict(self, shape: StepShape) -> float:
         """The model's time for a step of this shape (0 before it measured any)."""
-        per_token, per_pair = self._prefill.costs() if self._prefill.measured else (0.0, 0.0)
-        return self._decode.predict(shape.decode) + per_token * shape.prefill + per_pair * shape.attention
+        if not shape.prefill or not self._prefill.measured:
+            return self._decode.predict(shape.decode)
+        per_step, per_token, per_pair = self._prefill.costs()
+        prefill = per_step + per_token * shape.prefill + per_pair * shape.attention
+        return self._decode.predict(shape.decode) + prefill
 
     def start(self, decode_tokens: int) -> PrefillBudget:
         """The prefill budget of a step whose running requests compute `decode_tokens`."""
@@ -217,13 +263,13 @@ class StepBudget:
         tokens = min(self.max_tokens, 2 * self._largest) - decode_tokens
         if not self._prefill.measured:
             return PrefillBudget(math.inf, tokens)
-        per_token, per_pair = self._prefill.costs()
+        per_step, per_token, per_pair = self._prefill.costs()
         decode = self._decode.predict(decode_tokens)
         target = self.target_s
         if decode_tokens and self.decode_ratio > 0.0 and self._decode.n > 0.0:
             target = self.decode_ratio * decode
-        budget = PrefillBudget(target - decode, tokens, per_token, per_pair)
-        least = MIN_STEP_TOKENS - decode_tokens
-        if least > 0 and budget.fit(0, least) < least:
+        budget = PrefillBudget(target - decode - per_step, tokens, per_token, per_pair)
+        least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
+        if budget.fit(0, least) < least:
             budget.seconds = budget.cost(0, least)
         return budget

@@ -10,6 +10,7 @@ import pytest
 
 from radixlm_runtime.scheduler.step_budget import (
     FIRST_STEP_TOKENS,
+    MIN_CHUNK,
     MIN_STEP_TOKENS,
     StepBudget,
     StepShape,
@@ -23,12 +24,14 @@ class Device:
     decode: float  # seconds a decode token
     token: float  # seconds a prefill token
     pair: float = 0.0  # seconds a (prefill token x context) pair
+    prefill_step: float = 0.0  # seconds a step pays when it carries prefill (its own code path)
 
     def seconds(self, decode: int, chunks: list[tuple[int, int]]) -> float:
         """A step of `decode` decode tokens and prefill chunks of (context, tokens)."""
         prefill = sum(n for _, n in chunks)
         work = sum(attention_work(c, n) for c, n in chunks)
-        return self.step + self.decode * decode + self.token * prefill + self.pair * work
+        path = self.prefill_step if prefill else 0.0
+        return self.step + path + self.decode * decode + self.token * prefill + self.pair * work
 
     def run(self, budget: StepBudget, decode: int, chunks: list[tuple[int, int]]) -> float:
         shape = StepShape(decode, sum(n for _, n in chunks), sum(attention_work(c, n) for c, n in chunks))
@@ -123,7 +126,7 @@ def test_a_slow_device_still_carries_the_minimum() -> None:
     budget = StepBudget(max_tokens=1024, target_s=0.25)
     _warm(budget, Device(step=5.0, decode=0.1, token=0.1))
     assert budget.start(0).fit(0, 10**6) == MIN_STEP_TOKENS
-    assert budget.start(4).fit(0, 10**6) == MIN_STEP_TOKENS - 4
+    assert budget.start(4).fit(0, 10**6) == MIN_CHUNK  # beside decodes, a smaller floor
 
 
 def test_budget_while_decoding_is_a_multiple_of_the_decode_step() -> None:
@@ -141,7 +144,7 @@ def test_budget_while_decoding_is_a_multiple_of_the_decode_step() -> None:
     assert abs(fast.start(0).fit(0, 10**6) - 240) <= 1
     target_alone = StepBudget(max_tokens=1024, target_s=0.1)
     _warm(target_alone, Device(step=0.4, decode=0.01, token=0.01))
-    assert target_alone.start(8).fit(0, 10**6) == MIN_STEP_TOKENS - 8
+    assert target_alone.start(8).fit(0, 10**6) == MIN_CHUNK
 
 
 def test_shares_and_refunds() -> None:
@@ -173,3 +176,18 @@ def test_the_model_predicts_each_component() -> None:
     _warm(budget, device)
     shape = StepShape(6, 40, attention_work(3000, 40))
     assert budget.predict(shape) == pytest.approx(device.seconds(6, [(3000, 40)]), rel=0.02)
+
+
+def test_a_prefill_step_pays_its_own_path() -> None:
+    """Decode-only steps take a faster path than steps with prefill (the one-call decoder on CPU):
+    the model learns the prefill path's cost per step apart from its cost per token, so small
+    chunks beside decodes land on the target instead of over it."""
+    device = Device(step=0.008, decode=0.0005, token=0.001, pair=3e-7, prefill_step=0.012)
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=3.0)
+    _warm(budget, device)
+    for context in (0, 500, 1000):
+        n = budget.start(2).fit(context, 10**6)
+        target = 3.0 * device.seconds(2, [])
+        # On the target, less at most one token's cost (whole tokens only).
+        one_token = device.token + device.pair * (context + n + 1)
+        assert target - one_token <= device.seconds(2, [(context, n)]) <= target
