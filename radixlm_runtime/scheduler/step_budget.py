@@ -97,14 +97,15 @@ class _Line:
 
     def predict(self, x: float) -> float:
         """The line at x; 0 before anything was added. Where the points measured all share one x
-        (or the fit slopes down, as noise can make it), every second is charged to x: an
-        overestimate past the points, so the budget errs small."""
+        (or the fit slopes down, as noise can make it), their mean: a decode step's time is mostly
+        reading the weights, whatever its batch, and charging it per token would make a batch of 8
+        look 8 times slower, its decode-ratio target (and its streams' gaps) 8 times longer."""
         if self.n == 0.0:
             return 0.0
         var = self.n * self.xx - self.x * self.x
         slope = (self.n * self.xy - self.x * self.y) / var if var > 1e-9 * self.n * self.xx else 0.0
         if slope <= 0.0:
-            return self.y / self.x * x if self.x > 0.0 else self.y / self.n
+            return self.y / self.n
         return max(0.0, (self.y - slope * self.x) / self.n) + slope * x
 
 

@@ -191,3 +191,14 @@ def test_a_prefill_step_pays_its_own_path() -> None:
         # On the target, less at most one token's cost (whole tokens only).
         one_token = device.token + device.pair * (context + n + 1)
         assert target - one_token <= device.seconds(2, [(context, n)]) <= target
+
+
+def test_decode_steps_of_one_size_predict_their_mean() -> None:
+    """Decode steps all of one batch size cannot show what a token adds: the model takes their mean
+    (a decode step is mostly reading the weights) rather than charging it per token, which would make
+    a batch of 8 look 8 times slower and stretch its streams' gaps by as much."""
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    device = Device(step=0.009, decode=0.0002, token=0.001)
+    for _ in range(10):
+        device.run(budget, 1, [])
+    assert budget.predict(StepShape(8, 0, 0.0)) == pytest.approx(device.seconds(1, []))
