@@ -1,8 +1,9 @@
 """Data parallelism: two radixlm replicas behind the router, under each --router-policy.
 
 The workload is bench_kv_tiers.py's multi-tenant one (each tenant its own few-shot prefix and chats,
-requests round the tenants), and each replica's KV pool holds about half of the working set, so
-where a tenant's requests land decides whether its prefix is still cached there. The same requests,
+requests round the tenants), and each replica's KV pool holds about half of the tenants' prefixes
+(beside the requests in flight), so where a tenant's requests land decides whether its prefix is
+still cached there. The same requests,
 in the same order, from --concurrency clients in a closed loop, go through the router under
 `round_robin`, `least_load` and `cache_aware`, both replicas' caches flushed before each. Per policy:
 throughput, TTFT P50/P99 and the cache hit rate (prompt tokens served from the replicas' radix caches,
@@ -74,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])
     prefix_tokens = sum(len(tokenizer.encode(r.text)) for r in reqs[: sizes["tenants"]])
     longest = max(len(tokenizer.encode(r.text)) for r in reqs)
-    pool = max(prefix_tokens // 2, longest + 64)
+    # Half the tenants' prefixes, cached, beside the requests in flight (all of them may land on one
+    # replica): without that room the running requests' KV evicts what the router placed there.
+    pool = prefix_tokens // 2 + sizes["concurrency"] * (longest + sizes["max_new_tokens"])
     replica_flags = ["--max-total-tokens", str(pool), "--num-threads", str(args.replica_threads)]
     print(
         f"{len(reqs)} requests, first-round prompts {prefix_tokens} tokens, KV pool {pool} tokens per replica"
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"TTFT P50 {r['ttft_p50_ms']:.0f} ms"
                 )
     table = Table(
-        f"{REPLICAS} replicas (KV pool {pool} tokens each, about half the tenants' prefixes), "
+        f"{REPLICAS} replicas (KV pool {pool} tokens each: half the tenants' prefixes beside the requests "
+        "in flight), "
         f"{sizes['tenants']} tenants x {sizes['rounds']} requests, concurrency {sizes['concurrency']}",
         ["policy", "cache hit rate", "req/s", "TTFT P50 ms", "TTFT P99 ms", "requests per replica"],
         [
