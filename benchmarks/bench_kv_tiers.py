@@ -44,6 +44,7 @@ from common import (
     pyplot,
     save_figure,
     save_result,
+    trie_insert,
 )
 from local_server import running_server
 
@@ -99,16 +100,8 @@ def tenant_requests(tokenizer: Any, tenants: int, rounds: int, num_shots: int) -
 
 def distinct_tokens(prompts: list[list[int]]) -> int:
     """The working set: tokens of the prompts' radix tree (a prefix shared by several counts once)."""
-    root: dict[int, dict] = {}
-    count = 0
-    for ids in prompts:
-        node = root
-        for t in ids:
-            if t not in node:
-                node[t] = {}
-                count += 1
-            node = node[t]
-    return count
+    trie: dict[int, dict] = {}
+    return sum(trie_insert(trie, ids) for ids in prompts)
 
 
 async def closed_loop(url: str, reqs: list[Request], concurrency: int, max_new_tokens: int) -> list[Outcome]:

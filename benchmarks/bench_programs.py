@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
+from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result, trie_insert
 
 import radixlm as sgl
 
@@ -130,15 +130,8 @@ def best_hit_rate(tokenizer: Any, calls: list[tuple[str, str]]) -> float:
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         full = tokenizer(prompt + output, add_special_tokens=False)["input_ids"]
         total += len(ids)
-        node = trie
-        for tid in ids:
-            if tid not in node:
-                node[tid] = {}
-                new += 1
-            node = node[tid]
-        node = trie
-        for tid in full:
-            node = node.setdefault(tid, {})
+        new += trie_insert(trie, ids)
+        trie_insert(trie, full)
     return 1 - new / max(total, 1)
 
 

@@ -275,3 +275,16 @@ def save_figure(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
+
+
+def trie_insert(trie: dict[int, dict], ids: list[int]) -> int:
+    """Adds `ids` to a token trie (nested dicts); returns how many of them were not in it yet: the
+    tokens a radix cache holding everything inserted before would still compute."""
+    new = 0
+    node = trie
+    for t in ids:
+        if t not in node:
+            node[t] = {}
+            new += 1
+        node = node[t]
+    return new
