@@ -28,6 +28,10 @@ Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
 ParamsArg = dict[str, Any] | list[dict[str, Any]] | None
 
+# Steps that run nothing for this long, with requests pending, are a scheduling deadlock: the
+# offline engine has no other input that could unblock it, so it raises instead of spinning.
+STALL_LIMIT_S = 60.0
+
 
 class Engine:
     """`Engine()` runs the embedded default model; keyword arguments are ServerArgs flags."""
@@ -43,6 +47,8 @@ class Engine:
         )
         self.scheduler = build_scheduler(self.model_dir, self.server_args, self.tokenizer)
         self.runner = self.scheduler.runner
+        # When a step last ran or reported something (see STALL_LIMIT_S).
+        self._progress_at = time.monotonic()
         info = self.scheduler.runner_info
         limits = RequestLimits(info.vocab_size, info.context_len, info.max_total_tokens)
         # The server's checks, bounds included (io/request_builder.py): the same input gets the
@@ -145,6 +151,7 @@ class Engine:
     # -- the request path ---------------------------------------------------------------------
     def _submit(self, messages: list[GenerateReq]) -> dict[str, OutputState]:
         states = {m.rid: OutputState(req=m) for m in messages}
+        self._progress_at = time.monotonic()
         for m in messages:
             self.scheduler.submit(m)
         return states
@@ -154,11 +161,21 @@ class Engine:
         if not self.scheduler.has_work():
             raise RuntimeError("scheduler went idle with requests still pending (a runtime bug)")
         progressed: set[str] = set()
+        passes = self.scheduler.stats.forward_passes
         for out in self.scheduler.step():
             state = states.get(out.rid)
             if state is not None:
                 state.apply(out)
                 progressed.add(out.rid)
+        now = time.monotonic()
+        if progressed or self.scheduler.stats.forward_passes != passes:
+            self._progress_at = now
+        elif now - self._progress_at > STALL_LIMIT_S:
+            info = self.scheduler.info()
+            raise RuntimeError(
+                f"no step ran for {STALL_LIMIT_S:.0f}s with {info['num_waiting']} requests waiting and "
+                f"{info['free_tokens']} free KV tokens (a runtime bug)"
+            )
         return progressed
 
     def _run(self, states: dict[str, OutputState]) -> None:

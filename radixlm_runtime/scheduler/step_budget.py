@@ -264,13 +264,18 @@ class StepBudget:
         tokens = min(self.max_tokens, 2 * self._largest) - decode_tokens
         if not self._prefill.measured:
             return PrefillBudget(math.inf, tokens)
+        least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
+        tokens = max(tokens, least)
         per_step, per_token, per_pair = self._prefill.costs()
+        if per_token == 0.0 and per_pair == 0.0:
+            # Prefill steps measured no faster than decode-only ones (noise, a slow first decode
+            # step): the times say nothing about prompt tokens yet, and the token bound alone holds.
+            return PrefillBudget(math.inf, tokens)
         decode = self._decode.predict(decode_tokens)
         target = self.target_s
         if decode_tokens and self.decode_ratio > 0.0 and self._decode.n > 0.0:
             target = self.decode_ratio * decode
         budget = PrefillBudget(target - decode - per_step, tokens, per_token, per_pair)
-        least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
         if budget.fit(0, least) < least:
             budget.seconds = budget.cost(0, least)
         return budget

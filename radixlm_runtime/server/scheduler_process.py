@@ -27,6 +27,11 @@ logger = get_logger(__name__)
 
 # How long an idle loop blocks on the socket before checking that its parent is still alive.
 IDLE_POLL_MS = 500
+# How long a loop whose last step ran nothing (all its work waiting on something) blocks on the
+# socket before trying again, instead of spinning and flooding the HTTP process.
+STALLED_POLL_MS = 5
+# After this long with work but no step run, the loop logs what it waits on (once per stall).
+STALL_WARN_S = 30.0
 
 
 class SchedulerProcess:
@@ -45,6 +50,10 @@ class SchedulerProcess:
         self.push.connect(out_addr)
         self.parent_pid = os.getppid()
         self.running = True
+        # The queue sizes last sent, and when a step last launched or reported anything.
+        self._sent_sizes = (0, 0)
+        self._progress_at = time.monotonic()
+        self._stall_logged = False
         # What the dashboard's snapshots read; None with --disable-dashboard.
         self.request_log = None if server_args.server.disable_dashboard else dashboard_snapshot.RequestLog()
 
@@ -65,13 +74,18 @@ class SchedulerProcess:
             if os.getppid() != self.parent_pid:  # killed without a Shutdown: nobody reads our outputs
                 logger.warning("the HTTP process is gone; scheduler exiting")
                 return
-            self._drain(block=not self.scheduler.has_work())
-            if self.scheduler.has_work():
-                self._step()
+            if not self.scheduler.has_work():
+                self._drain(IDLE_POLL_MS)
+                self._progress_at = time.monotonic()
+                continue
+            self._drain(0)
+            if self.scheduler.has_work() and not self._step():
+                self._drain(STALLED_POLL_MS)  # nothing could run: wait for input, never spin
 
     # -- inputs -------------------------------------------------------------------------------
-    def _drain(self, block: bool) -> None:
-        if block and not self.pull.poll(IDLE_POLL_MS):
+    def _drain(self, wait_ms: int) -> None:
+        """Handles every message queued, after waiting up to wait_ms for the first."""
+        if wait_ms and not self.pull.poll(wait_ms):
             return
         while self.running:
             try:
@@ -117,11 +131,36 @@ class SchedulerProcess:
         self.send(msg.CallResult(m.call_id, True, snapshot))
 
     # -- step and outputs ---------------------------------------------------------------------
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Runs one scheduler step and sends what it produced; False when it ran nothing."""
+        passes = self.scheduler.stats.forward_passes
         outputs = self.scheduler.step()
-        self.send(msg.BatchOut(outputs, *self.scheduler.queue_sizes()))
+        sizes = self.scheduler.queue_sizes()
+        if outputs or sizes != self._sent_sizes:
+            self.send(msg.BatchOut(outputs, *sizes))
+            self._sent_sizes = sizes
         if self.request_log is not None:
             self.request_log.ended(outputs)
+        now = time.monotonic()
+        if outputs or self.scheduler.stats.forward_passes != passes:
+            self._progress_at = now
+            self._stall_logged = False
+            return True
+        if now - self._progress_at > STALL_WARN_S and not self._stall_logged:
+            self._stall_logged = True
+            info = self.scheduler.info()
+            logger.warning(
+                "no step has run for %.0fs: %d waiting, %d running, %d compiling, %d free KV tokens, "
+                "%d evictable, %d pinned by sessions",
+                now - self._progress_at,
+                info["num_waiting"],
+                info["num_running"],
+                len(self.scheduler.constraints),
+                info["free_tokens"],
+                info["evictable_tokens"],
+                info["pinned_tokens"],
+            )
+        return False
 
     def server_info(self) -> dict[str, Any]:
         return {

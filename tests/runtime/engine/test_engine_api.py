@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import radixlm_runtime as rt
+from radixlm_runtime.entrypoints import engine as engine_module
 
 PROMPT = "the theater then an answer"
 
@@ -208,3 +209,18 @@ def test_bad_item_in_batch_rejects_whole_batch(engine: rt.Engine) -> None:
 def test_unknown_engine_argument(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="unknown engine argument"):
         rt.Engine(str(tiny_llama_dir), max_totl_tokens=10)
+
+
+def test_a_stalled_scheduler_raises_instead_of_spinning(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deadlock in scheduling (steps that run nothing, with requests pending) is a runtime bug: the
+    offline engine, with no other input that could unblock it, names it instead of hanging."""
+    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=1024, log_level="warning")
+    try:
+        monkeypatch.setattr(engine.scheduler.admission, "schedule", lambda: [])
+        monkeypatch.setattr(engine_module, "STALL_LIMIT_S", 0.0)
+        with pytest.raises(RuntimeError, match="no step ran for .* with 1 requests waiting"):
+            engine.generate("hello", {"max_new_tokens": 2})
+    finally:
+        engine.shutdown()

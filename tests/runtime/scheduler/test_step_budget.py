@@ -202,3 +202,36 @@ def test_decode_steps_of_one_size_predict_their_mean() -> None:
     for _ in range(10):
         device.run(budget, 1, [])
     assert budget.predict(StepShape(8, 0, 0.0)) == pytest.approx(device.seconds(1, []))
+
+
+def test_prefill_faster_than_decode_steps_still_admits() -> None:
+    """Regression: a slow first decode step made 4-token prefill steps look cheaper than a decode step,
+    every prefill cost fitted to 0, and the floor then set the budget to 0 seconds (spent): a prompt
+    waiting with nothing running was never admitted and the server spun forever."""
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    for seconds in (0.030, 0.011, 0.010):
+        budget.observe(StepShape(1, 0, 0.0), seconds)
+    for context in range(0, 40, 4):
+        budget.observe(StepShape(0, 4, attention_work(context, 4)), 0.008)
+    alone = budget.start(0)
+    assert not alone.spent
+    assert alone.fit(0, 10**6) >= MIN_STEP_TOKENS
+    beside = budget.start(1)
+    assert not beside.spent
+    assert beside.fit(0, 10**6) >= MIN_CHUNK
+
+
+@pytest.mark.parametrize("decode", [0, 3])
+def test_floor_holds_when_the_largest_step_was_tiny(decode: int) -> None:
+    """The twofold growth bound can sit below the floor (only 2-token steps measured so far): the floor
+    wins, in tokens and in seconds."""
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    device = Device(step=0.010, decode=0.001, token=0.002)
+    for _ in range(3):
+        device.run(budget, 1, [])
+        device.run(budget, 0, [(0, 2)])
+        device.run(budget, 0, [(5, 1)])
+    least = MIN_CHUNK if decode else MIN_STEP_TOKENS
+    step = budget.start(decode)
+    assert not step.spent
+    assert step.fit(0, 10**6) >= least
