@@ -187,12 +187,14 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 class PrefillBudget:
     """What one step may still spend on prefill: `seconds` at `per_token` + `per_pair` x context per
     token, and at most `tokens` tokens. Without a time target, seconds are unbounded and `tokens` is
-    the budget."""
+    the budget. The step's first `floor` tokens fit whatever their time (at any context), so a slow
+    model never stalls prefill: the floor shrinks as tokens are taken."""
 
     seconds: float
     tokens: int
     per_token: float = 0.0
     per_pair: float = 0.0
+    floor: int = 0
 
     def cost(self, context: int, tokens: int) -> float:
         return self.per_token * tokens + self.per_pair * attention_work(context, tokens)
@@ -200,30 +202,35 @@ class PrefillBudget:
     def fit(self, context: int, want: int, share: float = 1.0) -> int:
         """How many of `want` tokens after `context` computed ones fit `share` of what is left."""
         cap = min(want, int(self.tokens * share))
-        if cap <= 0 or math.isinf(self.seconds):
-            return max(cap, 0)
-        left = self.seconds * share
-        if left <= 0.0:
+        if cap <= 0:
             return 0
+        floor = min(cap, self.floor)
+        left = self.seconds * share
+        if math.isinf(left):
+            return cap
+        if left <= 0.0:
+            return floor
         # Largest n with per_pair / 2 * n^2 + (per_token + per_pair * context) * n <= left.
         lin = self.per_token + self.per_pair * context
         if self.per_pair > 0.0:
             n = (-lin + math.sqrt(lin * lin + 2.0 * self.per_pair * left)) / self.per_pair
         else:
             n = left / lin if lin > 0.0 else float(cap)
-        return max(0, min(cap, int(n)))
+        return max(floor, min(cap, int(n)))
 
     def take(self, context: int, tokens: int) -> None:
         self.seconds -= self.cost(context, tokens)
         self.tokens -= tokens
+        self.floor -= tokens
 
     def give_back(self, context: int, tokens: int) -> None:
         self.seconds += self.cost(context, tokens)
         self.tokens += tokens
+        self.floor += tokens
 
     @property
     def spent(self) -> bool:
-        return self.tokens <= 0 or self.seconds <= 0.0
+        return self.tokens <= 0 or (self.seconds <= 0.0 and self.floor <= 0)
 
 
 class StepBudget:
@@ -275,7 +282,4 @@ class StepBudget:
         target = self.target_s
         if decode_tokens and self.decode_ratio > 0.0 and self._decode.n > 0.0:
             target = self.decode_ratio * decode
-        budget = PrefillBudget(target - decode - per_step, tokens, per_token, per_pair)
-        if budget.fit(0, least) < least:
-            budget.seconds = budget.cost(0, least)
-        return budget
+        return PrefillBudget(target - decode - per_step, tokens, per_token, per_pair, floor=least)

@@ -235,3 +235,17 @@ def test_floor_holds_when_the_largest_step_was_tiny(decode: int) -> None:
     step = budget.start(decode)
     assert not step.spent
     assert step.fit(0, 10**6) >= least
+
+
+@pytest.mark.parametrize("decode", [0, 3])
+def test_floor_holds_at_any_context(decode: int) -> None:
+    """The floor is tokens, not their time at context 0: a prompt whose first uncached token sits after
+    an 8,000-token cached prefix still gets the floor when the target leaves no time (a slow device)."""
+    budget = StepBudget(max_tokens=1024, target_s=0.05, decode_ratio=1.0)
+    _warm(budget, Device(step=0.040, decode=0.002, token=0.002, pair=2e-6, prefill_step=0.03))
+    least = MIN_CHUNK if decode else MIN_STEP_TOKENS
+    step = budget.start(decode)
+    assert not step.spent
+    assert step.fit(8000, 10**6) == least
+    step.take(8000, least)
+    assert step.fit(8000, 10**6) == 0 and step.spent
