@@ -20,7 +20,6 @@ from types import FrameType
 
 import uvicorn
 
-from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.models.loader import default_model_path, resolve_model_path
 from radixlm_runtime.router.replicas import serve_data_parallel
 from radixlm_runtime.server.http_server import create_app
@@ -110,7 +109,7 @@ def launch(args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _stop_on_signal)
     signal.signal(signal.SIGINT, _stop_on_signal)
     model_dir = resolve_model_path(args.engine.model_path)
-    tm = TokenizerManager(args, model_dir, load_tokenizer(model_dir))
+    tm = TokenizerManager(args, model_dir)
     try:
         ready = tm.start_scheduler()
         logger.info("scheduler process %d ready (KV pool %d tokens)", ready.pid, ready.max_total_tokens)

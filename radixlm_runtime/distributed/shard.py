@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm_runtime.distributed.group import TPGroup
+from radixlm_runtime.layers.embedding import Embedding
 from radixlm_runtime.layers.quantization import CHUNK, QuantizedSource, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -209,7 +210,7 @@ class ShardLayout:
         return shard
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """The rank's block of vocabulary rows: ids outside it look up zeros, and the ranks' lookups are
     summed (one all-reduce)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,20 @@ PROMPT_CHARS_SLACK = 4
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    from transformers import AutoTokenizer
+    """AutoTokenizer's tokenizer for model_dir, given a stand-in for the model's config: AutoTokenizer
+    reads only the config's fields (model_type, tokenizer_class, the name) to pick the class, and
+    loading the family's own config class imports its modeling stack, a second of every start-up in
+    every process. Where config.json cannot be read, AutoTokenizer reads it as usual."""
+    from transformers import AutoTokenizer, PreTrainedConfig
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        fields = json.loads((model_dir / "config.json").read_text())
+        model_type = fields["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    stand_in = type(f"{model_type}StandInConfig", (PreTrainedConfig,), {"model_type": model_type})
+    config = stand_in(**{**fields, "_name_or_path": str(model_dir)})
+    return AutoTokenizer.from_pretrained(str(model_dir), config=config)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

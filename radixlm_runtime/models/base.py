@@ -22,6 +22,7 @@ from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.layers import fused_cpu
 from radixlm_runtime.layers.activation import GeluAndMul, SiluAndMul
+from radixlm_runtime.layers.embedding import Embedding
 from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.norm import RMSNorm
 from radixlm_runtime.layers.quantization import LinearShards
@@ -216,7 +217,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layer_types = self.resolve_layer_types(config)
         self.layers = nn.ModuleList([self.make_layer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -77,7 +77,9 @@ def build_model(
     model.eval()
     model.init_rotary(context_len, device, functools.partial(_hf_config, model_dir))
     if mode != "none":
-        source = quantized_source(engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads)
+        source = quantized_source(
+            engine_config.model_path, checkpoint, config.num_heads, config.num_kv_heads, model_dir
+        )
         if source is not None and layout is not None:
             source = layout.quantized_source(source)
         _quantize(model, mode, source)

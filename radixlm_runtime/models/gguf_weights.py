@@ -14,9 +14,15 @@ Other tensor types (F32, F16, ...) are left to the float path.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,16 +195,81 @@ def unpermute_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
     )
 
 
-class GGUFQuantizedWeights:
-    """Callable: a Hugging Face weight name -> the GGUF's own quantized blocks of it, or None."""
+# The tensor index of a GGUF (GGUFTensors), kept in the directory of its export (models/loader.py).
+INDEX_FILE = "gguf_tensors.json"
 
-    def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    type_name: str
+    shape: tuple[int, ...]  # GGUF's order: the fastest-varying dimension first
+    offset: int  # of its data in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFTensors:
+    """Where each tensor of a GGUF file lies, and whether its q/k rows are llama.cpp-permuted.
+
+    gguf-py's reader parses every metadata field, the whole vocabulary included: seconds of each
+    start-up for a tensor table that never changes. So it runs once per file and its table is kept
+    beside the file's export, keyed by the export (which changes whenever the file does)."""
+
+    tensors: dict[str, GGUFTensor]
+    permuted: bool
+
+    @classmethod
+    def load(cls, path: Path, cache_dir: Path | None = None) -> GGUFTensors:
+        cached = cache_dir / INDEX_FILE if cache_dir is not None else None
+        if cached is not None and cached.is_file():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                return cls.from_json(json.loads(cached.read_text()))
+        index = cls.read(path)
+        if cached is not None:
+            # Written whole or not at all; a read-only cache only costs the next start-up the parse.
+            with contextlib.suppress(OSError):
+                tmp = cached.with_name(f".{INDEX_FILE}.{os.getpid()}")
+                tmp.write_text(json.dumps(index.to_json()))
+                os.replace(tmp, cached)
+        return index
+
+    @classmethod
+    def read(cls, path: Path) -> GGUFTensors:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path))
-        self._tensors = {t.name: t for t in reader.tensors}
         arch = reader.fields["general.architecture"]
-        self._permuted = bytes(arch.parts[arch.data[0]]).decode() in _PERMUTED_ARCHS
+        tensors = {
+            t.name: GGUFTensor(
+                t.tensor_type.name, tuple(int(d) for d in t.shape), int(t.data_offset), int(t.n_bytes)
+            )
+            for t in reader.tensors
+        }
+        return cls(tensors, bytes(arch.parts[arch.data[0]]).decode() in _PERMUTED_ARCHS)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "permuted": self.permuted,
+            "tensors": {n: dataclasses.astuple(t) for n, t in self.tensors.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GGUFTensors:
+        tensors = {
+            n: GGUFTensor(kind, tuple(shape), offset, nbytes)
+            for n, (kind, shape, offset, nbytes) in data["tensors"].items()
+        }
+        return cls(tensors, bool(data["permuted"]))
+
+
+class GGUFQuantizedWeights:
+    """Callable: a Hugging Face weight name -> the GGUF's own quantized blocks of it, or None."""
+
+    def __init__(self, path: Path, num_heads: int, num_kv_heads: int, cache_dir: Path | None = None) -> None:
+        index = GGUFTensors.load(path, cache_dir)
+        self._tensors = index.tensors
+        self._permuted = index.permuted
+        self._data = np.memmap(path, dtype=np.uint8, mode="r")
         self._heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
 
     def __call__(self, hf_name: str) -> QuantizedWeight | None:
@@ -206,8 +277,9 @@ class GGUFQuantizedWeights:
         tensor = self._tensors.get(name) if name is not None else None
         if tensor is None:
             return None
-        cols, rows = (int(d) for d in tensor.shape)  # GGUF lists the fastest-varying dimension first
-        weight = repack_blocks(tensor.tensor_type.name, tensor.data, rows, cols)
+        cols, rows = tensor.shape
+        data = self._data[tensor.offset : tensor.offset + tensor.nbytes]
+        weight = repack_blocks(tensor.type_name, data, rows, cols)
         kind = name.split(".")[-2]
         if weight is not None and self._permuted and kind in self._heads:
             weight = unpermute_rows(weight, self._heads[kind])

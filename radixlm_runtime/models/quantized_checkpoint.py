@@ -310,11 +310,16 @@ def checkpoint_weights(
 
 
 def quantized_source(
-    model_path: str | None, checkpoint: QuantizedCheckpoint | None, num_heads: int, num_kv_heads: int
+    model_path: str | None,
+    checkpoint: QuantizedCheckpoint | None,
+    num_heads: int,
+    num_kv_heads: int,
+    model_dir: Path | None = None,
 ) -> QuantizedSource | None:
     """The checkpoint's own quantized linears for plan_linear: a GGUF's blocks (model_path a .gguf or a
-    short name of one), an AWQ/GPTQ checkpoint's int4 weights, else None (float or FP8 weights)."""
+    short name of one; model_dir its export, where its tensor index is kept), an AWQ/GPTQ checkpoint's
+    int4 weights, else None (float or FP8 weights)."""
     gguf = gguf_source(model_path)
     if gguf is not None:
-        return GGUFQuantizedWeights(gguf, num_heads, num_kv_heads)
+        return GGUFQuantizedWeights(gguf, num_heads, num_kv_heads, model_dir)
     return checkpoint if checkpoint is not None and checkpoint.format.int4 else None

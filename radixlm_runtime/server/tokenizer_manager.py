@@ -31,7 +31,7 @@ from radixlm_runtime.io.limits import InvalidRequest, RequestLimits
 from radixlm_runtime.io.outputs import OutputState
 from radixlm_runtime.io.request_builder import PromptArgs, PromptRequest, RequestPolicy, build_requests
 from radixlm_runtime.io.stop_holdback import StopHoldback
-from radixlm_runtime.io.tokenizer import PromptEncoder, decode_output, eos_token_ids
+from radixlm_runtime.io.tokenizer import PromptEncoder, decode_output, eos_token_ids, load_tokenizer
 from radixlm_runtime.models.config import generation_sampling_defaults
 from radixlm_runtime.server.errors import RequestError
 from radixlm_runtime.server.http_utils import invalid
@@ -109,7 +109,9 @@ class RequestState(OutputState):
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, model_dir: Path, tokenizer: Any) -> None:
+    def __init__(self, server_args: ServerArgs, model_dir: Path, tokenizer: Any | None = None) -> None:
+        """tokenizer None: loaded by start_scheduler while the scheduler process starts (in parallel:
+        most of both is imports)."""
         self.args = server_args
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -154,6 +156,8 @@ class TokenizerManager:
     def start_scheduler(self, timeout_s: float = 600.0) -> msg.Ready:
         """Starts the scheduler process and blocks until it reports the model loaded."""
         self.proc.start()
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_dir)
         sync_recv = zmq.Socket.shadow(self._recv_sock.underlying)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

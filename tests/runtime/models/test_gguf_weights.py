@@ -4,6 +4,7 @@ every kernel path, on the embedded model's file and on the Gemma 3 270M Q4_K_M f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,9 @@ from gguf.quants import dequantize, quantize
 
 from radixlm_runtime.layers.linear_kernels import PANEL_GEMM, ROW_DOT, ROW_DOT_512, SCALAR, cpu_linear
 from radixlm_runtime.models.gguf_weights import (
+    INDEX_FILE,
     GGUFQuantizedWeights,
+    GGUFTensors,
     gguf_tensor_name,
     repack_blocks,
     unpermute_rows,
@@ -154,6 +157,29 @@ def test_gemma3_blocks_of_every_type_equal_gguf_dequantize(gemma3_gguf: Path) ->
         ref = dequantize(tensor.data, tensor.tensor_type)
         assert torch.equal(weight.dequantize(), torch.from_numpy(ref)), hf_name
     assert source("model.layers.0.input_layernorm.weight") is None
+
+
+def test_tensor_index_is_kept_beside_the_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf-py parses the file once; later loads read the kept index, which serves the same weights. A
+    damaged index is parsed again and rewritten, never trusted."""
+    gguf = Path(default_model_path())
+    first = GGUFTensors.load(gguf, tmp_path)
+    assert GGUFTensors.from_json(json.loads((tmp_path / INDEX_FILE).read_text())) == first
+    assert first.tensors["blk.0.attn_q.weight"].type_name == "Q4_1" and first.permuted
+    with monkeypatch.context() as m:
+        m.setattr(GGUFTensors, "read", classmethod(lambda cls, path: pytest.fail("parsed again")))
+        assert GGUFTensors.load(gguf, tmp_path) == first
+        cached = GGUFQuantizedWeights(gguf, num_heads=9, num_kv_heads=3, cache_dir=tmp_path)
+    fresh = GGUFQuantizedWeights(gguf, num_heads=9, num_kv_heads=3)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        assert torch.equal(cached(name).dequantize(), fresh(name).dequantize())
+    parsed = []
+    monkeypatch.setattr(GGUFTensors, "read", classmethod(lambda cls, path: parsed.append(path) or first))
+    for damaged in ("{not json", "{}", '{"permuted": false, "tensors": {"x": [1]}}'):
+        (tmp_path / INDEX_FILE).write_text(damaged)
+        assert GGUFTensors.load(gguf, tmp_path) == first
+        assert GGUFTensors.from_json(json.loads((tmp_path / INDEX_FILE).read_text())) == first
+    assert parsed == [gguf] * 3
 
 
 @pytest.mark.slow
