@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import random
+import shlex
 import signal
 import sys
 import tempfile
@@ -337,13 +338,13 @@ def long_mix_notes(points: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def run_long_mix(
-    reqs: list[Request], rate: float, seed: int, max_new_tokens: int, logs: Path
+    reqs: list[Request], rate: float, seed: int, max_new_tokens: int, logs: Path, extra: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """Each chunking policy's server given the same requests at the same times."""
+    """Each chunking policy's server (with `extra` flags) given the same requests at the same times."""
     arrivals = poisson_arrivals(len(reqs), rate, seed)
     points = {}
     for name, flags in CHUNKING.items():
-        with running_server(flags, logs / f"long_mix_{name}.log") as url:
+        with running_server(flags + extra, logs / f"long_mix_{name}.log") as url:
             asyncio.run(run_rate(url, NATIVE, reqs[:1], [0.0], 2))  # warm-up
             outs = asyncio.run(run_rate(url, NATIVE, reqs, arrivals, max_new_tokens))
         points[name] = summarize_long_mix(outs)
@@ -416,13 +417,14 @@ def notes_for(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(name: str, log_path: Path) -> Iterator[tuple[str, Api, str]]:
-    """The server `name` up on loopback: its URL, how to ask it, and its cache-flush route."""
+def serving(name: str, log_path: Path, extra: list[str]) -> Iterator[tuple[str, Api, str]]:
+    """The server `name` up on loopback (radixlm's with `extra` flags): its URL, how to ask it, and
+    its cache-flush route."""
     if name == "vllm_cpu":
         with running_vllm_server(resolve_model_path(None), log_path) as url:
             yield url, OPENAI, "/reset_prefix_cache"
     else:
-        with running_server(RADIXLM_FLAGS[name], log_path) as url:
+        with running_server(RADIXLM_FLAGS[name] + extra, log_path) as url:
             yield url, NATIVE, "/flush_cache"
 
 
@@ -438,6 +440,11 @@ def main(argv: list[str] | None = None) -> None:
         help=f"Rate of the long-prompt mix, req/s (default {LONG_MIX_RATE:g}, --tiny {TINY_LONG_MIX_RATE:g})",
     )
     ap.add_argument("--seed", type=int, default=0, help="Seed of the arrival times.")
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="Extra flags for every radixlm server started, one string (e.g. '--cpu-act-quant int8').",
+    )
     args, sizes = parse_sizes(ap, argv, SIZES)
     # A SIGTERM must still run the `finally` that stops the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -449,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := [w for w in workloads if w not in WORKLOADS.split(",")]:
         ap.error(f"--workloads: unknown {', '.join(unknown)} (choose from {WORKLOADS})")
     long_rate = args.long_mix_rate or (TINY_LONG_MIX_RATE if args.tiny else LONG_MIX_RATE)
+    extra = shlex.split(args.server_flags)
 
     reqs = build_requests(sizes["num_requests"], sizes["chat_turns"], sizes["num_shots"])
     results: dict[str, list[dict[str, Any]]] = {}
@@ -457,7 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as logs:
         for server in servers if "prefix" in workloads else []:
             try:
-                with serving(server, Path(logs) / f"{server}.log") as (url, api, flush_path):
+                with serving(server, Path(logs) / f"{server}.log", extra) as (url, api, flush_path):
                     asyncio.run(run_rate(url, api, reqs[:1], [0.0], 2))  # warm-up
                     results[server] = []
                     for rate in rates:
@@ -480,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
                 sizes["chat_turns"],
                 sizes["num_shots"],
             )
-            points = run_long_mix(mix, long_rate, args.seed, sizes["max_new_tokens"], Path(logs))
+            points = run_long_mix(mix, long_rate, args.seed, sizes["max_new_tokens"], Path(logs), extra)
             long_mix = {"rate": long_rate, "long_every": LONG_EVERY, "chunking": points}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     tables, notes, figures = [], [], []
