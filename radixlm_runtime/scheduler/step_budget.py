@@ -6,10 +6,10 @@ machine runs, so it is measured while serving, per component:
 
 - the decode step alone: steps without prefill, their time fitted as a line in the decode tokens;
 - prefill: what a step with prefill took beyond that decode prediction, fitted (least squares) as a
-  cost per step that carries prefill (on CPU decode-only steps take the one-call decoder, prefill the
-  layer-by-layer path), a cost per prefill token and a cost per (token x context) pair, the attention
-  work. A chunk at context 3,500 costs several times one at context 200: its attention reads the
-  whole prefix, and a line in tokens alone always lags the chunk it sizes.
+  cost per step that carries prefill (on CPU the quantized linears change kernels as rows grow,
+  from row dots to dequantized panels), a cost per prefill token and a cost per (token x context)
+  pair, the attention work. A chunk at context 3,500 costs several times one at context 200: its
+  attention reads the whole prefix, and a line in tokens alone always lags the chunk it sizes.
 
 Older steps weigh less (about the last 20 count). The step's target time is:
 
