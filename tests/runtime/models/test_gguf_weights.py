@@ -23,7 +23,12 @@ from radixlm_runtime.models.gguf_weights import (
     repack_blocks,
     unpermute_rows,
 )
-from radixlm_runtime.models.loader import default_model_path, load_weights, named_model_path
+from radixlm_runtime.models.loader import (
+    default_model_path,
+    load_weights,
+    named_model_path,
+    resolve_model_path,
+)
 
 # Type -> (bits, group size) of its QuantizedWeight.
 FORMATS = {
@@ -141,7 +146,9 @@ def test_gemma3_blocks_of_every_type_equal_gguf_dequantize(gemma3_gguf: Path) ->
     Hugging Face name: gemma3's q/k rows are not interleaved (transformers un-permutes only llama)."""
     reader = GGUFReader(str(gemma3_gguf))
     tensors = {t.name: t for t in reader.tensors}
-    source = GGUFQuantizedWeights(gemma3_gguf, num_heads=4, num_kv_heads=1)
+    # The tensor index kept beside the export (which the engine tests made) spares a second parse.
+    export = resolve_model_path("gemma3-270m")
+    source = GGUFQuantizedWeights(gemma3_gguf, num_heads=4, num_kv_heads=1, cache_dir=export)
     wanted = {
         "model.layers.0.self_attn.q_proj.weight": "Q5_0",
         "model.layers.3.self_attn.k_proj.weight": "Q5_0",
