@@ -30,7 +30,8 @@ IDLE_POLL_MS = 500
 # How long a loop whose last step ran nothing (all its work waiting on something) blocks on the
 # socket before trying again, instead of spinning and flooding the HTTP process.
 STALLED_POLL_MS = 5
-# After this long with work but no step run, the loop logs what it waits on (once per stall).
+# After this long with work but no step run, the loop logs what it waits on (once per stall) and
+# fails health probes, so that a supervisor restarts a scheduler that has stopped making progress.
 STALL_WARN_S = 30.0
 
 
@@ -82,6 +83,11 @@ class SchedulerProcess:
             if self.scheduler.has_work() and not self._step():
                 self._drain(STALLED_POLL_MS)  # nothing could run: wait for input, never spin
 
+    def _stalled_s(self) -> float | None:
+        """For how long steps have run nothing while work waits, once past STALL_WARN_S; else None."""
+        since = time.monotonic() - self._progress_at
+        return since if self.scheduler.has_work() and since > STALL_WARN_S else None
+
     # -- inputs -------------------------------------------------------------------------------
     def _drain(self, wait_ms: int) -> None:
         """Handles every message queued, after waiting up to wait_ms for the first."""
@@ -106,7 +112,8 @@ class SchedulerProcess:
         elif isinstance(m, msg.CloseSessionReq):
             self.send(msg.CallResult(m.call_id, self.scheduler.close_session(m.session_id)))
         elif isinstance(m, msg.HealthProbe):
-            self.send(msg.CallResult(m.call_id, True))
+            stalled = self._stalled_s()
+            self.send(msg.CallResult(m.call_id, stalled is None, {"stalled_s": stalled or 0.0}))
         elif isinstance(m, msg.DashboardReq):
             self._dashboard(m)
         elif isinstance(m, msg.Shutdown):
@@ -146,13 +153,14 @@ class SchedulerProcess:
             self._progress_at = now
             self._stall_logged = False
             return True
-        if now - self._progress_at > STALL_WARN_S and not self._stall_logged:
+        stalled = self._stalled_s()
+        if stalled is not None and not self._stall_logged:
             self._stall_logged = True
             info = self.scheduler.info()
             logger.warning(
                 "no step has run for %.0fs: %d waiting, %d running, %d compiling, %d free KV tokens, "
-                "%d evictable, %d pinned by sessions",
-                now - self._progress_at,
+                "%d evictable, %d pinned by sessions (/health answers 503 until one runs)",
+                stalled,
                 info["num_waiting"],
                 info["num_running"],
                 len(self.scheduler.constraints),

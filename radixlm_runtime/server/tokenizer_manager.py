@@ -435,10 +435,16 @@ class TokenizerManager:
         """Raises (503) unless the scheduler loop itself answers, not merely its process exists.
         While requests run, the loop answers a probe only between steps (a long prefill step takes
         seconds), so then a step's outputs or the start of its work within the probe timeout count
-        as the answer; a scheduler hung longer than that is probed, and fails it."""
+        as the answer; a scheduler hung longer than that is probed, and fails it. So does a loop that
+        answers but has run no step for a while with work waiting (scheduler_process.STALL_WARN_S)."""
         if self.states and time.monotonic() - self.last_progress < HEALTH_PROBE_TIMEOUT_S:
             return
-        await self.call(lambda i: msg.HealthProbe(i), HEALTH_PROBE_TIMEOUT_S)
+        answer = await self.call(lambda i: msg.HealthProbe(i), HEALTH_PROBE_TIMEOUT_S)
+        if not answer.ok:
+            stalled = answer.info.get("stalled_s", 0.0)
+            raise RequestError(
+                f"the scheduler has run no step for {stalled:.0f}s with work waiting", status=503
+            )
 
     async def server_info(self) -> dict[str, Any]:
         return (await self.call(lambda i: msg.ServerInfoReq(i))).info

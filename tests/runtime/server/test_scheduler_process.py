@@ -1,6 +1,6 @@
 """The scheduler process's loop when steps run nothing (a stall): it must neither flood the HTTP
 process with empty outputs (which starved its event loop: /server_info and SIGTERM went unanswered)
-nor stay silent about it."""
+nor stay silent about it, in its log and in its health probes."""
 
 from __future__ import annotations
 
@@ -42,7 +42,14 @@ def test_a_stalled_step_sends_nothing_and_logs_once(
             sent.append(msg.decode_from_scheduler(from_sched.recv()))
         # One message for the waiting request's queue size, none for the 49 empty steps after it.
         assert [(type(m), m.outputs, m.num_waiting) for m in sent] == [(msg.BatchOut, [], 1)]
-        stalls = [r for r in caplog.records if "no step has run" in r.getMessage()]
+        # A stalled loop still answers health probes, and fails them (a supervisor restarts it).
+        proc._handle(msg.HealthProbe(7))
+        assert from_sched.poll(2000)
+        answer = msg.decode_from_scheduler(from_sched.recv())
+        assert isinstance(answer, msg.CallResult) and answer.call_id == 7 and not answer.ok
+        assert answer.info["stalled_s"] > 0.0
+        # Each record once, whether or not it also reached caplog through the root logger.
+        stalls = list({id(r): r for r in caplog.records if "no step has run" in r.getMessage()}.values())
         assert len(stalls) == 1 and "1 waiting" in stalls[0].getMessage()
     finally:
         proc.close()
