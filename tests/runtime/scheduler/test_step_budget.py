@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixlm_runtime.scheduler.step_budget import (
     FIRST_STEP_TOKENS,
@@ -249,3 +251,39 @@ def test_floor_holds_at_any_context(decode: int) -> None:
     assert step.fit(8000, 10**6) == least
     step.take(8000, least)
     assert step.fit(8000, 10**6) == 0 and step.spent
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 64),  # decode tokens
+            st.lists(st.tuples(st.integers(0, 8000), st.integers(1, 2048)), max_size=3),  # chunks
+            st.floats(1e-5, 5.0),  # seconds, however unrelated to the shape
+        ),
+        max_size=40,
+    ),
+    decode=st.integers(0, 64),
+    context=st.integers(0, 8192),
+    target_ms=st.sampled_from([0.0, 1.0, 50.0, 250.0]),
+    ratio=st.sampled_from([0.0, 1.0, 2.5]),
+)
+@settings(max_examples=300, deadline=None)
+def test_every_step_admits_its_floor(
+    steps: list[tuple[int, list[tuple[int, int]], float]],
+    decode: int,
+    context: int,
+    target_ms: float,
+    ratio: float,
+) -> None:
+    """Whatever the measured times (noise, a slow first step, times unrelated to the work), a step's
+    budget is never spent before its floor and fits the floor at any context: admission relies on it
+    to make progress when nothing else runs (the stall of CI stop 40)."""
+    budget = StepBudget(max_tokens=1024, target_s=target_ms / 1000, decode_ratio=ratio)
+    for d, chunks, seconds in steps:
+        shape = StepShape(d, sum(n for _, n in chunks), sum(attention_work(c, n) for c, n in chunks))
+        budget.observe(shape, seconds)
+    least = MIN_CHUNK if decode else MIN_STEP_TOKENS
+    step = budget.start(decode)
+    assert not step.spent
+    assert step.fit(context, 10**6) >= least
+    assert step.fit(context, 3) == 3
