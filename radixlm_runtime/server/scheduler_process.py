@@ -139,18 +139,19 @@ class SchedulerProcess:
 
     # -- step and outputs ---------------------------------------------------------------------
     def _step(self) -> bool:
-        """Runs one scheduler step and sends what it produced; False when it ran nothing."""
+        """Runs one scheduler step and sends what it produced (after every forward: the HTTP process
+        reads each as a sign of life); False when it ran nothing."""
         passes = self.scheduler.stats.forward_passes
         outputs = self.scheduler.step()
+        ran = bool(outputs) or self.scheduler.stats.forward_passes != passes
         sizes = self.scheduler.queue_sizes()
-        if outputs or sizes != self._sent_sizes:
+        if ran or sizes != self._sent_sizes:
             self.send(msg.BatchOut(outputs, *sizes))
             self._sent_sizes = sizes
         if self.request_log is not None:
             self.request_log.ended(outputs)
-        now = time.monotonic()
-        if outputs or self.scheduler.stats.forward_passes != passes:
-            self._progress_at = now
+        if ran:
+            self._progress_at = time.monotonic()
             self._stall_logged = False
             return True
         stalled = self._stalled_s()
