@@ -263,16 +263,18 @@ class StepBudget:
         return self._decode.predict(shape.decode) + prefill
 
     def start(self, decode_tokens: int) -> PrefillBudget:
-        """The prefill budget of a step whose running requests compute `decode_tokens`."""
+        """The prefill budget of a step whose running requests compute `decode_tokens`: never less than
+        the floor, in tokens (whatever the bounds below say) and in time."""
+        least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
         if self.target_s <= 0.0:
-            return PrefillBudget(math.inf, self.max_tokens - decode_tokens)
+            return PrefillBudget(math.inf, max(self.max_tokens - decode_tokens, least))
         if self._largest == 0:
-            return PrefillBudget(math.inf, min(self.max_tokens, FIRST_STEP_TOKENS) - decode_tokens)
-        tokens = min(self.max_tokens, 2 * self._largest) - decode_tokens
+            return PrefillBudget(
+                math.inf, max(min(self.max_tokens, FIRST_STEP_TOKENS) - decode_tokens, least)
+            )
+        tokens = max(min(self.max_tokens, 2 * self._largest) - decode_tokens, least)
         if not self._prefill.measured:
             return PrefillBudget(math.inf, tokens)
-        least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
-        tokens = max(tokens, least)
         per_step, per_token, per_pair = self._prefill.costs()
         if per_token == 0.0 and per_pair == 0.0:
             # Prefill steps measured no faster than decode-only ones (noise, a slow first decode
