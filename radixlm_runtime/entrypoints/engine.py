@@ -47,8 +47,6 @@ class Engine:
         )
         self.scheduler = build_scheduler(self.model_dir, self.server_args, self.tokenizer)
         self.runner = self.scheduler.runner
-        # When a step last ran or reported something (see STALL_LIMIT_S).
-        self._progress_at = time.monotonic()
         info = self.scheduler.runner_info
         limits = RequestLimits(info.vocab_size, info.context_len, info.max_total_tokens)
         # The server's checks, bounds included (io/request_builder.py): the same input gets the
@@ -151,7 +149,6 @@ class Engine:
     # -- the request path ---------------------------------------------------------------------
     def _submit(self, messages: list[GenerateReq]) -> dict[str, OutputState]:
         states = {m.rid: OutputState(req=m) for m in messages}
-        self._progress_at = time.monotonic()
         for m in messages:
             self.scheduler.submit(m)
         return states
@@ -161,16 +158,12 @@ class Engine:
         if not self.scheduler.has_work():
             raise RuntimeError("scheduler went idle with requests still pending (a runtime bug)")
         progressed: set[str] = set()
-        passes = self.scheduler.stats.forward_passes
         for out in self.scheduler.step():
             state = states.get(out.rid)
             if state is not None:
                 state.apply(out)
                 progressed.add(out.rid)
-        now = time.monotonic()
-        if progressed or self.scheduler.stats.forward_passes != passes:
-            self._progress_at = now
-        elif now - self._progress_at > STALL_LIMIT_S:
+        if self.scheduler.stalled_s() > STALL_LIMIT_S:
             info = self.scheduler.info()
             raise RuntimeError(
                 f"no step ran for {STALL_LIMIT_S:.0f}s with {info['num_waiting']} requests waiting and "

@@ -98,6 +98,8 @@ class Scheduler:
         # When the last step's results were read: a step queued while the one before still ran
         # (overlap) starts computing only then.
         self._collected_at = 0.0
+        # Since when steps have run nothing (no forward, no output); None while the last one did.
+        self.idle_since: float | None = None
 
     # -- requests in --------------------------------------------------------------------------
     def submit(self, m: GenerateReq) -> Req:
@@ -129,6 +131,13 @@ class Scheduler:
             self._complete(self._inflight)
             self._inflight = None
         return self.cache.flush()
+
+    def stalled_s(self) -> float:
+        """Seconds that steps have run nothing while work waits (0 when the last step ran): with
+        nothing else to wait on, a scheduling stall, which the entry points report."""
+        if self.idle_since is None or not self.has_work():
+            return 0.0
+        return time.monotonic() - self.idle_since
 
     def has_work(self) -> bool:
         return self.num_live() > 0 or self._inflight is not None
@@ -221,6 +230,10 @@ class Scheduler:
         elif not items and len(self.constraints) and not updated:
             self.constraints.wait()
         outputs = [req_output(r) for r in dict.fromkeys(updated)]
+        if items or outputs:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = time.monotonic()
         if launched is not None and self.overlap:
             self._inflight = launched
             self._append_futures(launched)

@@ -51,9 +51,8 @@ class SchedulerProcess:
         self.push.connect(out_addr)
         self.parent_pid = os.getppid()
         self.running = True
-        # The queue sizes last sent, and when a step last launched or reported anything.
+        # The queue sizes last sent; whether the current stall was logged.
         self._sent_sizes = (0, 0)
-        self._progress_at = time.monotonic()
         self._stall_logged = False
         # What the dashboard's snapshots read; None with --disable-dashboard.
         self.request_log = None if server_args.server.disable_dashboard else dashboard_snapshot.RequestLog()
@@ -77,7 +76,6 @@ class SchedulerProcess:
                 return
             if not self.scheduler.has_work():
                 self._drain(IDLE_POLL_MS)
-                self._progress_at = time.monotonic()
                 continue
             self._drain(0)
             if self.scheduler.has_work() and not self._step():
@@ -85,8 +83,8 @@ class SchedulerProcess:
 
     def _stalled_s(self) -> float | None:
         """For how long steps have run nothing while work waits, once past STALL_WARN_S; else None."""
-        since = time.monotonic() - self._progress_at
-        return since if self.scheduler.has_work() and since > STALL_WARN_S else None
+        stalled = self.scheduler.stalled_s()
+        return stalled if stalled > STALL_WARN_S else None
 
     # -- inputs -------------------------------------------------------------------------------
     def _drain(self, wait_ms: int) -> None:
@@ -141,9 +139,8 @@ class SchedulerProcess:
     def _step(self) -> bool:
         """Runs one scheduler step and sends what it produced (after every forward: the HTTP process
         reads each as a sign of life); False when it ran nothing."""
-        passes = self.scheduler.stats.forward_passes
         outputs = self.scheduler.step()
-        ran = bool(outputs) or self.scheduler.stats.forward_passes != passes
+        ran = self.scheduler.idle_since is None
         sizes = self.scheduler.queue_sizes()
         if ran or sizes != self._sent_sizes:
             self.send(msg.BatchOut(outputs, *sizes))
@@ -151,7 +148,6 @@ class SchedulerProcess:
         if self.request_log is not None:
             self.request_log.ended(outputs)
         if ran:
-            self._progress_at = time.monotonic()
             self._stall_logged = False
             return True
         stalled = self._stalled_s()
