@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])
     prompts = [tokenizer.encode(r.text) for r in reqs]
     working_set = distinct_tokens(prompts)
-    # At least room for the requests in flight (a pool that fits one prompt alone stalled at --tiny).
+    # At least room for the requests in flight: a pool that fits one prompt alone would measure
+    # retractions, not the tiers.
     room = sizes["concurrency"] * (max(map(len, prompts)) + sizes["max_new_tokens"]) + 64
     pool = max(int(working_set * args.pool_fraction), room)
     # The host tier holds every prompt token sent (more than the working set and its outputs).

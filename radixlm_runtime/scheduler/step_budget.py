@@ -267,13 +267,13 @@ class StepBudget:
         the floor, in tokens (whatever the bounds below say) and in time."""
         least = MIN_CHUNK if decode_tokens else MIN_STEP_TOKENS
         if self.target_s <= 0.0:
-            return PrefillBudget(math.inf, max(self.max_tokens - decode_tokens, least))
-        if self._largest == 0:
-            return PrefillBudget(
-                math.inf, max(min(self.max_tokens, FIRST_STEP_TOKENS) - decode_tokens, least)
-            )
-        tokens = max(min(self.max_tokens, 2 * self._largest) - decode_tokens, least)
-        if not self._prefill.measured:
+            bound = self.max_tokens
+        elif self._largest == 0:
+            bound = min(self.max_tokens, FIRST_STEP_TOKENS)
+        else:
+            bound = min(self.max_tokens, 2 * self._largest)
+        tokens = max(bound - decode_tokens, least)
+        if self.target_s <= 0.0 or not self._prefill.measured:
             return PrefillBudget(math.inf, tokens)
         per_step, per_token, per_pair = self._prefill.costs()
         if per_token == 0.0 and per_pair == 0.0:
