@@ -2,7 +2,10 @@
 random-init models (Llama; Qwen3 with per-head q/k norms; a Llama with 3 KV heads split 2 + 1 and
 int4 weights cut per rank; Llama's layers from Python rather than the C++ decoder), greedy tokens
 and cached runs equal; the default model's greedy outputs
-with --tp-size 2 equal tp 1's on 20 of 20 prompts (slow)."""
+with --tp-size 2 equal tp 1's on 20 of 20 prompts (slow).
+
+Every engine here runs on the CPU (gloo), on a GPU machine too: the one-call C++ decoder and the
+int4 kernels are CPU paths, and NCCL would need a GPU per rank."""
 
 from __future__ import annotations
 
@@ -72,7 +75,12 @@ def _kv3_model_dir(out_dir: Path) -> Path:
 def engines(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
     """(tp 1 engine, tp 2 engine) on one model; the decoder layers in the one-call C++ decoder (its
     all-reduces called back between layers), except with the torch attention backend (from Python)."""
-    flags: dict[str, Any] = {"dtype": "float32", "max_total_tokens": 2048, "log_level": "warning"}
+    flags: dict[str, Any] = {
+        "device": "cpu",
+        "dtype": "float32",
+        "max_total_tokens": 2048,
+        "log_level": "warning",
+    }
     if request.param == "llama_kv3_int4":
         model_dir = _kv3_model_dir(tmp_path_factory.mktemp("tiny_kv3"))
         flags["quantization"] = "int4"
@@ -139,7 +147,14 @@ def test_mixture_of_experts_is_refused(tmp_path: Path) -> None:
 
     model_dir = build_family_dir(tmp_path / "mixtral", "mixtral")
     with pytest.raises(ValueError, match="dense models only"):
-        rt.Engine(str(model_dir), dtype="float32", max_total_tokens=2048, log_level="warning", tp_size=2)
+        rt.Engine(
+            str(model_dir),
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=2048,
+            log_level="warning",
+            tp_size=2,
+        )
 
 
 DEFAULT_PROMPTS = [
@@ -173,7 +188,7 @@ def test_default_model_greedy_equal_on_twenty_prompts() -> None:
     params = {"max_new_tokens": 24, "temperature": 0}
     outputs = []
     for tp in (1, 2):
-        engine = rt.Engine(max_total_tokens=8192, log_level="warning", tp_size=tp)
+        engine = rt.Engine(device="cpu", max_total_tokens=8192, log_level="warning", tp_size=tp)
         try:
             outputs.append(
                 [out["output_ids"] for out in engine.generate(DEFAULT_PROMPTS, sampling_params=params)]

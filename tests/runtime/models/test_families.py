@@ -60,6 +60,7 @@ def hf_model(family_dir: Path) -> torch.nn.Module:
 def engine(request: pytest.FixtureRequest, family_dir: Path) -> Iterator[rt.Engine]:
     eng = rt.Engine(
         str(family_dir),
+        device="cpu" if request.param == "cpu" else "auto",  # the C++ kernels, on a GPU machine too
         dtype="float32",
         attention_backend=request.param,
         max_total_tokens=8192,

@@ -355,12 +355,16 @@ def test_quantized_checkpoint_serves_the_tokens_of_its_float_twin(
     tokens, engine = greedy(quantized)
     try:
         layer = engine.runner.model.layers[0]
-        for linear in (
+        linears = (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
-        ):
+        )
+        # The int4 kernels are CPU paths: a GPU serves the dequantized floats.
+        on_cpu = engine.runner.device.type == "cpu"
+        assert all(linear.quantized is None for linear in linears) or on_cpu
+        for linear in linears if on_cpu else ():
             assert linear.quantized is not None and (linear.quantized.bits, linear.quantized.group_size) == (
                 4,
                 GROUP,

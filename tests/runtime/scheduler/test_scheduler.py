@@ -128,6 +128,9 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
         max_total_tokens=8192,
         chunked_prefill_size=24,
         prefill_step_target_ms=0,  # chunks of exactly 24 tokens, however fast the machine is
+        # Counts steps: a step's results are read in it (overlap reads them a step later, the CUDA
+        # default; tests/runtime/scheduler/test_overlap.py covers it).
+        disable_overlap_schedule=True,
         log_level="warning",
     )
     sched = engine.scheduler
@@ -152,7 +155,13 @@ def test_requests_join_running_batch(tiny_llama_dir: Path, reference: list[list[
 
 
 def test_abort_frees_resources(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
-    engine = rt.Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, log_level="warning")
+    engine = rt.Engine(
+        str(tiny_llama_dir),
+        dtype="float32",
+        max_total_tokens=8192,
+        disable_overlap_schedule=True,  # as above
+        log_level="warning",
+    )
     sched = engine.scheduler
     reqs = [sched.submit(message(f"r{i}", p, GREEDY)) for i, p in enumerate(_prompts(4))]
     sched.step()
@@ -259,10 +268,15 @@ def test_a_failing_forward_fails_only_its_own_requests(
         return call(arg)
 
     setattr(engine.runner, failing, flaky)
-    doomed = [sched.submit(message(f"d{i}", p, GREEDY)) for i, p in enumerate(_prompts(2))]
-    outs = sched.step() + sched.step()
-    assert all(r.finished_reason is not None and r.finished_reason.kind == "abort" for r in doomed)
-    assert all("simulated device fault" in (r.finished_reason.message or "") for r in doomed)
+    reqs = [sched.submit(message(f"d{i}", p, GREEDY)) for i, p in enumerate(_prompts(2))]
+    outs = []
+    while sched.has_work():
+        outs += sched.step()
+    # The second step holds both requests, or (overlap, the CUDA default) only the second prompt's
+    # prefill: the first one's decode joins the step after its prefill's results are read.
+    doomed = [r for r in reqs if r.finished_reason is not None and r.finished_reason.kind == "abort"]
+    assert doomed and all("simulated device fault" in (r.finished_reason.message or "") for r in doomed)
+    assert all(r.output_ids == reference[i] for i, r in enumerate(reqs) if r not in doomed)
     assert {o.rid for o in outs if o.finished_reason is not None} == {"d0", "d1"}
     assert not sched.has_work()
     assert_no_leak(engine)
@@ -280,6 +294,7 @@ def test_queue_time_reported_from_first_scheduled_step(tiny_llama_dir: Path) -> 
         max_total_tokens=8192,
         chunked_prefill_size=24,
         prefill_step_target_ms=0,  # chunks of exactly 24 tokens, however fast the machine is
+        disable_overlap_schedule=True,  # as above
         log_level="warning",
     )
     sched = engine.scheduler
