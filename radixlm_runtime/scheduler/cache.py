@@ -153,20 +153,22 @@ class CacheManager:
             req.last_node, req.prefix_len = memory_node, req.prefix_len - disk_len
         return start, read
 
-    def cache_unfinished(self, req: Req) -> None:
-        """Publishes the KV computed so far (a finished prefill chunk) in the tree, so requests
-        sharing it can match it next step, and moves req's lock down to the new deepest node."""
-        if self.tree is None or req.kv_len == 0:
+    def cache_unfinished(self, req: Req, computed: int) -> None:
+        """Publishes req's first `computed` tokens (a prefill chunk whose step has been read) in the
+        tree, so requests sharing them can match them next step, and moves req's lock down to the new
+        deepest node. Under overlap scheduling req.kv_len may already count a step still in flight:
+        its KV is not published, so a failure of that step frees only slots req alone holds."""
+        if self.tree is None or computed == 0:
             return
-        ids = req.token_ids[: req.kv_len]
-        self._insert(req, ids, req.kv_slots[: req.kv_len])
+        ids = req.token_ids[:computed]
+        self._insert(req, ids, req.kv_slots[:computed])
         matched, new_node = self.tree.match_node(ids)
-        assert matched == req.kv_len, "the tree lost tokens that were just inserted"
+        assert matched == computed, "the tree lost tokens that were just inserted"
         self.tree.inc_lock_ref(new_node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
         req.last_node = new_node
-        req.prefix_len = req.kv_len
+        req.prefix_len = computed
 
     def finish(self, req: Req) -> None:
         """Releases a finished (or aborted) req; when it belongs to an open session, the whole

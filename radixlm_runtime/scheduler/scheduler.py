@@ -296,14 +296,20 @@ class Scheduler:
 
     def _append_futures(self, launched: _Launched) -> None:
         """Gives every request sampled in the launched step its future token, so the next step can
-        be planned (the token is its decode input) before the results are read."""
+        be planned (the token is its decode input) before the results are read. A prompt whose last
+        chunk is in the step joins the running requests now, as SGLang's overlap does: it decodes in
+        the next step rather than a step after its prefill is read."""
         running = set(map(id, self.admission.running))
         row = 0
         for it, fwd in zip(launched.items, launched.plan.items):
             if fwd.sample is None:
                 continue
-            if not it.req.finished and id(it.req) in running:
-                it.req.token_ids.append(future_token(row))
+            req = it.req
+            if not req.finished and it.is_prefill and it.completes and id(req) not in running:
+                self.admission.running.append(req)
+                running.add(id(req))
+            if not req.finished and id(req) in running:
+                req.token_ids.append(future_token(row))
             row += 1
 
     def _can_overlap(self) -> bool:
@@ -330,7 +336,7 @@ class Scheduler:
             if it.is_prefill:
                 # Publish the prefilled tokens right away, so waiting requests sharing them match
                 # them from the next step on instead of recomputing them.
-                self.cache.cache_unfinished(req)
+                self.cache.cache_unfinished(req, it.prefix_len + it.extend_len)
             if it.completes:
                 if id(req) not in running:
                     self.admission.running.append(req)

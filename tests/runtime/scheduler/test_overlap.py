@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from scheduler_helpers import message
 
 import radixlm_runtime as rt
 from radixlm_runtime.step import future_token
@@ -105,6 +106,23 @@ def test_overlapped_steps_use_future_tokens(tiny_llama_dir: Path) -> None:
     runner.launch = counting
     engine.generate(PROMPTS[:3], PARAMS[:3])
     assert futures >= 20
+
+
+def test_a_prefilled_prompt_decodes_in_the_next_step(tiny_llama_dir: Path) -> None:
+    """A prompt whose last chunk was launched joins the running requests at once: its first decode
+    is planned on its future token in the very next step, rather than after a step that launches
+    nothing while the prefill is read (on a GPU, an idle device). The only step without a forward is
+    the last one, which reads the final results."""
+    engine = _engine(tiny_llama_dir, True)
+    sched = engine.scheduler
+    sched.submit(message("r", engine.tokenizer.encode(PROMPTS[0]), PARAMS[0]))
+    idle = 0
+    while sched.has_work():
+        before = sched.stats.forward_passes
+        sched.step()
+        idle += sched.stats.forward_passes == before
+    assert idle == 1
+    _check_pool_whole(engine)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="asynchronous steps need a CUDA device")
