@@ -56,6 +56,9 @@ class Linear(nn.Linear):
     row_panels: Int8Panels | None = None
     # The quantized weight repacked for int8 activations (--cpu-act-quant int8): then it serves every row.
     act8: Act8Panels | None = None
+    # A quantized weight on float activations served by this one CPU kernel at every row count, not the
+    # row-dot kernels below PANEL_GEMM_MIN_ROWS and a panel GEMM from there: batch-invariant outputs.
+    pinned_mode: int | None = None
     # Set when the weight is shared (a tied lm_head reads the embedding table), so packing must
     # not drop it.
     keep_weight: bool = False
@@ -111,7 +114,8 @@ class Linear(nn.Linear):
     def batch_invariant(self) -> bool:
         """Whether a row's output never depends on the rows beside it (the panel kernels' FMA chains, the
         int8-activation kernel's exact integer sums)."""
-        return self.panels is not None or self.act8 is not None
+        one_kernel = self.row_panels is not None or self.pinned_mode is not None
+        return self.panels is not None or self.act8 is not None or one_kernel
 
     def prepack(self) -> None:
         """Call after the weights are loaded; later weight edits are not seen by the packed copy."""
@@ -153,11 +157,11 @@ class Linear(nn.Linear):
             return int8_panel_linear(x, self.row_panels)
         weight = self.kernel_weight
         if weight is not None:
-            return cpu_linear(x, weight, self.bias, compute=self.compute)
+            return cpu_linear(x, weight, self.bias, self.pinned_mode, self.compute)
         if self.quantized is not None:
             # The weight's input columns are in another order (act-order GPTQ): gather x into it.
             x = x.index_select(-1, self.quantized.input_order)
-            return cpu_linear(x, self.quantized, self.bias, compute=self.compute)
+            return cpu_linear(x, self.quantized, self.bias, self.pinned_mode, self.compute)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

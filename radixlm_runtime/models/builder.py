@@ -23,6 +23,7 @@ from radixlm_runtime.layers.linear_kernels import (
     LinearKernelError,
     act8_available,
     act8_path,
+    kernel_mode,
     load_kernels,
 )
 from radixlm_runtime.layers.quantization import QuantizedSource, plan_linear, resolve_quantization
@@ -84,7 +85,7 @@ def build_model(
             source = layout.quantized_source(source)
         _quantize(model, mode, source)
         if engine_config.cpu_act_quant == "int8":
-            _quantize_activations(model)
+            _quantize_activations(model, compute)
     logger.info("float linears: %s", prepack_linears(model, compute))
     if engine_config.deterministic:
         _make_linears_batch_invariant(model)
@@ -152,23 +153,36 @@ def _quantize(model: CausalLM, mode: str, source: QuantizedSource | None) -> Non
     )
 
 
-def _quantize_activations(model: CausalLM) -> None:
+def _quantize_activations(model: CausalLM, compute: str = FP32) -> None:
     """--cpu-act-quant int8: the quantized decoder linears take int8 activations where the CPU has a SIMD
-    path for them; the lm_head keeps float32 ones (the logits' precision)."""
+    path for them; the lm_head keeps float32 ones (the logits' precision). What stays on float
+    activations is pinned to one kernel, so every row's output is batch-invariant, as the int8 kernels'
+    are (a prompt served from the radix cache then gets the bits it gets fresh): the lm_head to the
+    row-dot kernel (its few rows a step), a decoder linear the int8 layout does not fit to the panel
+    GEMM (prefill's many)."""
     if not act8_available():
         logger.warning(
             "cpu_act_quant int8: no SIMD path for int8 activations on this CPU, so they stay float32 (%s)",
             cpu.detect().describe(),
         )
         return
-    targets = [t.linear for t in model.linear_shards() if not t.is_lm_head]
+    shards = model.linear_shards()
+    targets = [t.linear for t in shards if not t.is_lm_head]
     served = sum(linear.quantize_activations() for linear in targets)
+    pinned = 0
+    for shard in shards:
+        linear = shard.linear
+        if linear.quantized is not None and not linear.batch_invariant:
+            linear.pinned_mode = kernel_mode(1 if shard.is_lm_head else PANEL_GEMM_MIN_ROWS, compute)
+            pinned += 1
     logger.info(
-        "cpu_act_quant int8: %d of %d decoder linears take int8 activations (%s; prefill %s)",
+        "cpu_act_quant int8: %d of %d decoder linears take int8 activations (%s; prefill %s); "
+        "%d float-activation linears pinned to one kernel (batch-invariant)",
         served,
         len(targets),
         act8_path(1),
         act8_path(PANEL_GEMM_MIN_ROWS),
+        pinned,
     )
 
 

@@ -16,6 +16,7 @@ from radixlm_runtime.layers.linear import Linear
 from radixlm_runtime.layers.linear_kernels import (
     ACT8_PATHS,
     PANEL_GEMM,
+    PANEL_GEMM_MIN_ROWS,
     ROW_DOT,
     ROW_DOT_512,
     SCALAR,
@@ -24,6 +25,7 @@ from radixlm_runtime.layers.linear_kernels import (
     act8_available,
     act8_path,
     cpu_linear,
+    kernel_mode,
 )
 from radixlm_runtime.layers.quantization import LinearShards, QuantizedWeight, quantize_int4, quantize_int8
 from radixlm_runtime.models import builder
@@ -209,7 +211,16 @@ def test_the_decoder_linears_take_int8_activations_the_lm_head_keeps_float(
     assert "1 of 2 decoder linears" in runtime_caplog.text
     assert model.proj.act8 is not None and model.proj.kernel_weight is model.proj.act8
     assert model.odd.act8 is None and model.lm_head.act8 is None
-    assert model.proj.batch_invariant
+    # What stays on float activations runs one kernel at every row count: the row-dot kernel for the
+    # lm_head, the panel GEMM for a decoder linear; each row's bits whatever rows come with it.
+    assert "2 float-activation linears pinned" in runtime_caplog.text
+    assert model.lm_head.pinned_mode == kernel_mode(1)
+    assert model.odd.pinned_mode == kernel_mode(PANEL_GEMM_MIN_ROWS)
+    x = torch.randn(40, 64)
+    for linear in (model.proj, model.odd, model.lm_head):
+        assert linear.batch_invariant
+        with torch.no_grad():
+            assert_batch_invariant(linear, x)
 
 
 def test_without_simd_kernels_activations_stay_float_and_the_log_says_so(
