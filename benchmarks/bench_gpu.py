@@ -139,6 +139,8 @@ class BusyRun:
     busy_share_profiled: float
     device_events_per_step: float
     runs_s: dict[str, list[float]]  # every unprofiled timed run: "one_token" and "full"
+    # The kernels that take most of a decode step's device time: name, us per step, launches per step.
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -401,10 +403,32 @@ def device_busy_us(events: Iterable[dict[str, Any]]) -> tuple[float, int]:
     return busy, len(spans)
 
 
+def kernel_totals(events: Iterable[dict[str, Any]]) -> dict[str, tuple[float, int]]:
+    """(device microseconds, launches) per kernel name in a torch.profiler Chrome trace."""
+    totals: dict[str, tuple[float, int]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            us, calls = totals.get(e["name"], (0.0, 0))
+            totals[e["name"]] = (us + float(e.get("dur", 0.0)), calls + 1)
+    return totals
+
+
+def top_kernels(
+    full: dict[str, tuple[float, int]], one: dict[str, tuple[float, int]], steps: int, n: int = 8
+) -> list[tuple[str, float, float]]:
+    """The n kernels with the most device time per decode step (a full run's totals less a 1-token
+    run's, over its decode steps): (name, us per step, launches per step)."""
+    per_step = []
+    for name, (us, calls) in full.items():
+        us_1, calls_1 = one.get(name, (0.0, 0))
+        per_step.append((name, (us - us_1) / steps, (calls - calls_1) / steps))
+    return sorted(per_step, key=lambda k: -k[1])[:n]
+
+
 def profiled_run(
     side: Side, device: str, prompts: list[list[int]], new_tokens: int
-) -> tuple[float, float, int]:
-    """(wall s, device-busy s, device events) of one generate call under torch.profiler."""
+) -> tuple[float, float, int, dict[str, tuple[float, int]]]:
+    """(wall s, device-busy s, device events, kernel totals) of one generate call under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     side.reset()
@@ -419,7 +443,7 @@ def profiled_run(
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     busy_us, count = device_busy_us(events)
-    return wall, busy_us / 1e6, count
+    return wall, busy_us / 1e6, count, kernel_totals(events)
 
 
 def measure_busy(
@@ -431,8 +455,8 @@ def measure_busy(
     wall_n, _, walls_n = best_run(repeats, side, device, prompts, new_tokens)
     wall_1, _, walls_1 = best_run(repeats, side, device, prompts, 1)
     profiled_run(side, device, prompts, 1)  # the profiler's own start-up, kept out
-    p_wall_1, busy_1, events_1 = profiled_run(side, device, prompts, 1)
-    p_wall_n, busy_n, events_n = profiled_run(side, device, prompts, new_tokens)
+    p_wall_1, busy_1, events_1, kernels_1 = profiled_run(side, device, prompts, 1)
+    p_wall_n, busy_n, events_n, kernels_n = profiled_run(side, device, prompts, new_tokens)
     steps = new_tokens - 1
     step_s, p_step_s, busy_s = (
         (wall_n - wall_1) / steps,
@@ -452,6 +476,7 @@ def measure_busy(
         busy_share_profiled=busy_s / p_step_s,
         device_events_per_step=(events_n - events_1) / steps,
         runs_s={"one_token": walls_1, "full": walls_n},
+        top_kernels=top_kernels(kernels_n, kernels_1, steps),
     )
 
 
@@ -768,6 +793,8 @@ class Bench:
                     f"({r.busy_share:.0%}; {r.busy_share_profiled:.0%} of the profiled step)",
                     flush=True,
                 )
+                for kernel, us, calls in r.top_kernels:
+                    print(f"    {us:8.1f} us/step  {calls:5.1f} launches  {kernel[:100]}", flush=True)
             except Exception as e:
                 self.error(name, "busy", e)
         if "fewshot" in spec.parts and fewshot_set and not broken():

@@ -24,7 +24,8 @@
 #                returns at most 8 files, and drops the rest)
 #   lease-bench  the figures against transformers for one such call: host time, decode / busy /
 #                few-shot beside transformers eager, transformers compiled at batch 1 and 64,
-#                invariance and the cost of --deterministic (measured on an H200 on 2026-11-26)
+#                invariance and the cost of --deterministic with its top kernels per decode step
+#                (measured on an H200 on 2026-11-26)
 #
 # Logs and JSON results go to $OUT (the device tool's result folder; /tmp/gpu-out elsewhere). Each
 # stage stops itself at $STAGE_TIMEOUT seconds (default 560), so its results still come back.
@@ -103,7 +104,8 @@ case "$stage" in
         timeout 80 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_hf_compile --sides radixlm,hf_compile \
             --parts decode --batch-sizes 1,64 2>&1 | tee -a "$log"
         timeout 50 python3 benchmarks/bench_invariance.py --out-dir "$out" --prompts 8 2>&1 | tee -a "$log"
-        timeout 40 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
-            --parts decode --batch-sizes 1,64 --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log"
+        # Where --deterministic's time goes: the busy part lists each side's top kernels per decode step.
+        timeout 70 python3 benchmarks/bench_gpu.py --out-dir "$out" --name gpu_deterministic --sides radixlm \
+            --parts decode,busy --batch-sizes 1,64 --radixlm-variant det:deterministic=true 2>&1 | tee -a "$log"
         pack ;;
 esac

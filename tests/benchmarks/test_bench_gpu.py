@@ -59,6 +59,23 @@ def test_device_busy_is_the_union_of_device_intervals() -> None:
     assert bench_gpu.device_busy_us([]) == (0.0, 0)
 
 
+def test_top_kernels_are_per_decode_step() -> None:
+    """A full run's kernel time less a 1-token run's, over the decode steps, largest first."""
+
+    def trace(*kernels: tuple[str, float]) -> list[dict]:
+        events = [{"ph": "X", "cat": "kernel", "name": name, "ts": 0.0, "dur": dur} for name, dur in kernels]
+        host = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.0, "dur": 9.0}
+        return [*events, host]
+
+    one = bench_gpu.kernel_totals(trace(("prefill_gemm", 50.0), ("matmul", 4.0)))
+    full = bench_gpu.kernel_totals(
+        trace(("prefill_gemm", 50.0), *[("matmul", 4.0)] * 5, *[("attention", 1.0)] * 4, ("sample", 0.5))
+    )
+    assert full["matmul"] == (20.0, 5) and "cudaLaunchKernel" not in full
+    top = bench_gpu.top_kernels(full, one, steps=4, n=2)
+    assert top == [("matmul", 4.0, 1.0), ("attention", 1.0, 1.0)]
+
+
 def test_engine_argument_parsing() -> None:
     assert bench_gpu.parse_kv(
         ["disable_cuda_graph=true", "cuda-graph-max-bs=256", "mem_fraction_static=0.5"]
