@@ -155,15 +155,23 @@ def store_kv(
     )
 
 
-# The matmul's one tile shape, whatever the row count: what makes it batch-invariant.
+# The matmul's one tile shape and K span, whatever the row count: what makes it batch-invariant.
 INVARIANT_BLOCK_M, INVARIANT_BLOCK_N, INVARIANT_BLOCK_K = 32, 64, 32
+INVARIANT_SPLIT_K = 256
+# Below this many output tiles the spans of K run as programs of their own (the split pair): about
+# the SMs of an H100, which a decode step's few tiles, each walking all of K, would leave idle.
+INVARIANT_SPLIT_BELOW_TILES = 128
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, split: bool | None = None
+) -> torch.Tensor:
     """x @ weight^T + bias for x [T, K] (rows of contiguous elements), weight [N, K] contiguous, in x's
     dtype, accumulated in float32 (float32 inputs multiply in full precision, not tf32). Each row's
-    result is bit-identical whatever rows come with it, in one launch: --deterministic's linears
-    (cuBLAS picks its algorithm, and splits K, by the row count)."""
+    result is bit-identical whatever rows come with it: --deterministic's linears (cuBLAS picks its
+    algorithm, and splits K, by the row count). K's spans are summed in one program per tile, or
+    (`split`; by default below INVARIANT_SPLIT_BELOW_TILES tiles) in a program each and then added: the
+    same operations in the same order, so the same bits (triton_matmul)."""
     rows, k = x.shape
     n = weight.shape[0]
     if weight.shape[1] != k or not weight.is_contiguous() or x.stride(-1) != 1:
@@ -178,23 +186,23 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     from radixlm_runtime.kernels.triton_dot import dot_dtype  # loads Triton: only where a kernel runs
 
     kernels = _matmul_kernels()
-    grid = (-(-rows // INVARIANT_BLOCK_M), -(-n // INVARIANT_BLOCK_N))
-    kernels._invariant_matmul_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        rows,
-        n,
-        k,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        DOT_DTYPE=dot_dtype(x.dtype, kernels._invariant_matmul_kernel),
-        BLOCK_M=INVARIANT_BLOCK_M,
-        BLOCK_N=INVARIANT_BLOCK_N,
-        BLOCK_K=INVARIANT_BLOCK_K,
-        num_warps=4,
+    tiles = (-(-rows // INVARIANT_BLOCK_M), -(-n // INVARIANT_BLOCK_N))
+    spans = -(-k // INVARIANT_SPLIT_K)
+    if split is None:
+        split = spans > 1 and tiles[0] * tiles[1] < INVARIANT_SPLIT_BELOW_TILES
+    blocks = {"BLOCK_M": INVARIANT_BLOCK_M, "BLOCK_N": INVARIANT_BLOCK_N}
+    dot = {"DOT_DTYPE": dot_dtype(x.dtype, kernels._invariant_matmul_kernel), "BLOCK_K": INVARIANT_BLOCK_K}
+    tile = {"SPLIT_K": INVARIANT_SPLIT_K, **blocks, **dot, "num_warps": 4}
+    dims, strides = (rows, n, k), (x.stride(0), weight.stride(0))
+    b, has_bias = (bias, True) if bias is not None else (weight, False)
+    if not split:
+        kernels._invariant_matmul_kernel[tiles](
+            x, weight, b, out, *dims, *strides, out.stride(0), HAS_BIAS=has_bias, **tile
+        )
+        return out
+    partial = torch.empty(spans, rows, n, dtype=torch.float32, device=x.device)
+    kernels._invariant_span_kernel[(*tiles, spans)](x, weight, partial, *dims, *strides, **tile)
+    kernels._invariant_sum_kernel[tiles](
+        partial, b, out, rows, n, spans, out.stride(0), HAS_BIAS=has_bias, **blocks, num_warps=4
     )
     return out

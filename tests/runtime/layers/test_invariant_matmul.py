@@ -37,7 +37,7 @@ def _operands(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 48), (5, 100, 130), (70, 96, 64)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 48), (5, 100, 130), (70, 96, 64), (3, 600, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(
     test_device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, with_bias: bool
@@ -60,6 +60,24 @@ def test_a_row_does_not_depend_on_its_batch(test_device: torch.device, dtype: to
         mixed = fused_triton.invariant_linear(torch.cat([others[:3], x[i : i + 1], others]), weight, bias)
         assert torch.equal(alone[0], full[i])
         assert torch.equal(mixed[3], full[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_spans_of_k_give_the_same_bits_in_one_program_or_split(
+    test_device: torch.device, dtype: torch.dtype
+) -> None:
+    """K of three spans (256, 256, 88): summed in one program per tile or by the split pair, each
+    row's bits are the same, alone or among others; by default a few tiles take the split pair."""
+    k = 2 * fused_triton.INVARIANT_SPLIT_K + 88
+    x, weight, bias = _operands(70, k, 80, dtype, test_device, seed=3)
+    whole = fused_triton.invariant_linear(x, weight, bias, split=False)
+    assert torch.equal(fused_triton.invariant_linear(x, weight, bias, split=True), whole)
+    for i in (0, 33, 69):
+        for split in (None, True, False):
+            alone = fused_triton.invariant_linear(x[i : i + 1], weight, bias, split=split)
+            assert torch.equal(alone[0], whole[i])
+    want = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
+    torch.testing.assert_close(whole, want, **{key: 2 * tol for key, tol in TOL[dtype].items()})
 
 
 def test_rejects_what_it_cannot_multiply(test_device: torch.device) -> None:
