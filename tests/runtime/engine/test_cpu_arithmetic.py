@@ -1,8 +1,10 @@
 """The CPU arithmetic switches end to end on a tiny model: --dtype bfloat16 (bf16 dot products) and
 --cpu-act-quant int8 (int8 activations into quantized weights). Under each, the one-call C++ decoder
-matches the Python layers to the bit and the outputs stay close to float32's; where every kernel is
+matches the Python layers to the bit and the outputs stay close to float32's; where every linear is
 batch-invariant (bf16 panels, int8 activations), a prompt served from the radix cache gives the same
-tokens and logprobs as served fresh. Quantized weights on float activations (float32 or bf16) switch
+tokens and logprobs as served fresh, in these batches (default-mode attention sums shared-prefix groups
+in another order where requests share steps otherwise, e.g. under overlap scheduling: --deterministic
+makes it per-token). Quantized weights on float activations (float32 or bf16) switch
 from the row-dot kernels to a panel GEMM at PANEL_GEMM_MIN_ROWS rows, so their bits depend on the batch
 (as in float32; --deterministic pads them to one shape)."""
 
