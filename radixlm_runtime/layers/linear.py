@@ -25,6 +25,7 @@ from radixlm_runtime.layers.linear_kernels import (
     BF16Panels,
     FloatPanels,
     Int8Panels,
+    bf16_path,
     cpu_linear,
     int8_panel_linear,
     int8_panels_available,
@@ -177,6 +178,8 @@ def prepack_linears(module: nn.Module, compute: str = FP32) -> str:
             if sub.quantized is None:
                 sub.prepack()
                 onednn = "oneDNN" if sub._packed is not None else "torch"
-                kind = "bf16 panel kernels" if isinstance(sub.panels, BF16Panels) else "panel kernels"
+                kind = "panel kernels"
+                if isinstance(sub.panels, BF16Panels):
+                    kind = f"bf16 panel kernels ({bf16_path(64, sub.in_features)} at 64 rows)"
                 kinds.add(kind if sub.panels is not None else onednn)
     return ", ".join(sorted(kinds)) or "none"

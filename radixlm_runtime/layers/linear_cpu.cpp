@@ -1405,6 +1405,16 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Whether the kernel lets this process use AMX tile state (Linux asks for it: arch_prctl
+// ARCH_REQ_XCOMP_PERM). Asked once.
+bool amx_tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
 template <bool NIBBLE>
 SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, float* y, int threads) {
   constexpr int64_t kVectors = NIBBLE ? 4 : 8;
@@ -1466,6 +1476,103 @@ SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, flo
   }
 }
 
+// ---------------------------------------------------------------- AMX (bf16)
+//
+// --dtype bfloat16 on Sapphire Rapids and later: tdpbf16ps multiplies a 16-row x 32-bf16 tile of x by a
+// 16 x 64-byte tile of a pair panel (16 pairs of input columns for its 16 output rows: the [K / 2][16][2]
+// layout as stored) into 16 x 16 float32 sums, 16x the products of a vdpbf16ps. Each sum is the same chain
+// as the AVX512-BF16 kernel's: pair by pair in order, the odd product then the even one added, each add
+// rounded (Intel's pseudo-code of both instructions), so the path gives that kernel's bits at every row
+// count: batch-invariant with it. It checks so on first use and stays off if not; fewer than kAmxMinRows
+// rows, or K not a multiple of 32, take the AVX512-BF16 kernel. No machine this project runs on has AMX:
+// its speed is unmeasured.
+
+#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
+
+constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
+
+SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const int64_t k = w.k, panels = (w.n + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(threads)
+  {
+    // Tile 0: the sums; 1: 16 rows of x; 2: 16 pairs of a panel. Loaded per region (see the int8 path).
+    TileConfig cfg;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64, cfg.rows[1] = 16, cfg.colsb[1] = 64, cfg.rows[2] = 16, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+    alignas(64) float sums[16 * 16];
+    std::vector<uint16_t> padded;  // a last block of fewer than 16 rows, zeros below them
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p) {
+      const uint16_t* panel = bf16_panels_of(w) + p * k * kPanel;
+      const int64_t valid = valid_columns(w, p);
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, m - r0);
+        const uint16_t* a = xb + r0 * k;
+        if (rows < 16) {
+          padded.assign(16 * k, 0);
+          std::copy(a, a + rows * k, padded.begin());
+          a = padded.data();
+        }
+        _tile_zero(0);
+        for (int64_t c = 0; c < k; c += kAmxBf16Cols) {
+          _tile_loadd(1, a + c, k * 2);
+          _tile_loadd(2, panel + c * kPanel, 64);  // pairs c / 2 on: 16 rows of 16 x 2 bf16
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, sums, 64);
+        for (int64_t i = 0; i < rows; ++i) {
+          _mm512_mask_storeu_ps(y + (r0 + i) * w.n + p * kPanel, static_cast<__mmask16>((1u << valid) - 1),
+                                _mm512_load_ps(sums + i * 16));
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+// Whether the AMX-BF16 path is usable here: the CPU has it, the process may use its tiles, and on a
+// small problem it gives the AVX512-BF16 kernel's bits. Asked once.
+bool amx_bf16_usable() {
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    if (!cpu_has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
+      return false;
+    }
+    if (!amx_tiles_permitted()) return false;
+    const int64_t n = 20, k = 64, m = 21, panels = (n + kPanel - 1) / kPanel;
+    std::vector<uint16_t> pairs(panels * k * kPanel);
+    std::vector<float> x(m * k), a(m * n), b(m * n);
+    uint32_t state = 12345u;
+    auto uniform = [&state] {
+      state = state * 1664525u + 1013904223u;
+      return static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+    };
+    for (auto& v : pairs) v = bf16_round(uniform());
+    for (auto& v : x) v = uniform();
+    const Weights w{reinterpret_cast<const uint8_t*>(pairs.data()), nullptr, nullptr, n, k, 0, 16};
+    bf16_linear_avx512(w, x.data(), m, a.data(), 1);
+    bf16_linear_amx(w, x.data(), m, b.data(), 1);
+    return memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }();
+  return usable;
+}
+
+// CPU features the bf16 dispatch reads, as bits (so tests can hand it fake ones).
+constexpr unsigned kFeatBf16 = 1, kFeatAmxBf16 = 2;
+
+// The bf16 path `rows` rows of k columns run in `mode` with these CPU features: 0 scalar, 1 AVX512-BF16,
+// 2 AMX-BF16.
+int bf16_path_for(int mode, int64_t rows, int64_t k, unsigned features) {
+  if (mode == 0 || !(features & kFeatBf16)) return 0;
+  return (features & kFeatAmxBf16) && rows >= kAmxMinRows && k % kAmxBf16Cols == 0 ? 2 : 1;
+}
+
+unsigned bf16_features() {
+  static const unsigned features = (cpu_has_avx512_bf16() ? kFeatBf16 : 0) | (amx_bf16_usable() ? kFeatAmxBf16 : 0);
+  return features;
+}
+
 // CPU features the act8 dispatch reads, as bits (so tests can hand it fake ones).
 constexpr unsigned kFeatAvx2 = 1, kFeatAvxVnni = 2, kFeatVnni512 = 4, kFeatAmxInt8 = 8;
 
@@ -1484,17 +1591,15 @@ int act8_path_for(int mode, int64_t rows, unsigned features) {
 
 void act8_run(int path, const Weights& w, const float* x, int64_t m, float* y, int threads);
 
-// Whether the AMX path is usable here: the CPU has it, the kernel lets this process use its tile state
-// (Linux asks for it: arch_prctl ARCH_REQ_XCOMP_PERM), and on a small problem it gives the scalar path's
-// bits. Asked once.
+// Whether the AMX path is usable here: the CPU has it, the process may use its tiles, and on a small
+// problem it gives the scalar path's bits. Asked once.
 bool amx_int8_usable() {
   static const bool usable = [] {
     __builtin_cpu_init();
     if (!cpu_has_avx512_vnni() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) {
       return false;
     }
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    if (!amx_tiles_permitted()) return false;
     for (const int bits : {4, 8}) {
       const int64_t n = 20, k = 64, m = 21, chunks = k / kChunk, vectors = bits == 4 ? 4 : 8;
       const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -1567,6 +1672,12 @@ int rq_act8_path(int mode, int64_t rows, int features) {
   return act8_path_for(mode, rows, features >= 0 ? static_cast<unsigned>(features) : act8_features());
 }
 
+// The bf16 path `rows` rows of k columns run in `mode` on this CPU, or with the given feature bits
+// (kFeatBf16, kFeatAmxBf16; tests fake them) when features >= 0.
+int rq_bf16_path(int mode, int64_t rows, int64_t k, int features) {
+  return bf16_path_for(mode, rows, k, features >= 0 ? static_cast<unsigned>(features) : bf16_features());
+}
+
 // y[M, N] = x[M, K] @ W^T for an int8 weight without mins in row panels (see "int8 row panels" above):
 // panels int8 [ceil(N / 16)][K / 2][16][2], scales float32 [ceil(N / 16)][K / 32][16] (rows past N
 // zero). mode 0: the portable loop; otherwise AVX-512 VNNI where the CPU has it.
@@ -1607,9 +1718,12 @@ void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const flo
   if (bits & kAct8) {
     act8_linear(w, x, m, y, mode, threads);
   } else if (bits == 16) {
-    // One kernel at every row count (batch invariance); the scalar path where the CPU lacks bf16.
-    if (mode != 0 && bf16) bf16_linear_avx512(w, x, m, y, threads);
-    else bf16_linear_scalar(w, x, m, y, threads);
+    // The same bits at every row count (batch invariance); the scalar path where the CPU lacks bf16.
+    switch (bf16_path_for(mode, m, k, bf16_features())) {
+      case 2: bf16_linear_amx(w, x, m, y, threads); break;
+      case 1: bf16_linear_avx512(w, x, m, y, threads); break;
+      default: bf16_linear_scalar(w, x, m, y, threads);
+    }
   } else if (mode == 0 || !avx2) {
     if (bits == 32) f32_linear_scalar(w, x, m, y, threads);
     else linear_scalar(w, x, m, y, threads);

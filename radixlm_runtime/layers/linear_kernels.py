@@ -30,6 +30,10 @@ _ACT8_FEATURES = (
     (4, ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
     (8, ("amx_tile", "amx_int8")),
 )
+# What rq_bf16_path reports: the bf16 kernel a row count runs on this CPU.
+BF16_PATHS = ("scalar", "AVX512-BF16", "AMX-BF16")
+# The CPU features rq_bf16_path reads, as its bits (linear_cpu.cpp kFeatBf16, kFeatAmxBf16).
+_BF16_FEATURES = ((1, ("avx512f", "avx512_bf16")), (2, ("amx_tile", "amx_bf16")))
 # The arithmetic of the CPU matmuls (EngineConfig.dtype on CPU): float32 FMAs, or bf16 dot products with
 # float32 accumulation.
 FP32, BF16 = "float32", "bfloat16"
@@ -161,6 +165,8 @@ def _library() -> ctypes.CDLL:
     lib.rq_has_avx512_bf16.restype = ctypes.c_int
     lib.rq_act8_path.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     lib.rq_act8_path.restype = ctypes.c_int
+    lib.rq_bf16_path.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.rq_bf16_path.restype = ctypes.c_int
     lib.rq_panel8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.rq_panel8_linear.restype = None
     return lib
@@ -333,6 +339,16 @@ def act8_path(rows: int = 1, cpu_info: cpu.CpuInfo | None = None) -> str:
     if cpu_info is not None:
         features = sum(bit for bit, flags in _ACT8_FEATURES if set(flags) <= cpu_info.flags)
     return ACT8_PATHS[_library().rq_act8_path(kernel_mode(rows), rows, features)]
+
+
+def bf16_path(rows: int, in_features: int, cpu_info: cpu.CpuInfo | None = None) -> str:
+    """The bf16 kernel `rows` rows of `in_features` columns run (for the log): on this CPU as the built
+    library sees it (AMX-BF16 only once it has checked itself here), or on `cpu_info`'s features (tests
+    fake them)."""
+    features = -1
+    if cpu_info is not None:
+        features = sum(bit for bit, flags in _BF16_FEATURES if set(flags) <= cpu_info.flags)
+    return BF16_PATHS[_library().rq_bf16_path(BF16_GEMM, rows, in_features, features)]
 
 
 def int8_panels_available() -> bool:

@@ -117,6 +117,35 @@ def test_bf16_is_asked_of_the_cpu(monkeypatch: pytest.MonkeyPatch, flags: str, h
     assert bf16_available() is (has and bool(linear_kernels._library().rq_has_avx512_bf16()))
 
 
+AMX_BF16 = AVX512 + " avx512_bf16 amx_tile amx_bf16"
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows", "in_features", "path"),
+    [
+        ("avx2 fma", 64, 576, "scalar"),
+        (AVX512, 64, 576, "scalar"),
+        (AVX512 + " avx512_bf16", 64, 576, "AVX512-BF16"),
+        (AMX_BF16, 64, 576, "AMX-BF16"),
+        (AMX_BF16, 16, 576, "AMX-BF16"),
+        (AMX_BF16, 15, 576, "AVX512-BF16"),  # fewer rows than a tile
+        (AMX_BF16, 64, 48, "AVX512-BF16"),  # K not whole tiles of 32 columns
+        (AVX512 + " amx_tile amx_bf16", 64, 576, "scalar"),  # AMX without AVX512-BF16 beside it
+    ],
+)
+def test_each_cpu_gets_its_bf16_path(flags: str, rows: int, in_features: int, path: str) -> None:
+    """AMX-BF16 where the CPU has it, for whole tiles (16 rows, 32 columns), else AVX512-BF16: the same
+    bits either way (each checked against the other on first use), so the choice by rows keeps the
+    outputs batch-invariant. No machine here has AMX: the dispatch is tested on faked features."""
+    assert linear_kernels.bf16_path(rows, in_features, _fake(flags)) == path
+
+
+def test_this_cpu_takes_amx_bf16_only_where_it_has_it_and_it_checks_out() -> None:
+    here = linear_kernels.bf16_path(64, 576)
+    from_flags = linear_kernels.bf16_path(64, 576, cpu.detect())
+    assert here == from_flags or (from_flags, here) == ("AMX-BF16", "AVX512-BF16")
+
+
 def test_bfloat16_on_a_cpu_without_bf16_runs_float32_and_says_so(
     monkeypatch: pytest.MonkeyPatch, runtime_caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -131,7 +160,8 @@ def test_bfloat16_on_a_cpu_without_bf16_runs_float32_and_says_so(
 def test_bfloat16_on_a_bf16_cpu_packs_float_linears_in_pairs() -> None:
     assert model_runner.resolve_dtype("bfloat16", torch.device("cpu")) == (torch.float32, BF16)
     layers = torch.nn.Sequential(Linear(64, 32), Linear(32, 8, bias=False), Linear(7, 8))
-    assert prepack_linears(layers, BF16) == "bf16 panel kernels, panel kernels"
+    path = linear_kernels.bf16_path(64, 64)  # AVX512-BF16, or AMX-BF16 where the CPU has it
+    assert prepack_linears(layers, BF16) == f"bf16 panel kernels ({path} at 64 rows), panel kernels"
     assert isinstance(layers[0].panels, BF16Panels) and isinstance(layers[1].panels, BF16Panels)
     assert not isinstance(layers[2].panels, BF16Panels)  # an odd in_features stays float32
     assert all(layer.compute == BF16 and layer.batch_invariant for layer in layers)
