@@ -890,21 +890,34 @@ SIMD_BF16 void pack_bf16_panel(const Weights& w, int64_t n0, int64_t valid, floa
   }
 }
 
-// A quantized weight on the bf16 micro-kernel: per thread, each 16-row panel dequantised once and
-// multiplied with every row.
-SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+// The AMX-BF16 path's parts (see "AMX (bf16)" below), which the quantized GEMM takes too.
+#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
+
+constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
+
+SIMD_AMX_BF16 void amx_bf16_tiles();
+SIMD_AMX_BF16 void amx_release();
+SIMD_AMX_BF16 void amx_bf16_panel(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t valid,
+                                  float* y, int64_t ldy, std::vector<uint16_t>& padded);
+
+// A quantized weight on the bf16 micro-kernel, or with `amx` on AMX tiles (the same bits; see "AMX
+// (bf16)" below): per thread, each 16-row panel dequantised once and multiplied with every row.
+SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads, bool amx) {
   const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> f32(w.k * kPanel);
-    std::vector<uint16_t> pairs(w.k * kPanel);
+    std::vector<uint16_t> pairs(w.k * kPanel), padded;
+    if (amx) amx_bf16_tiles();
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t valid = std::min(kPanel, w.n - p * kPanel);
       pack_bf16_panel(w, p * kPanel, valid, f32.data(), pairs.data());
-      bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
+      if (amx) amx_bf16_panel(xb, m, w.k, pairs.data(), valid, y + p * kPanel, w.n, padded);
+      else bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
     }
+    if (amx) amx_release();
   }
 }
 
@@ -1487,47 +1500,56 @@ SIMD_AMX void act8_linear_amx(const Weights& w, const QuantX& qx, int64_t m, flo
 // rows, or K not a multiple of 32, take the AVX512-BF16 kernel. No machine this project runs on has AMX:
 // its speed is unmeasured.
 
-#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
+// Tile 0: the sums; 1: 16 rows of x; 2: 16 pairs of a panel. Loaded per parallel region, by each thread
+// (see the int8 path).
+SIMD_AMX_BF16 void amx_bf16_tiles() {
+  TileConfig cfg;
+  cfg.rows[0] = 16, cfg.colsb[0] = 64, cfg.rows[1] = 16, cfg.colsb[1] = 64, cfg.rows[2] = 16, cfg.colsb[2] = 64;
+  _tile_loadconfig(&cfg);
+}
 
-constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
+SIMD_AMX_BF16 void amx_release() { _tile_release(); }
+
+// m rows of xb (bf16, k columns) times one pair panel into y's first `valid` columns (ldy apart); `padded`
+// holds a last block of fewer than 16 rows, zeros below them.
+SIMD_AMX_BF16 void amx_bf16_panel(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t valid,
+                                  float* y, int64_t ldy, std::vector<uint16_t>& padded) {
+  alignas(64) float sums[16 * 16];
+  for (int64_t r0 = 0; r0 < m; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, m - r0);
+    const uint16_t* a = xb + r0 * k;
+    if (rows < 16) {
+      padded.assign(16 * k, 0);
+      std::copy(a, a + rows * k, padded.begin());
+      a = padded.data();
+    }
+    _tile_zero(0);
+    for (int64_t c = 0; c < k; c += kAmxBf16Cols) {
+      _tile_loadd(1, a + c, k * 2);
+      _tile_loadd(2, panel + c * kPanel, 64);  // pairs c / 2 on: 16 rows of 16 x 2 bf16
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sums, 64);
+    for (int64_t i = 0; i < rows; ++i) {
+      _mm512_mask_storeu_ps(y + (r0 + i) * ldy, static_cast<__mmask16>((1u << valid) - 1),
+                            _mm512_load_ps(sums + i * 16));
+    }
+  }
+}
 
 SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
-  const int64_t k = w.k, panels = (w.n + kPanel - 1) / kPanel;
+  const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
-    // Tile 0: the sums; 1: 16 rows of x; 2: 16 pairs of a panel. Loaded per region (see the int8 path).
-    TileConfig cfg;
-    cfg.rows[0] = 16, cfg.colsb[0] = 64, cfg.rows[1] = 16, cfg.colsb[1] = 64, cfg.rows[2] = 16, cfg.colsb[2] = 64;
-    _tile_loadconfig(&cfg);
-    alignas(64) float sums[16 * 16];
-    std::vector<uint16_t> padded;  // a last block of fewer than 16 rows, zeros below them
+    amx_bf16_tiles();
+    std::vector<uint16_t> padded;
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p) {
-      const uint16_t* panel = bf16_panels_of(w) + p * k * kPanel;
-      const int64_t valid = valid_columns(w, p);
-      for (int64_t r0 = 0; r0 < m; r0 += 16) {
-        const int64_t rows = std::min<int64_t>(16, m - r0);
-        const uint16_t* a = xb + r0 * k;
-        if (rows < 16) {
-          padded.assign(16 * k, 0);
-          std::copy(a, a + rows * k, padded.begin());
-          a = padded.data();
-        }
-        _tile_zero(0);
-        for (int64_t c = 0; c < k; c += kAmxBf16Cols) {
-          _tile_loadd(1, a + c, k * 2);
-          _tile_loadd(2, panel + c * kPanel, 64);  // pairs c / 2 on: 16 rows of 16 x 2 bf16
-          _tile_dpbf16ps(0, 1, 2);
-        }
-        _tile_stored(0, sums, 64);
-        for (int64_t i = 0; i < rows; ++i) {
-          _mm512_mask_storeu_ps(y + (r0 + i) * w.n + p * kPanel, static_cast<__mmask16>((1u << valid) - 1),
-                                _mm512_load_ps(sums + i * 16));
-        }
-      }
+      amx_bf16_panel(xb, m, w.k, bf16_panels_of(w) + p * w.k * kPanel, valid_columns(w, p), y + p * kPanel, w.n,
+                     padded);
     }
-    _tile_release();
+    amx_release();
   }
 }
 
@@ -1733,7 +1755,7 @@ void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const flo
   } else if (mode == 1 || mode == 3) {
     gemv_dispatch(w, x, m, y, threads, mode == 3 && wide);
   } else if (mode == 4 && bf16) {
-    quant_bf16_gemm(w, x, m, y, threads);
+    quant_bf16_gemm(w, x, m, y, threads, bf16_path_for(mode, m, k, bf16_features()) == 2);
   } else {
     gemm_avx2(w, x, m, y, threads);
   }
