@@ -304,6 +304,17 @@ def test_kv_tiers(out_dir: Path) -> None:
     # Write-through copies everything it caches; write-back only what the pool evicts.
     assert servers["write_through"]["host_stored_tokens"] >= servers["write_back"]["host_stored_tokens"]
     assert servers["host_disk"]["disk_stored_tokens"] >= servers["host_disk"]["disk_loaded_tokens"]
+    assert all(r["runs_req_s"] == [r["request_throughput"]] for r in servers.values())  # one run each
+
+
+def test_kv_tiers_reports_the_run_of_median_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_kv_tiers
+
+    runs = [{"request_throughput": v, "run": i} for i, v in enumerate([1.9, 1.7, 2.1, 1.8])]
+    median = bench_kv_tiers.median_run(runs)
+    assert median["run"] == 3 and median["runs_req_s"] == [1.9, 1.7, 2.1, 1.8]  # the lower middle: 1.8
+    assert bench_kv_tiers.median_run(runs[:3])["run"] == 0
 
 
 def test_kv_restart(out_dir: Path) -> None:
