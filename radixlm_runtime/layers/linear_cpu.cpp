@@ -762,11 +762,13 @@ SIMD_BF16 void round_rows_bf16_avx512(const float* x, int64_t count, uint16_t* o
   for (; i < count; ++i) out[i] = bf16_round(x[i]);
 }
 
-const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec) {
+// `zeros` more values after them, zero (the AMX path's whole 16-row tiles).
+const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec, int64_t zeros = 0) {
   static thread_local std::vector<uint16_t> buf;
-  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  if (static_cast<int64_t>(buf.size()) < count + zeros) buf.resize(count + zeros);
   if (vec) round_rows_bf16_avx512(x, count, buf.data());
   else for (int64_t i = 0; i < count; ++i) buf[i] = bf16_round(x[i]);
+  std::fill_n(buf.data() + count, zeros, uint16_t{0});
   return buf.data();
 }
 
@@ -898,23 +900,28 @@ constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
 SIMD_AMX_BF16 void amx_bf16_tiles();
 SIMD_AMX_BF16 void amx_release();
 SIMD_AMX_BF16 void amx_bf16_panel(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t valid,
-                                  float* y, int64_t ldy, std::vector<uint16_t>& padded);
+                                  float* y, int64_t ldy);
+
+// x [m, k] as bf16 for the AMX path: zero rows after the last up to a whole tile of 16.
+const uint16_t* rows_as_bf16_tiles(const float* x, int64_t m, int64_t k) {
+  return rows_as_bf16(x, m * k, true, ((m + 15) / 16 * 16 - m) * k);
+}
 
 // A quantized weight on the bf16 micro-kernel, or with `amx` on AMX tiles (the same bits; see "AMX
 // (bf16)" below): per thread, each 16-row panel dequantised once and multiplied with every row.
 SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads, bool amx) {
-  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const uint16_t* xb = amx ? rows_as_bf16_tiles(x, m, w.k) : rows_as_bf16(x, m * w.k, true);
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> f32(w.k * kPanel);
-    std::vector<uint16_t> pairs(w.k * kPanel), padded;
+    std::vector<uint16_t> pairs(w.k * kPanel);
     if (amx) amx_bf16_tiles();
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t valid = std::min(kPanel, w.n - p * kPanel);
       pack_bf16_panel(w, p * kPanel, valid, f32.data(), pairs.data());
-      if (amx) amx_bf16_panel(xb, m, w.k, pairs.data(), valid, y + p * kPanel, w.n, padded);
+      if (amx) amx_bf16_panel(xb, m, w.k, pairs.data(), valid, y + p * kPanel, w.n);
       else bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
     }
     if (amx) amx_release();
@@ -1510,19 +1517,14 @@ SIMD_AMX_BF16 void amx_bf16_tiles() {
 
 SIMD_AMX_BF16 void amx_release() { _tile_release(); }
 
-// m rows of xb (bf16, k columns) times one pair panel into y's first `valid` columns (ldy apart); `padded`
-// holds a last block of fewer than 16 rows, zeros below them.
+// m rows of xb (bf16, k columns, zero rows after them to a whole tile: rows_as_bf16_tiles) times one
+// pair panel into y's first `valid` columns (ldy apart).
 SIMD_AMX_BF16 void amx_bf16_panel(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t valid,
-                                  float* y, int64_t ldy, std::vector<uint16_t>& padded) {
+                                  float* y, int64_t ldy) {
   alignas(64) float sums[16 * 16];
   for (int64_t r0 = 0; r0 < m; r0 += 16) {
     const int64_t rows = std::min<int64_t>(16, m - r0);
     const uint16_t* a = xb + r0 * k;
-    if (rows < 16) {
-      padded.assign(16 * k, 0);
-      std::copy(a, a + rows * k, padded.begin());
-      a = padded.data();
-    }
     _tile_zero(0);
     for (int64_t c = 0; c < k; c += kAmxBf16Cols) {
       _tile_loadd(1, a + c, k * 2);
@@ -1538,16 +1540,14 @@ SIMD_AMX_BF16 void amx_bf16_panel(const uint16_t* xb, int64_t m, int64_t k, cons
 }
 
 SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, float* y, int threads) {
-  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const uint16_t* xb = rows_as_bf16_tiles(x, m, w.k);
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
     amx_bf16_tiles();
-    std::vector<uint16_t> padded;
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     for (int64_t p = panels * t / nt; p < panels * (t + 1) / nt; ++p) {
-      amx_bf16_panel(xb, m, w.k, bf16_panels_of(w) + p * w.k * kPanel, valid_columns(w, p), y + p * kPanel, w.n,
-                     padded);
+      amx_bf16_panel(xb, m, w.k, bf16_panels_of(w) + p * w.k * kPanel, valid_columns(w, p), y + p * kPanel, w.n);
     }
     amx_release();
   }

@@ -21,7 +21,6 @@ def _span(
     cols,
     M,
     N,
-    K,
     k_start,
     k_end,
     stride_x,
@@ -80,7 +79,7 @@ def _invariant_matmul_kernel(
     for s0 in range(0, K, SPLIT_K):
         s1 = tl.minimum(s0 + SPLIT_K, K)
         total += _span(
-            X, W, rows, cols, M, N, K, s0, s1, stride_x, stride_w, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K
+            X, W, rows, cols, M, N, s0, s1, stride_x, stride_w, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K
         )
     _finish(B, Y, rows, cols, M, N, stride_y, total, HAS_BIAS)
 
@@ -106,7 +105,7 @@ def _invariant_span_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     s0 = tl.program_id(2) * SPLIT_K
     s1 = tl.minimum(s0 + SPLIT_K, K)
-    acc = _span(X, W, rows, cols, M, N, K, s0, s1, stride_x, stride_w, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _span(X, W, rows, cols, M, N, s0, s1, stride_x, stride_w, DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(P + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
 
