@@ -95,6 +95,8 @@ class Scheduler:
             self.runner_info.async_launch and not config.disable_overlap_schedule and self.drafter is None
         )
         self._inflight: _Launched | None = None
+        # Requests that ended on arrival (`_computes_nothing`), reported by the next step.
+        self._ended: list[Req] = []
         # When the last step's results were read: a step queued while the one before still ran
         # (overlap) starts computing only then.
         self._collected_at = 0.0
@@ -110,11 +112,27 @@ class Scheduler:
         self.stats.num_requests += 1
         if req.session_id is not None:
             self.cache.sessions.open(req.session_id, req.rid)
-        if req.is_constrained:
+        if self._computes_nothing(req):
+            req.finished_reason = FinishReason.by_length(0)
+            self._finish(req)
+            self._ended.append(req)
+        elif req.is_constrained:
             self.constraints.submit(req)
         else:
             self.admission.waiting.append(req)
         return req
+
+    def _computes_nothing(self, req: Req) -> bool:
+        """A prompt-only request (no tokens, no logprobs) whose KV nothing would keep: with the radix
+        cache disabled, its forward has no observable result. `select` sends such a request to warm
+        the cache before scoring the choices; without a cache it would be a wasted prefill."""
+        return (
+            self.cache.tree is None
+            and req.sampling_params.max_new_tokens == 0
+            and not req.return_logprob
+            and req.session_id is None
+            and not req.is_constrained
+        )
 
     def abort(self, rid: str) -> None:
         self._aborts.add(rid)
@@ -148,7 +166,7 @@ class Scheduler:
 
     def num_live(self) -> int:
         a = self.admission
-        return len(a.waiting) + len(a.running) + len(self.constraints) + len(a.partial)
+        return len(a.waiting) + len(a.running) + len(self.constraints) + len(a.partial) + len(self._ended)
 
     def info(self) -> dict[str, Any]:
         """KV memory and counters; when idle, free_tokens + cached_tokens_in_tree == max_total_tokens."""
@@ -213,7 +231,8 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Runs one forward step; reports every request that got tokens or finished in it (under
         overlap scheduling, in the step before it, whose results are read after this one launches)."""
-        updated = self._apply_aborts() + self._queue_compiled()
+        updated = self._ended + self._apply_aborts() + self._queue_compiled()
+        self._ended = []
         if self._inflight is not None and not self._can_overlap():
             updated += self._complete(self._inflight)
             self._inflight = None

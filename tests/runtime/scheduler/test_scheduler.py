@@ -91,6 +91,29 @@ def test_retraction_without_radix_cache(tiny_llama_dir: Path, reference: list[li
     assert_no_leak(engine)
 
 
+def test_prompt_only_request_runs_no_forward_without_a_cache(tiny_llama_dir: Path) -> None:
+    """With the radix cache disabled, `select`'s warm-up (max_new_tokens 0, no logprobs) has no
+    observable result: it ends at once, reporting its prompt. With logprobs asked, or with a cache
+    to fill, the prompt is computed."""
+    off = rt.Engine(str(tiny_llama_dir), dtype="float32", disable_radix_cache=True, log_level="warning")
+    prompt = _prompts(1)[0]
+    out = off.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
+    assert off.scheduler.stats.forward_passes == 0
+    assert out["output_ids"] == []
+    assert out["meta_info"]["prompt_tokens"] == len(prompt)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    scored = off.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
+    assert off.scheduler.stats.forward_passes > 0
+    assert len(scored["meta_info"]["input_token_logprobs"]) == len(prompt)
+    assert_no_leak(off)
+    on = rt.Engine(str(tiny_llama_dir), dtype="float32", log_level="warning")
+    on.generate(input_ids=prompt, sampling_params={"max_new_tokens": 0})
+    assert on.scheduler.stats.forward_passes > 0
+    assert on.scheduler.cache.tree.total_size() >= len(prompt) - 1
+
+
 def test_chunked_prefill_matches(tiny_llama_dir: Path, reference: list[list[int]]) -> None:
     engine = rt.Engine(
         str(tiny_llama_dir),
