@@ -220,7 +220,7 @@ class SchedulerConfig:
     prefill_step_target_ms: float = flag(
         250.0,
         "Wall time a step carrying prefill is sized to while no request decodes (it bounds the wait "
-        "of requests arriving behind a long prompt's chunk); while requests decode, "
+        "of requests arriving behind a long prompt's chunk); while streamed requests decode, "
         "--prefill-step-decode-ratio sizes it instead. Step times are measured on this device while "
         "serving (the decode step alone as a line in its tokens; prefill as a cost per token plus one "
         "per token x context, the attention work; recent steps weighing most), and each chunk gets "
@@ -229,9 +229,11 @@ class SchedulerConfig:
     )
     prefill_step_decode_ratio: float = flag(
         2.5,
-        "With --prefill-step-target-ms, while requests decode, a step carrying prefill is sized to "
-        "this many times the measured time of their decode step alone: a long prompt's chunks then "
-        "stretch a running stream's gaps by at most this factor, on any device. 0: "
+        "With --prefill-step-target-ms, while requests decode and one of them is streamed, a step "
+        "carrying prefill is sized to this many times the measured time of their decode step alone: a "
+        "long prompt's chunks then stretch a running stream's gaps by at most this factor, on any "
+        "device. Requests nobody streams (offline batches, non-streamed responses) see only their "
+        "end, and their steps are sized by --prefill-step-target-ms. 0: "
         "--prefill-step-target-ms applies while requests decode too.",
     )
     disable_prefill_interleave: bool = flag(

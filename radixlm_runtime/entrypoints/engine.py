@@ -106,7 +106,7 @@ class Engine:
         tokens: one, or several when jump-forward appends a constraint's forced text. Tokens once
         yielded are never changed, so output_ids only ever grows."""
         messages, _ = self._build_requests(
-            prompt, sampling_params, input_ids, False, None, None, None, session_id
+            prompt, sampling_params, input_ids, False, None, None, None, session_id, stream=True
         )
         if len(messages) != 1:
             raise ValueError("generate_stream takes one prompt with n == 1")
@@ -207,6 +207,7 @@ class Engine:
         rid: str | list[str] | None,
         session_id: str | None,
         priority: int | list[int] | None = None,
+        stream: bool = False,
     ) -> tuple[list[GenerateReq], bool]:
         """The scheduler messages of a generate call, n per prompt in order (io/request_builder.py)."""
         prompts, single = native_prompts(
@@ -221,6 +222,7 @@ class Engine:
             session_id,
             self.encode,
             "prompt",
+            stream=stream,
         )
         built = build_requests(prompts, self.policy, self.grammars.check)
         return [m for p in built for m in p.samples], single

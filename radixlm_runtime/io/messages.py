@@ -49,6 +49,9 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     # without parsing the constraint again. None: unconstrained, or sent unchecked (checked there).
     grammar: str | None = None
     program_call: ProgramCall | None = None
+    # The client reads the tokens as they come (a streamed response): the gaps between its steps are
+    # seen, so a prefill beside it is paced (scheduler/step_budget.py); otherwise only the end is.
+    stream: bool = False
 
 
 def sample_request(
@@ -63,6 +66,7 @@ def sample_request(
     priority: int = 0,
     grammar: str | None = None,
     program_call: ProgramCall | None = None,
+    stream: bool = False,
 ) -> GenerateReq:
     """Sample `index` of a prompt's n as a scheduler request: rid `rid-index` and seed `seed + index`
     when n > 1, so a seeded request gives the same n outputs whichever entry point sent it."""
@@ -80,6 +84,7 @@ def sample_request(
         priority=priority,
         grammar=grammar,
         program_call=program_call,
+        stream=stream,
     )
 
 

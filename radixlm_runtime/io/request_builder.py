@@ -84,6 +84,7 @@ class PromptArgs:
     session_id: str | None = None
     prompt_field: str = "prompt"
     program_call: ProgramCall | None = None
+    stream: bool = False  # the response is streamed (GenerateReq.stream)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def native_prompts(
     tokenize: Callable[[str], list[int]],
     text_field: str,
     program_call: ProgramCall | None = None,
+    stream: bool = False,
 ) -> tuple[list[PromptArgs], bool]:
     """SGLang's GenerateReqInput (the Engine's arguments and the /generate body; the prompt is
     `prompt` in one, `text` in the other) as one PromptArgs per prompt, and whether a single prompt
@@ -120,7 +122,7 @@ def native_prompts(
     priorities = per_prompt(priority, n, "priority")
     logprobs = logprob_args(return_logprob, logprob_start_len, top_logprobs_num, n)
     prompts = [
-        PromptArgs(ids, sp, r, lp, prio, session_id, prompt_field, program_call)
+        PromptArgs(ids, sp, r, lp, prio, session_id, prompt_field, program_call, stream)
         for ids, sp, r, lp, prio in zip(id_lists, params, rids, logprobs, priorities)
     ]
     return prompts, single
@@ -170,6 +172,7 @@ def _build(p: PromptArgs, policy: RequestPolicy, check_grammar: CheckGrammar) ->
             priority,
             grammar,
             p.program_call,
+            p.stream,
         )
         for i in range(sp.n)
     ]

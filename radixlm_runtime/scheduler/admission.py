@@ -100,13 +100,15 @@ class Admission:
         want = 0
         if self.partial:
             left = sum(_remaining(r) for r in self.partial)
-            fits = self.step_budget.start(self._pending_tokens()).fit(self.partial[0].kv_len, left)
+            fits = self.step_budget.start(self._pending_tokens(), self._streamed()).fit(
+                self.partial[0].kv_len, left
+            )
             want = min(left, max(fits, MIN_CHUNK))
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
         items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
-        budget = self.step_budget.start(decode_tokens)
+        budget = self.step_budget.start(decode_tokens, self._streamed())
         if self.partial:
             if not cfg.disable_prefill_interleave and self.waiting and len(self.partial) < MAX_PARTIAL:
                 first = self.partial[0]
@@ -195,6 +197,11 @@ class Admission:
             extend = r.pending_len + len(draft)
             items.append(ScheduledItem(r, r.kv_len, extend, is_prefill=False, draft=draft))
         return items
+
+    def _streamed(self) -> bool:
+        """Whether a running request streams its tokens: only then are the gaps a prefill puts
+        between its steps seen (a batch job waits for the end, which pacing only delays)."""
+        return any(r.stream for r in self.running)
 
     def _pending_tokens(self) -> int:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""

@@ -108,6 +108,11 @@ class Req:
         return self.message.session_id
 
     @property
+    def stream(self) -> bool:
+        """Its tokens are streamed to the client, who sees every gap between steps."""
+        return self.message.stream
+
+    @property
     def priority(self) -> int:
         return self.message.priority
 

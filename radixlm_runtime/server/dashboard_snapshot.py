@@ -42,6 +42,7 @@ class RequestRecord:
     session_id: str | None
     program_call: dict[str, Any] | None  # io/messages.ProgramCall's fields
     priority: int
+    stream: bool  # its tokens were streamed to the client
     arrival: float
     prompt_tokens: int
     cached_tokens: int
@@ -85,6 +86,7 @@ class RequestLog:
             session_id=req.session_id,
             program_call=None if req.program_call is None else msgspec.structs.asdict(req.program_call),
             priority=req.priority,
+            stream=req.stream,
             arrival=self.epoch + req.arrival_time,
             prompt_tokens=req.prompt_len,
             cached_tokens=max(req.cached_tokens, 0),
@@ -291,6 +293,7 @@ def _request_dict(
         "session_id": rec.session_id,
         "program_call": rec.program_call,
         "priority": rec.priority,
+        "stream": rec.stream,
         "arrival": round(rec.arrival, 3),
         "prompt_tokens": rec.prompt_tokens,
         "cached_tokens": rec.cached_tokens,

@@ -237,6 +237,7 @@ async def _build(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[Prom
             partial(tm.tokenize, field="text"),
             "text",
             body.program_call,
+            body.stream,
         )
         return tm.build(prompts), single
 

@@ -238,7 +238,10 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
         # echo with logprobs scores the prompt too: its logprobs from the first token on.
         lp = LogprobArgs(want_lp, 0 if body.echo and want_lp else -1, body.logprobs or 0)
         raw = _sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
-        prompts = [PromptArgs(ids, raw, logprob=lp, priority=body.priority) for ids in id_lists]
+        prompts = [
+            PromptArgs(ids, raw, logprob=lp, priority=body.priority, stream=bool(body.stream))
+            for ids in id_lists
+        ]
         built = await _build(tm, prompts, "logprobs")
         tm.check_capacity(sum(len(p.samples) for p in built))
         jobs: list[_Job] = []
@@ -293,7 +296,9 @@ def build_openai_router(tm: TokenizerManager, model_name: str) -> APIRouter:
             max_tokens = max(_max_total(tm) - len(ids), 0)
         raw = _sampling_params(body, max_tokens, _response_format_schema(body.response_format))
         lp = LogprobArgs(want_lp, -1, body.top_logprobs or 0)
-        prompt = PromptArgs(ids, raw, logprob=lp, priority=body.priority, prompt_field="messages")
+        prompt = PromptArgs(
+            ids, raw, logprob=lp, priority=body.priority, prompt_field="messages", stream=bool(body.stream)
+        )
         (built,) = await _build(tm, [prompt], "top_logprobs")
         tm.check_capacity(len(built.samples))
         resp_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -159,7 +159,12 @@ def test_per_prompt_logprob_arguments(engine: rt.Engine) -> None:
 
 
 def test_generate_stream_yields_growing_text(engine: rt.Engine) -> None:
-    chunks = list(engine.generate_stream(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}))
+    chunks, running = [], []
+    for chunk in engine.generate_stream(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}):
+        # A streamed request: its gaps are seen, so prefill beside it is paced (step_budget.py).
+        running.append([r.stream for r in engine.scheduler.admission.running])
+        chunks.append(chunk)
+    assert running == [[True]] * 5 + [[]]
     assert len(chunks) == 6
     assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6]
     final = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})

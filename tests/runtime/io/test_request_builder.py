@@ -237,6 +237,9 @@ def test_samples_share_the_prompt_and_differ_in_rid_and_seed() -> None:
         assert (m.priority, m.session_id) == (5, "s1")
     (one,) = build_requests([PromptArgs([1], {"max_new_tokens": 1}, "x")], POLICY, grammar_of)
     assert [m.rid for m in one.samples] == ["x"] and one.samples[0].grammar is None
+    assert not one.samples[0].stream  # unless the entry point streams the response
+    (streamed,) = build_requests([PromptArgs([1], {"n": 2}, stream=True)], POLICY, grammar_of)
+    assert [m.stream for m in streamed.samples] == [True, True]
 
 
 def test_one_bad_prompt_refuses_the_batch_and_checks_nothing_twice() -> None:

@@ -103,6 +103,19 @@ def test_a_long_prompt_chunked_beside_decodes_keeps_every_step_within_the_ratio(
     assert steps < 4000 / 5
 
 
+def test_decodes_nobody_streams_are_not_paced() -> None:
+    """The decode ratio protects the gaps a client sees: beside decodes that nobody streams (a batch)
+    the step is sized to the target, as when nothing decodes."""
+    device = Device(step=0.008, decode=0.0005, token=0.0012)
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    _warm(budget, device)
+    paced = budget.start(8).fit(0, 10**6)
+    batch = budget.start(8, streamed=False).fit(0, 10**6)
+    assert device.seconds(8, [(0, paced)]) <= 2.5 * device.seconds(8, []) * 1.05
+    assert device.seconds(8, [(0, batch)]) == pytest.approx(0.25, rel=0.05)
+    assert batch > 5 * paced
+
+
 def test_budget_starts_small_and_at_most_doubles() -> None:
     budget = StepBudget(max_tokens=1024, target_s=0.25)
     assert budget.start(0).tokens == FIRST_STEP_TOKENS

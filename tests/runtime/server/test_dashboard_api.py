@@ -5,6 +5,7 @@ dashboard off."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -215,6 +216,24 @@ def test_feeds_with_key(server: Server) -> None:
     assert get(server, "/dashboard/api/request/no-such-rid").status_code == 404
     assert "sessions" in get(server, "/dashboard/api/programs").json()
     assert get(server, "/dashboard/api/overview").json()["api_key_required"] is True
+
+
+def test_requests_show_whether_they_stream(server: Server, client: Any, model: str) -> None:
+    """Every entry point tells the scheduler whether the client reads the tokens as they come (the
+    step budget paces prefill beside streamed decodes only), and the requests feed shows it."""
+    sent = []  # one after another: the feed lists them last, newest first
+    for stream in (False, True):
+        body = {"text": "A radix tree", "sampling_params": {"max_new_tokens": 2}, "stream": stream}
+        r = requests.post(f"{server.url}/generate", json=body, headers=HEADERS, timeout=120)
+        assert r.status_code == 200, r.text
+        sent.append(stream)
+        out = client.completions.create(model=model, prompt="A radix tree", max_tokens=2, stream=stream)
+        if stream:
+            assert [c.choices[0].finish_reason for c in out][-1] == "length"
+        sent.append(stream)
+    time.sleep(dashboard.SNAPSHOT_TTL_S)  # past the snapshot an earlier test's read left
+    recent = get(server, "/dashboard/api/requests").json()["recent"]
+    assert [x["stream"] for x in recent[: len(sent)]] == sent[::-1]
 
 
 @pytest.mark.parametrize(
