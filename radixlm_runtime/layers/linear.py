@@ -88,6 +88,7 @@ class Linear(nn.Linear):
         if self.quantized is None or not Act8Panels.fits(self.quantized):
             return False
         self.act8 = Act8Panels.pack(self.quantized)
+        self.row_panels = None  # served by act8 at every row count
         return True
 
     def pack_row_panels(self) -> None:

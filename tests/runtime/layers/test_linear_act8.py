@@ -186,14 +186,15 @@ def test_each_cpu_gets_its_path(
 
 
 class _Model(torch.nn.Module):
-    """The two kinds of linear shards the builder sees: decoder linears and the lm_head."""
+    """The two kinds of linear shards the builder sees: decoder linears and the lm_head (its weight in
+    groups of `head_group` columns: 32 fits the int8-activation layout, 16 does not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, head_group: int = 32) -> None:
         super().__init__()
-        self.proj, self.odd, self.lm_head = Linear(64, 32), Linear(64, 16), Linear(64, 48)
+        self.proj, self.odd, self.lm_head = Linear(64, 32), Linear(64, 16), Linear(64, 48, bias=False)
         self.proj.set_quantized(_quantized(4, 32, 64))
         self.odd.set_quantized(_quantized(8, 16, 64, 16))
-        self.lm_head.set_quantized(_quantized(8, 48, 64))
+        self.lm_head.set_quantized(_quantized(8, 48, 64, head_group))
 
     def linear_shards(self) -> list[LinearShards]:
         return [
@@ -203,24 +204,35 @@ class _Model(torch.nn.Module):
         ]
 
 
-def test_the_decoder_linears_take_int8_activations_the_lm_head_keeps_float(
+def test_the_linears_take_int8_activations_where_their_layout_fits(
     runtime_caplog: pytest.LogCaptureFixture,
 ) -> None:
     model = _Model()
+    model.lm_head.pack_row_panels()
+    assert model.lm_head.row_panels is not None
     builder._quantize_activations(model)
-    assert "1 of 2 decoder linears" in runtime_caplog.text
-    assert model.proj.act8 is not None and model.proj.kernel_weight is model.proj.act8
-    assert model.odd.act8 is None and model.lm_head.act8 is None
-    # What stays on float activations runs one kernel at every row count: the row-dot kernel for the
-    # lm_head, the panel GEMM for a decoder linear; each row's bits whatever rows come with it.
-    assert "2 float-activation linears pinned" in runtime_caplog.text
-    assert model.lm_head.pinned_mode == kernel_mode(1)
+    assert "2 of 3 linears take int8 activations" in runtime_caplog.text
+    for linear in (model.proj, model.lm_head):
+        assert linear.act8 is not None and linear.kernel_weight is linear.act8
+    assert model.lm_head.row_panels is None  # the int8-activation panels serve every row count
+    assert model.odd.act8 is None
+    # What stays on float activations runs one kernel at every row count: the panel GEMM for a
+    # decoder linear; each row's bits whatever rows come with it.
+    assert "1 float-activation linears pinned" in runtime_caplog.text
     assert model.odd.pinned_mode == kernel_mode(PANEL_GEMM_MIN_ROWS)
     x = torch.randn(40, 64)
     for linear in (model.proj, model.odd, model.lm_head):
         assert linear.batch_invariant
         with torch.no_grad():
             assert_batch_invariant(linear, x)
+
+
+def test_an_lm_head_the_layout_does_not_fit_runs_the_row_dot_kernel_at_every_row_count() -> None:
+    model = _Model(head_group=16)
+    builder._quantize_activations(model)
+    assert model.lm_head.act8 is None and model.lm_head.pinned_mode == kernel_mode(1)
+    with torch.no_grad():
+        assert_batch_invariant(model.lm_head, torch.randn(40, 64))
 
 
 def test_without_simd_kernels_activations_stay_float_and_the_log_says_so(
