@@ -72,7 +72,7 @@ class EngineConfig:
         "columns on the fly (as llama.cpp's Q8 blocks) and multiplied with the weights' integer codes "
         "(AVX512-VNNI, AVX-VNNI, AVX2 byte products or AMX tiles, whichever the CPU has), int32 sums "
         "scaled once per block: 3-7x the float32 kernels at prefill and decode, the same bits at any "
-        "batch shape, the weights also held repacked for it; the lm_head keeps float32 activations. A "
+        "batch shape, the weights also held repacked for it (the lm_head's included). A "
         "CPU without AVX2 runs float32 activations (logged). 'none' (default: the greedy text stays "
         "transformers'; int8 keeps GSM8K/MMLU accuracy within 1 question per 100 but changes the text, "
         "see benchmarks/README.md): float32 activations.",
