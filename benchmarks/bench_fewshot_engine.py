@@ -10,10 +10,12 @@ float32 and in bf16 (its fastest on a CPU with AVX512-BF16), runs when asked for
 `benchmarks/vllm_cpu/install.sh` makes, set up as its CPU guide says; skipped with a message where it
 is not installed. So do radixlm's other arithmetic, caches on and off: bf16 (`dtype="bfloat16"`: bf16
 weights and dot products, AVX512-BF16) and the GGUF's int4 weights with int8 activations
-(`quantization="auto"`, `cpu_act_quant="int8"`, VNNI or AVX2), each skipped with the reason where this
-radixlm or CPU lacks it. `--systems cpu_dtypes` names that whole comparison (saved as
-fewshot_engine_cpu_dtypes.json). `radixlm_int8_kv` is float32 radixlm with `--kv-cache-dtype int8`;
-`--systems kv_quant` compares it with float32 KV (bench_kv_quant.py runs that at >= 200 questions).
+(`quantization="auto"`, `cpu_act_quant="int8"`, VNNI or AVX2), with float32 KV and with a bf16 KV cache
+(`kv_cache_dtype="bfloat16"`: prefill attention on vdpbf16ps where the CPU has AVX512-BF16), each
+skipped with the reason where this radixlm or CPU lacks it. `--systems cpu_dtypes` names that whole
+comparison (saved as fewshot_engine_cpu_dtypes.json). `radixlm_int8_kv` is float32 radixlm with
+`--kv-cache-dtype int8`; `--systems kv_quant` compares it with float32 KV (bench_kv_quant.py runs that
+at >= 200 questions).
 
 GSM8K is greedy generation graded on the final number. MMLU picks the answer letter whose continuation
 (" A" .. " D") has the highest logprob after the prompt; every system scores the same continuations.
@@ -75,6 +77,12 @@ RADIXLM_VARIANTS: dict[str, tuple[bool, str, dict[str, str]]] = {
     "radixlm_bf16_no_cache": (True, "none", {"dtype": "bfloat16"}),
     "radixlm_int4_a8": (False, "auto", {"cpu_act_quant": "int8"}),
     "radixlm_int4_a8_no_cache": (True, "auto", {"cpu_act_quant": "int8"}),
+    "radixlm_int4_a8_bf16_kv": (False, "auto", {"cpu_act_quant": "int8", "kv_cache_dtype": "bfloat16"}),
+    "radixlm_int4_a8_bf16_kv_no_cache": (
+        True,
+        "auto",
+        {"cpu_act_quant": "int8", "kv_cache_dtype": "bfloat16"},
+    ),
     "radixlm_int8_kv": (False, "none", {"kv_cache_dtype": "int8"}),
     "radixlm_int8_kv_no_cache": (True, "none", {"kv_cache_dtype": "int8"}),
 }
@@ -96,6 +104,8 @@ LABELS = {
     "radixlm_bf16_no_cache": "radixlm bf16, radix cache disabled",
     "radixlm_int4_a8": "radixlm int4, int8 activations",
     "radixlm_int4_a8_no_cache": "radixlm int4, int8 activations, radix cache disabled",
+    "radixlm_int4_a8_bf16_kv": "radixlm int4, int8 activations, bf16 KV",
+    "radixlm_int4_a8_bf16_kv_no_cache": "radixlm int4, int8 activations, bf16 KV, radix cache disabled",
     "radixlm_int8_kv": "radixlm, int8 KV cache",
     "radixlm_int8_kv_no_cache": "radixlm, int8 KV cache, radix cache disabled",
     "transformers": "transformers, batched",
@@ -108,10 +118,15 @@ LABELS = {
 # The targets: the fastest radixlm of a cache setting against vLLM-CPU bf16 with its cache set alike.
 TARGETS = {
     "uncached": (
-        ("radixlm_no_cache", "radixlm_bf16_no_cache", "radixlm_int4_a8_no_cache"),
+        (
+            "radixlm_no_cache",
+            "radixlm_bf16_no_cache",
+            "radixlm_int4_a8_no_cache",
+            "radixlm_int4_a8_bf16_kv_no_cache",
+        ),
         "vllm_cpu_bf16_no_cache",
     ),
-    "cached": (("radixlm", "radixlm_bf16", "radixlm_int4_a8"), "vllm_cpu_bf16"),
+    "cached": (("radixlm", "radixlm_bf16", "radixlm_int4_a8", "radixlm_int4_a8_bf16_kv"), "vllm_cpu_bf16"),
 }
 TARGET = 1.5
 

@@ -88,15 +88,18 @@ class EngineConfig:
     )
     kv_cache_dtype: str = flag(
         "auto",
-        "What the KV cache stores. 'auto': the model's dtype (float32 on CPU; bf16 under --dtype bfloat16 "
-        "on CPU and on CUDA). 'int8': K and V as int8 with a float32 scale per token and kv head "
-        "(symmetric, max |x| / 127), quantized as they are stored and read directly by every attention "
-        "backend (C++ CPU, torch, Triton; dequantized in registers or per block, never a dequantized copy "
-        "of the pool): 3.8x float32's tokens in the same memory at head dim 64, and a decode reads a "
-        "quarter of the bytes. 'fp8_e4m3': float8 K/V, on CUDA GPUs of compute capability 8.9 or later "
-        "(torch and Triton backends); a ValueError on the CPU. The host KV tier stores what the pool "
-        "stores. Accuracy: see benchmarks/README.md (bench_kv_quant.py).",
-        ("auto", "int8", "fp8_e4m3"),
+        "What the KV cache stores. 'auto': the model's dtype (float32 on CPU; bf16 under --dtype bfloat16"
+        " on CPU and on CUDA). 'bfloat16': K and V rounded to bf16 under float32 arithmetic (half "
+        "float32's bytes, so twice the tokens and half a decode's reads); on a CPU with AVX512-BF16 the "
+        "C++ prefill attention then runs on vdpbf16ps (1.5x float32; the fastest CPU setting with "
+        "--quantization auto --cpu-act-quant int8). 'int8': K and V as int8 with a float32 scale per "
+        "token and kv head (symmetric, max |x| / 127), quantized as they are stored and read directly by "
+        "every attention backend (C++ CPU, torch, Triton; dequantized in registers or per block, never a "
+        "dequantized copy of the pool): 3.8x float32's tokens in the same memory at head dim 64, and a "
+        "decode reads a quarter of the bytes. 'fp8_e4m3': float8 K/V, on CUDA GPUs of compute capability "
+        "8.9 or later (torch and Triton backends); a ValueError on the CPU. The host KV tier stores what "
+        "the pool stores. Accuracy: see benchmarks/README.md (bench_kv_quant.py).",
+        ("auto", "bfloat16", "int8", "fp8_e4m3"),
     )
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."

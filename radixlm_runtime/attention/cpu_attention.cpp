@@ -37,20 +37,24 @@
 // other CPUs and head dims that are not a multiple of 8. `mode` caps the path, so tests reach each one
 // on one machine.
 //
-// A bf16 pool (--dtype bfloat16 on CPU: half the bytes per token, so twice the tokens in the same memory
-// and half the bytes a decode streams): the store rounds K/V to nearest even, as torch's
+// A bf16 pool (--dtype bfloat16 or --kv-cache-dtype bfloat16 on CPU: half the bytes per token, so twice
+// the tokens in the same memory and half the bytes a decode streams): the store rounds K/V to nearest
+// even, as torch's
 // .to(torch.bfloat16) does. Attention reads them widened to float32 (exact: a 16-bit shift) and rounds
 // the scaled queries to bf16 as well, so on every path a score is a dot product of bf16 operands (exact
 // products) summed in float32; softmax and P.V stay float32. The scalar path widens each element as it
 // reads it, the row-major tiles (decode) in their registers as they load a row (load8), the
 // rows-as-lanes kernels a block's rows of a head into the scratch once for all the item's rows
 // (head_rows). So paths 0-2 give over a bf16 pool the bits they give over a float32 pool holding the same
-// rounded K/V, with the queries rounded. Path 3 (mode 3, a CPU with AVX512-BF16) computes the
-// rows-as-lanes scores with vdpbf16ps instead, two elements an instruction and K's pairs read straight
-// from the pool (1.25x the widening path on prefill shapes, one thread of a Zen 4): the same products,
-// but vdpbf16ps rounds its sums its own way, so path 3 agrees with the others within float32 rounding,
-// not to the bit. It is batch-invariant as they are: each lane one chain over D in order, on either
-// vector width, whatever else shares its item or however its request was chunked.
+// rounded K/V, with the queries rounded. Path 3 (mode 3, a CPU with AVX512-BF16) runs both products of
+// the rows-as-lanes kernels with vdpbf16ps instead, two elements an instruction: the scores with K's
+// pairs read straight from the pool (the same products as the other paths', but vdpbf16ps rounds its
+// sums its own way), and P.V over the weights rounded to bf16 (as flash-attention kernels round P) against
+// V interleaved by key pairs once per block and head (head_rows). 1.5x the widening path on prefill
+// shapes (16 prompts of 620 tokens, 2 threads of a Zen 4: 236 GFLOP/s against 152); path 3 agrees with
+// the others within bf16 rounding of the weights, not to the bit. It is batch-invariant as they are: each
+// lane one chain over D (scores) and over the key pairs (P.V) in order, on either vector width, whatever
+// else shares its item or however its request was chunked.
 //
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
 // token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
@@ -125,7 +129,7 @@ struct Problem {
   int kv_type;  // KvType
   bool bf16;    // the pool holds bf16
   bool int8;    // the pool holds int8 codes, scaled by k_scale / v_scale
-  bool pairs;   // bf16 pool on path 3: the rows-as-lanes scores by vdpbf16ps (see lanes_scores_pairs)
+  bool pairs;   // bf16 pool on path 3: the rows-as-lanes scores and P.V by vdpbf16ps (lanes_*_pairs)
   // An int8 pool's scales, [slots, Hkv] float32 each (null for the others).
   const float* k_scale;
   const float* v_scale;
@@ -174,6 +178,8 @@ struct Scratch {
   std::vector<float> kf, vf;  // a block's K and V rows of one head, widened from a bf16 or int8 pool
   std::vector<float> ks, vs;  // an int8 pool's scales of a block's rows of one head
   std::vector<uint32_t> qpairs;  // path 3: the queries as bf16 pairs, [heads][D / 2][lanes]
+  std::vector<uint32_t> vpairs;  // path 3: a block's V rows of one head as key pairs, [keys / 2][D]
+  std::vector<uint32_t> ppairs;  // path 3: a block's weights as key pairs, [keys / 2][lanes]
   std::vector<const float*> kp, vp;
   std::vector<const uint16_t*> kb;  // path 3: a block's K rows of one head, bf16 in the pool
   std::vector<const char*> krow, vrow;
@@ -191,6 +197,8 @@ struct Scratch {
     grow(corr, rows);
     grow(pos, rows);
     grow(qpairs, rows * heads * d / 2);
+    grow(vpairs, kBlock / 2 * d);
+    grow(ppairs, rows * kBlock / 2);
     grow(kf, kBlock * d);
     grow(ks, kBlock);
     grow(vs, kBlock);
@@ -446,7 +454,8 @@ SIMD_AVX2 inline void scale_by(float* x, const float* scale, int64_t n) {
 // float32 pool; a bf16 pool's widened, an int8 pool's codes converted (exact, either), into the scratch,
 // once per block and head for every query row of the item to read (the lanes kernels broadcast single
 // elements, which loads from a float row best); an int8 pool's scales into w.ks / w.vs. On path 3
-// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it.
+// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it, and V's rows are interleaved by key pairs
+// into w.vpairs (pair tp, element e: V[2tp][e] low, V[2tp + 1][e] high), what vdpbf16ps broadcasts.
 SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char* const* krow,
                          const char* const* vrow, const int64_t* slots, int64_t keys, Scratch& w) {
   const int64_t d = p.head_dim;
@@ -470,10 +479,18 @@ SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char*
     const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
     if (p.pairs) {
       w.kb[t] = k;
-    } else {
-      widen_row(k, d, kf);
+      continue;
     }
+    widen_row(k, d, kf);
     widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
+  }
+  if (!p.pairs) return;
+  // count is a multiple of the lanes kernels' kTile, so even.
+  for (int64_t tp = 0; tp < count / 2; ++tp) {
+    const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vrow[2 * tp]) + h * d;
+    const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vrow[2 * tp + 1]) + h * d;
+    uint32_t* out = w.vpairs.data() + tp * d;
+    for (int64_t e = 0; e < d; ++e) out[e] = v0[e] | static_cast<uint32_t>(v1[e]) << 16;
   }
 }
 
@@ -735,6 +752,12 @@ struct Avx512 {
   SIMD_BF16 static Reg dot_pairs(Reg acc, Reg a, Reg b) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
   }
+  // Lane i of out: x0[i] and x1[i] rounded to bf16 (nearest even), x0's in the low half.
+  SIMD_BF16 static void pack_pairs(const float* x0, const float* x1, uint32_t* out) {
+    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load(x0))));
+    const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load(x1))));
+    _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
 };
 
 // 8-float vectors; on path 3 with AVX512-BF16's 256-bit vdpbf16ps, which computes each lane as the
@@ -769,6 +792,11 @@ struct Avx2 {
   SIMD_BF16 static Reg dot_pairs(Reg acc, Reg a, Reg b) {
     return _mm256_dpbf16_ps(acc, reinterpret_cast<const __m256bh&>(a), reinterpret_cast<const __m256bh&>(b));
   }
+  SIMD_BF16 static void pack_pairs(const float* x0, const float* x1, uint32_t* out) {
+    const __m256i lo = _mm256_cvtepu16_epi32(reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(load(x0))));
+    const __m256i hi = _mm256_cvtepu16_epi32(reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(load(x1))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+  }
 };
 
 namespace lanes16 {
@@ -786,7 +814,7 @@ using V = Avx2;
 }  // namespace lanes8
 
 // The path a call runs: the widest of the mode asked for (0 scalar, 1 AVX2, 2 AVX-512 on prefill
-// chunks, 3 that and, over a bf16 pool, their scores by vdpbf16ps) that the CPU has, where a head is
+// chunks, 3 that and, over a bf16 pool, their scores and P.V by vdpbf16ps) that the CPU has, where a head is
 // whole 8-float vectors; otherwise the scalar one.
 int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;

@@ -32,6 +32,21 @@ LANES_TARGET inline void store_tile(const typename V::Reg (&acc)[V::kTile][NP], 
   }
 }
 
+// The register tile of rows src[j * lanes ..] (a P.V accumulator's kTile head elements), each lane
+// rescaled by its online-softmax correction corr[lane].
+template <int NP>
+LANES_TARGET inline void load_tile(typename V::Reg (&acc)[V::kTile][NP], const float* src, int64_t lanes,
+                                   const float* corr) {
+  typename V::Reg cv[NP];
+#pragma GCC unroll 4
+  for (int c = 0; c < NP; ++c) cv[c] = V::load(corr + c * V::kLanes);
+#pragma GCC unroll 8
+  for (int j = 0; j < V::kTile; ++j) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NP; ++c) acc[j][c] = V::mul(V::load(src + j * lanes + c * V::kLanes), cv[c]);
+  }
+}
+
 // S^T rows (keys t of kp[0 .. keys), keys a multiple of kTile) for NP panels: st[t][c * kLanes ..] =
 // sum over e of K[t][e] * qt[e][c * kLanes ..]. qt and st rows are `lanes` floats apart.
 template <int NP>
@@ -108,16 +123,9 @@ template <int NP>
 LANES_TARGET void lanes_pv(const float* pt, int64_t lanes, const float* const* vp, int64_t d, int64_t keys,
                            float* acct, const float* corr, Prefetcher& pf) {
   constexpr int kt = V::kTile;
-  typename V::Reg cv[NP];
-#pragma GCC unroll 4
-  for (int c = 0; c < NP; ++c) cv[c] = V::load(corr + c * V::kLanes);
   for (int64_t e0 = 0; e0 < d; e0 += kt) {
     typename V::Reg a[kt][NP];
-#pragma GCC unroll 8
-    for (int j = 0; j < kt; ++j) {
-#pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) a[j][c] = V::mul(V::load(acct + (e0 + j) * lanes + c * V::kLanes), cv[c]);
-    }
+    load_tile<NP>(a, acct + e0 * lanes, lanes, corr);
     for (int64_t t = 0; t < keys; ++t) {
       pf.step(1);
       typename V::Reg pv[NP];
@@ -130,10 +138,43 @@ LANES_TARGET void lanes_pv(const float* pt, int64_t lanes, const float* const* v
         for (int c = 0; c < NP; ++c) a[j][c] = V::fmadd(vb, pv[c], a[j][c]);
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < kt; ++j) {
+    store_tile<NP>(a, acct + e0 * lanes, lanes);
+  }
+}
+
+// lanes_pv over a bf16 pool on path 3: two keys per vdpbf16ps, each lane's weights of keys 2tp and 2tp + 1
+// as a bf16 pair from pp ([keys / 2][lanes], pack_weights') against V's elements of those keys, a pair
+// broadcast from vpairs ([keys / 2][D], head_rows'). The weights are rounded to bf16 here (as
+// flash-attention kernels round P before P.V), V is exact; each output is one chain over the key pairs
+// in order, batch-invariant as lanes_pv is.
+template <int NP>
+SIMD_BF16 void lanes_pv_pairs(const uint32_t* pp, int64_t lanes, const uint32_t* vpairs, int64_t d, int64_t keys,
+                              float* acct, const float* corr, Prefetcher& pf) {
+  constexpr int kt = V::kTile;
+  for (int64_t e0 = 0; e0 < d; e0 += kt) {
+    typename V::Reg a[kt][NP];
+    load_tile<NP>(a, acct + e0 * lanes, lanes, corr);
+    for (int64_t tp = 0; tp < keys / 2; ++tp) {
+      pf.step(2);
+      typename V::Reg pv[NP];
 #pragma GCC unroll 4
-      for (int c = 0; c < NP; ++c) V::store(acct + (e0 + j) * lanes + c * V::kLanes, a[j][c]);
+      for (int c = 0; c < NP; ++c) pv[c] = V::load(reinterpret_cast<const float*>(pp + tp * lanes + c * V::kLanes));
+#pragma GCC unroll 8
+      for (int j = 0; j < kt; ++j) {
+        const typename V::Reg vb = V::set1_pair(vpairs[tp * d + e0 + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) a[j][c] = V::dot_pairs(a[j][c], pv[c], vb);
+      }
+    }
+    store_tile<NP>(a, acct + e0 * lanes, lanes);
+  }
+}
+
+// Path 3: a block's weights st ([keys][lanes] floats, keys even) as bf16 key pairs pp [keys / 2][lanes].
+SIMD_BF16 inline void pack_weights(const float* st, int64_t lanes, int64_t keys, uint32_t* pp) {
+  for (int64_t tp = 0; tp < keys / 2; ++tp) {
+    for (int64_t i = 0; i < lanes; i += V::kLanes) {
+      V::pack_pairs(st + 2 * tp * lanes + i, st + (2 * tp + 1) * lanes + i, pp + tp * lanes + i);
     }
   }
 }
@@ -263,9 +304,18 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
                                      m + o, l + o, corr + c * kl);
       }
       if (p.int8) scale_rows(st, lanes, w.vs.data(), padded);
-      for_panel_tiles(panels, [&](auto np, int64_t c0) {
-        lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);
-      });
+      if (p.pairs) {
+        uint32_t* pp = w.ppairs.data();
+        pack_weights(st, lanes, padded, pp);
+        for_panel_tiles(panels, [&](auto np, int64_t c0) {
+          lanes_pv_pairs<decltype(np)::value>(pp + c0 * kl, lanes, w.vpairs.data(), d, padded, acc + c0 * kl,
+                                              corr + c0 * kl, pf);
+        });
+      } else {
+        for_panel_tiles(panels, [&](auto np, int64_t c0) {
+          lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);
+        });
+      }
     }
     pf.finish();
   }

@@ -1,7 +1,8 @@
 """Attention for float32 on the CPU in C++ (cpu_attention.cpp, built by kernels/native.py), over a KV pool
-of float32, (--dtype bfloat16) bf16 or (--kv-cache-dtype int8) int8. bf16: K/V rounded to bf16 as they
-are stored and widened back as they are read, the scores then dot products of bf16 operands (the queries
-rounded too) accumulated in float32, by vdpbf16ps on prefill chunks where the CPU has AVX512-BF16. int8:
+of float32, (--dtype bfloat16, --kv-cache-dtype bfloat16) bf16 or (--kv-cache-dtype int8) int8. bf16:
+K/V rounded to bf16 as they are stored and widened back as they are read, the scores then dot products
+of bf16 operands (the queries rounded too) accumulated in float32; on prefill chunks, where the CPU has
+AVX512-BF16, both the scores and P.V (the weights rounded to bf16) by vdpbf16ps, 1.5x float32. int8:
 K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
 float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
 scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
@@ -34,7 +35,8 @@ from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
-# more (the rest on AVX2); that and, over a bf16 pool, those items' scores by vdpbf16ps (AVX512-BF16).
+# more (the rest on AVX2); that and, over a bf16 pool, those items' scores and P.V by vdpbf16ps
+# (AVX512-BF16).
 # Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
 SCALAR, AVX2, AVX512, AVX512_BF16 = 0, 1, 2, 3
 # The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.

@@ -29,7 +29,7 @@ MIN_POOL_TOKENS = 1024
 
 
 # --kv-cache-dtype names of the quantized pools (kvcache/pool.py).
-KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def kv_dtype_for(
@@ -38,8 +38,9 @@ def kv_dtype_for(
     """The KV pool's dtype. 'auto': the model's, except under bf16 arithmetic on the CPU (--dtype bfloat16
     on a CPU with AVX512-BF16: float32 tensors, `compute` BF16), where K/V are stored as bf16, half the
     bytes per token, so a pool sized from memory holds twice the tokens (the CPU attention reads them
-    back exactly widened). 'int8': codes with per-token, per-head scales (~3.8x fp32's tokens at head
-    dim 64), any device. 'fp8_e4m3': float8 K/V, on CUDA GPUs of compute capability 8.9 or later only."""
+    back exactly widened). 'bfloat16': the same bf16 K/V under float32 arithmetic. 'int8': codes with
+    per-token, per-head scales (~3.8x fp32's tokens at head dim 64), any device. 'fp8_e4m3': float8 K/V,
+    on CUDA GPUs of compute capability 8.9 or later only."""
     if kv_cache_dtype == "auto":
         return torch.bfloat16 if device.type == "cpu" and compute == BF16 else dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -51,6 +51,14 @@ POOL_MODE_IDS = [f"{str(d)[6:]}-mode{m}" for d, m in POOL_MODES]
 needs_bf16 = pytest.mark.skipif(
     not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
 )
+# Path 3 over a bf16 pool rounds the prefill weights (P) to bf16 for P.V, as flash-attention kernels do:
+# each output moves by up to a few bf16 roundings of the values it averages.
+PAIRS_TOL = {"atol": 1e-2, "rtol": 1e-2}
+
+
+def _tol(dtype: torch.dtype, mode: int) -> dict[str, float]:
+    """The tolerance against a float32 reference of the path that `mode` runs over a pool of dtype."""
+    return PAIRS_TOL if dtype == BF16 and kernel_path(64, mode) == AVX512_BF16 else TOL
 
 
 def _kernel_queries(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -171,7 +179,7 @@ def test_forward_matches_dense_reference(
         assert torch.equal(mine[batch.out_cache_loc], theirs[batch.out_cache_loc])
     q_ref = _kernel_queries(q, scale, dtype)
     want = _reference_attention(q_ref, *_dense(pool), seqs, extend_lens, scale)
-    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, want, **_tol(dtype, mode))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -255,7 +263,7 @@ def test_shared_prefix_groups_match_the_dense_reference(dtype: torch.dtype, mode
     scale = head_dim**-0.5
     q_ref = _kernel_queries(q, scale, dtype)
     want = _reference_attention(q_ref, *_dense(pool), seqs, extend_lens, scale)
-    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got, want, **_tol(dtype, mode))
 
 
 def _check_group_step(
@@ -285,7 +293,7 @@ def _check_group_step(
     q = torch.randn(members, q_heads, head_dim, generator=gen)
     q_ref = _kernel_queries(q, scale, dtype)
     want = _reference_attention(q_ref, *_dense(pool), seqs, [1] * members, scale)
-    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
+    torch.testing.assert_close(backend.attend(q, 0, batch), want, **_tol(dtype, mode))
 
 
 @pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
@@ -497,7 +505,7 @@ def test_windowed_softcapped_step_matches_the_torch_backend(
     q, _, _ = _qkv_views(batch.num_tokens, num_q_heads, num_kv_heads, head_dim, seed=2)
     layer = AttentionLayer(4 * head_dim**-0.5, *features)
     want = _torch_reference(pool, table, layer, q, batch)
-    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
+    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **_tol(dtype, mode))
 
 
 @pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
@@ -528,7 +536,7 @@ def test_windowed_shared_prefix_groups_match_the_torch_backend(
     pool, table, batch, q = _groups_step(dtype)
     layer = AttentionLayer(0.5, *features)
     want = _torch_reference(pool, table, layer, q, batch)
-    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **TOL)
+    torch.testing.assert_close(_cpu_attend(pool, table, layer, q, batch, mode), want, **_tol(dtype, mode))
     assert batch.attn_metadata.groups is not None  # formed for the step; the kernel decides per layer
 
 
@@ -678,10 +686,11 @@ def test_a_tokens_bits_do_not_depend_on_chunking_or_batching(
 
 
 @needs_bf16
-def test_bf16_prefill_scores_by_vdpbf16ps_where_the_cpu_has_them() -> None:
-    """On a CPU with AVX512-BF16 a bf16 pool's prefill chunks take path 3 by default: scores by vdpbf16ps,
-    which round their sums their own way, so their bits differ from path 2's (float32 FMAs on the same
-    bf16 operands) within float32 rounding; decode tokens run the same tiles either way."""
+def test_bf16_prefill_by_vdpbf16ps_where_the_cpu_has_them() -> None:
+    """On a CPU with AVX512-BF16 a bf16 pool's prefill chunks take path 3 by default: scores by vdpbf16ps
+    (the same bf16 operands as path 2's float32 FMAs, their sums rounded vdpbf16ps's way) and P.V by
+    vdpbf16ps over the weights rounded to bf16, so their bits differ from path 2's, within bf16 rounding
+    of the weights; decode tokens run the same tiles either way."""
     pool, table, batch, q = _window_step(BF16)
     layer = AttentionLayer(0.5)
     pairs = _cpu_attend(pool, table, layer, q, batch, AVX512_BF16)
@@ -690,4 +699,4 @@ def test_bf16_prefill_scores_by_vdpbf16ps_where_the_cpu_has_them() -> None:
     decode_rows = [s for s, n in zip(batch.extend_start_loc_cpu, batch.extend_lens_cpu) if n == 1]
     assert torch.equal(pairs[decode_rows], floats[decode_rows])
     assert not torch.equal(pairs, floats)
-    torch.testing.assert_close(pairs, floats, **TOL)
+    torch.testing.assert_close(pairs, floats, **PAIRS_TOL)

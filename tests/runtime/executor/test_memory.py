@@ -182,6 +182,7 @@ def test_an_int8_kv_cache_holds_nearly_four_times_the_tokens(
     assert kv_dtype_for(torch.float32, FP32, CPU, "int8") == torch.int8
     assert kv_dtype_for(torch.float32, BF16, CPU, "int8") == torch.int8
     assert kv_dtype_for(torch.float32, FP32, CPU, "auto") == torch.float32
+    assert kv_dtype_for(torch.float32, FP32, CPU, "bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e4m3' needs a CUDA GPU"):
         kv_dtype_for(torch.float32, FP32, CPU, "fp8_e4m3")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
