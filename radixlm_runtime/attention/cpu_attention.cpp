@@ -49,12 +49,15 @@
 // rounded K/V, with the queries rounded. Path 3 (mode 3, a CPU with AVX512-BF16) runs both products of
 // the rows-as-lanes kernels with vdpbf16ps instead, two elements an instruction: the scores with K's
 // pairs read straight from the pool (the same products as the other paths', but vdpbf16ps rounds its
-// sums its own way), and P.V over the weights rounded to bf16 (as flash-attention kernels round P) against
-// V interleaved by key pairs once per block and head (head_rows). 1.5x the widening path on prefill
-// shapes (16 prompts of 620 tokens, 2 threads of a Zen 4: 236 GFLOP/s against 152); path 3 agrees with
-// the others within bf16 rounding of the weights, not to the bit. It is batch-invariant as they are: each
-// lane one chain over D (scores) and over the key pairs (P.V) in order, on either vector width, whatever
-// else shares its item or however its request was chunked.
+// sums its own way), and a prefill chunk's P.V over the weights rounded to bf16 (as flash-attention
+// kernels round P) against V interleaved by key pairs once per block and head (head_rows). 1.5x the
+// widening path on prefill shapes (16 prompts of 620 tokens, 2 threads of a Zen 4: 231 GFLOP/s against
+// 154); path 3 agrees with the others within bf16 rounding of the weights, not to the bit. A group item
+// (decode tokens on a shared prefix) keeps float32 P.V, as a decode token alone has on the row-major
+// tiles, so a decode token's result moves with the group it falls in only within float32 rounding. Path
+// 3 is batch-invariant as the others are: each lane one chain over D (scores) and over the key pairs
+// (P.V) in order, on either vector width, whatever else shares its item or however its request was
+// chunked.
 //
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
 // token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
@@ -454,10 +457,11 @@ SIMD_AVX2 inline void scale_by(float* x, const float* scale, int64_t n) {
 // float32 pool; a bf16 pool's widened, an int8 pool's codes converted (exact, either), into the scratch,
 // once per block and head for every query row of the item to read (the lanes kernels broadcast single
 // elements, which loads from a float row best); an int8 pool's scales into w.ks / w.vs. On path 3
-// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it, and V's rows are interleaved by key pairs
-// into w.vpairs (pair tp, element e: V[2tp][e] low, V[2tp + 1][e] high), what vdpbf16ps broadcasts.
+// (p.pairs) a bf16 K stays in the pool, w.kb[t] pointing at it, and where P.V runs on pairs too
+// (pv_pairs) V's rows are interleaved by key pairs into w.vpairs (pair tp, element e: V[2tp][e] low,
+// V[2tp + 1][e] high), what vdpbf16ps broadcasts.
 SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char* const* krow,
-                         const char* const* vrow, const int64_t* slots, int64_t keys, Scratch& w) {
+                         const char* const* vrow, const int64_t* slots, int64_t keys, bool pv_pairs, Scratch& w) {
   const int64_t d = p.head_dim;
   for (int64_t t = 0; t < count; ++t) {
     if (p.kv_type == kKvFloat32) {
@@ -479,12 +483,12 @@ SIMD_AVX2 void head_rows(const Problem& p, int64_t h, int64_t count, const char*
     const uint16_t* k = reinterpret_cast<const uint16_t*>(krow[t]) + h * d;
     if (p.pairs) {
       w.kb[t] = k;
-      continue;
+    } else {
+      widen_row(k, d, kf);
     }
-    widen_row(k, d, kf);
-    widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
+    if (!pv_pairs) widen_row(reinterpret_cast<const uint16_t*>(vrow[t]) + h * d, d, vf);
   }
-  if (!p.pairs) return;
+  if (!pv_pairs) return;
   // count is a multiple of the lanes kernels' kTile, so even.
   for (int64_t tp = 0; tp < count / 2; ++tp) {
     const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vrow[2 * tp]) + h * d;

@@ -252,6 +252,8 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
   constexpr int64_t kl = V::kLanes;
   const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
   const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
+  // A prefill chunk's P.V on bf16 pairs; a group item's stays float32, as its members' decode tiles are.
+  const bool pv_pairs = p.pairs && !sp.group;
   const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float* corr = w.corr.data();
@@ -286,7 +288,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *q = qt + hi * d * lanes, *acc = acct + hi * d * lanes;
-      head_rows(p, h, padded, krow, vrow, sp.slots + b0, keys, w);
+      head_rows(p, h, padded, krow, vrow, sp.slots + b0, keys, pv_pairs, w);
       if (p.pairs) {
         const uint32_t* qp = w.qpairs.data() + hi * (d / 2) * lanes;
         for_panel_tiles(panels, [&](auto np, int64_t c0) {
@@ -304,7 +306,7 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
                                      m + o, l + o, corr + c * kl);
       }
       if (p.int8) scale_rows(st, lanes, w.vs.data(), padded);
-      if (p.pairs) {
+      if (pv_pairs) {
         uint32_t* pp = w.ppairs.data();
         pack_weights(st, lanes, padded, pp);
         for_panel_tiles(panels, [&](auto np, int64_t c0) {

@@ -293,7 +293,9 @@ def _check_group_step(
     q = torch.randn(members, q_heads, head_dim, generator=gen)
     q_ref = _kernel_queries(q, scale, dtype)
     want = _reference_attention(q_ref, *_dense(pool), seqs, [1] * members, scale)
-    torch.testing.assert_close(backend.attend(q, 0, batch), want, **_tol(dtype, mode))
+    # Decode tokens only: a group item keeps float32 P.V on every path (path 3's bf16 weights are a
+    # prefill chunk's), so the float32 tolerance holds.
+    torch.testing.assert_close(backend.attend(q, 0, batch), want, **TOL)
 
 
 @pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
