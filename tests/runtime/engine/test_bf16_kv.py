@@ -157,6 +157,22 @@ def test_the_torch_backend_reads_the_bf16_pool(tiny_llama_dir: Path, kind: str) 
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.05
 
 
+def test_the_triton_backend_reads_a_bf16_pool_under_float32_arithmetic(tiny_llama_dir: Path) -> None:
+    """--kv-cache-dtype bfloat16 under float32 queries on the Triton backend (the interpreter here, a GPU
+    there): the greedy tokens of the C++ kernels over the same pool, the logprobs within bf16 rounding."""
+    outs = {}
+    for backend in ("cpu", "triton"):
+        engine = _engine(tiny_llama_dir, "fp32-bf16-kv", attention_backend=backend)
+        try:
+            assert engine.runner.kv_pool.dtype == torch.bfloat16
+            outs[backend] = _generate(engine, PROMPTS[:2])
+        finally:
+            engine.shutdown()
+    assert [ids for ids, _, _ in outs["triton"]] == [ids for ids, _, _ in outs["cpu"]]
+    for (_, ours, _), (_, theirs, _) in zip(outs["cpu"], outs["triton"]):
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.05
+
+
 def test_without_bf16_dot_products_the_kv_stays_float32(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
