@@ -79,6 +79,7 @@ BENCHMARKS = [
     Bench(
         "prefill_cpu", "bench_prefill_cpu.py", "CPU prefill: radixlm against llama.cpp on the same weights"
     ),
+    Bench("attention_cpu", "bench_attention_cpu.py", "CPU prefill attention by KV pool and path"),
     Bench(
         "fewshot_engine_cpu_dtypes",
         "bench_fewshot_engine.py",

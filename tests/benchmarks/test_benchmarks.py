@@ -100,6 +100,11 @@ def linear_cpu(out_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+def attention_cpu(out_dir: Path) -> dict[str, Any]:
+    return run_tiny("bench_attention_cpu.py", out_dir, "attention_cpu")
+
+
+@pytest.fixture(scope="module")
 def tp(out_dir: Path) -> dict[str, Any]:
     return run_tiny("bench_tp.py", out_dir, "tp")
 
@@ -402,6 +407,28 @@ def test_linear_cpu(linear_cpu: dict[str, Any]) -> None:
     # The decode rows include the lm_head: 1 layer (3.5M weights) + 28.3M, in float32.
     assert linear_cpu["results"][0]["weight_mb"] == pytest.approx((3_538_944 + 49152 * 576) * 4 / 1e6)
     assert [row[0] for row in linear_cpu["tables"][0]["rows"]] == ["1", "16"]
+
+
+def test_attention_cpu(attention_cpu: dict[str, Any]) -> None:
+    """Every pool this machine's kernels read, float32 first (the reference of the others' outputs);
+    path 3 where the CPU has AVX512-BF16, else skipped with the reason; rates against the peak of the
+    instruction each path multiplies with."""
+    results = attention_cpu["results"]
+    labels = [r["label"].split(" (path")[0] for r in results]
+    assert labels[0] == "float32 pool" and results[0]["max_diff_vs_float32"] == 0.0
+    assert set(labels) | set(attention_cpu["skipped"]) == {
+        "float32 pool",
+        "bf16 pool, widened",
+        "bf16 pool, vdpbf16ps",
+        "int8 pool",
+    }
+    for r in results:
+        assert r["ms"] > 0 and r["gflops"] == pytest.approx(attention_cpu["flops"] / r["ms"] / 1e6)
+        assert 0 <= r["max_diff_vs_float32"] < 0.1  # bf16 / int8 K and V, random unit-variance data
+        if r["path"] == 3:
+            assert r["peak"].startswith("vdpbf16ps")
+        if r["peak_gflops"]:
+            assert r["share_of_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"])
 
 
 def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
