@@ -37,27 +37,25 @@
 // other CPUs and head dims that are not a multiple of 8. `mode` caps the path, so tests reach each one
 // on one machine.
 //
-// A bf16 pool (--dtype bfloat16 or --kv-cache-dtype bfloat16 on CPU: half the bytes per token, so twice
-// the tokens in the same memory and half the bytes a decode streams): the store rounds K/V to nearest
-// even, as torch's
-// .to(torch.bfloat16) does. Attention reads them widened to float32 (exact: a 16-bit shift) and rounds
-// the scaled queries to bf16 as well, so on every path a score is a dot product of bf16 operands (exact
-// products) summed in float32; softmax and P.V stay float32. The scalar path widens each element as it
-// reads it, the row-major tiles (decode) in their registers as they load a row (load8), the
-// rows-as-lanes kernels a block's rows of a head into the scratch once for all the item's rows
-// (head_rows). So paths 0-2 give over a bf16 pool the bits they give over a float32 pool holding the same
-// rounded K/V, with the queries rounded. Path 3 (mode 3, a CPU with AVX512-BF16) runs both products of
-// the rows-as-lanes kernels with vdpbf16ps instead, two elements an instruction: the scores with K's
-// pairs read straight from the pool (the same products as the other paths', but vdpbf16ps rounds its
-// sums its own way), and a prefill chunk's P.V over the weights rounded to bf16 (as flash-attention
-// kernels round P) against V interleaved by key pairs once per block and head (head_rows). 1.5x the
-// widening path on prefill shapes (16 prompts of 620 tokens, 2 threads of a Zen 4: 231 GFLOP/s against
-// 154); path 3 agrees with the others within bf16 rounding of the weights, not to the bit. A group item
-// (decode tokens on a shared prefix) keeps float32 P.V, as a decode token alone has on the row-major
-// tiles, so a decode token's result moves with the group it falls in only within float32 rounding. Path
-// 3 is batch-invariant as the others are: each lane one chain over D (scores) and over the key pairs
-// (P.V) in order, on either vector width, whatever else shares its item or however its request was
-// chunked.
+// A bf16 pool (--dtype bfloat16 or --kv-cache-dtype bfloat16 on CPU: half the bytes per token, so twice the
+// tokens in the same memory and half the bytes a decode streams): the store rounds K/V to nearest even, as
+// torch's .to(torch.bfloat16) does. Attention reads them widened to float32 (exact: a 16-bit shift) and
+// rounds the scaled queries to bf16 as well, so on every path a score is a dot product of bf16 operands
+// (exact products) summed in float32; softmax and P.V stay float32. The scalar path widens each element as it
+// reads it, the row-major tiles (decode) in their registers as they load a row (load8), the rows-as-lanes
+// kernels a block's rows of a head into the scratch once for all the item's rows (head_rows). So paths 0-2
+// give over a bf16 pool the bits they give over a float32 pool holding the same rounded K/V, with the queries
+// rounded. Path 3 (mode 3, a CPU with AVX512-BF16) runs both products of the rows-as-lanes kernels with
+// vdpbf16ps instead, two elements an instruction: the scores with K's pairs read straight from the pool (the
+// same products as the other paths', but vdpbf16ps rounds its sums its own way), and a prefill chunk's P.V
+// over the weights rounded to bf16 (as flash-attention kernels round P) against V interleaved by key pairs
+// once per block and head (head_rows). 1.5x the widening path on prefill shapes (16 prompts of 620 tokens, 2
+// threads of a Zen 4: 231 GFLOP/s against 154); path 3 agrees with the others within bf16 rounding of the
+// weights, not to the bit. A group item (decode tokens on a shared prefix) keeps float32 P.V, as a decode
+// token alone has on the row-major tiles, so a decode token's result moves with the group it falls in only
+// within float32 rounding. Path 3 is batch-invariant as the others are: each lane one chain over D (scores)
+// and over the key pairs (P.V) in order, on either vector width, whatever else shares its item or however its
+// request was chunked.
 //
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
 // token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
@@ -818,8 +816,8 @@ using V = Avx2;
 }  // namespace lanes8
 
 // The path a call runs: the widest of the mode asked for (0 scalar, 1 AVX2, 2 AVX-512 on prefill
-// chunks, 3 that and, over a bf16 pool, their scores and P.V by vdpbf16ps) that the CPU has, where a head is
-// whole 8-float vectors; otherwise the scalar one.
+// chunks, 3 that and, over a bf16 pool, their scores and P.V by vdpbf16ps) that the CPU has, where a
+// head is whole 8-float vectors; otherwise the scalar one.
 int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;
   if (mode == 1 || !avx512) return 1;

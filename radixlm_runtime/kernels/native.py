@@ -112,9 +112,10 @@ def built(source: Path) -> Path:
 def build_all(sources: list[Path] | None = None) -> dict[Path, KernelBuildError]:
     """Builds every kernel library (`sources`, default: every .cpp of the package) that is not built
     yet, one compiler per core at once: on a machine that has none, a first start or test run would
-    otherwise build them one after another as each is first loaded, and the one-call decoder alone
-    (a unity build of the others) takes a minute. Returns the sources that failed, with why; each
-    fails again, with its fallback, where it is loaded."""
+    otherwise build them one after another as each is first loaded (the one-call decoder, a unity
+    build of the others, takes ~20 s alone at -O3 on a 2-core Zen 4, ~1 minute under AddressSanitizer:
+    28 s and 117 s for all four one after another, 23 s and 66 s at once). Returns the sources that
+    failed, with why; each fails again, with its fallback, where it is loaded."""
     sources = sorted(PACKAGE_DIR.rglob("*.cpp")) if sources is None else sources
     failed: dict[Path, KernelBuildError] = {}
 

@@ -182,6 +182,14 @@ def test_without_bf16_dot_products_the_kv_stays_float32(
         assert engine.runner.kv_pool.dtype == engine.runner.host_pool.dtype == torch.float32
     finally:
         engine.shutdown()
+    # Asked for by name, a bf16 pool needs no bf16 dot products: the kernels widen it.
+    engine = _engine(tiny_llama_dir, "fp32-bf16-kv", kv_host_tokens=512)
+    try:
+        assert engine.runner.kv_pool.dtype == engine.runner.host_pool.dtype == torch.bfloat16
+        (ids, _, _), *_ = _generate(engine, PROMPTS[:1])
+        assert len(ids) == GREEDY["max_new_tokens"]
+    finally:
+        engine.shutdown()
 
 
 def test_the_bf16_kv_flag_halves_the_pool_bytes_per_token(tiny_llama_dir: Path) -> None:
