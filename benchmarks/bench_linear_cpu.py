@@ -11,17 +11,20 @@ float linears before); both sides run in this process on the same weights and in
 best of `--repeats`; outputs are checked against each other first.
 
 Then the peak of each instruction set on this machine, per thread count of `--threads`
-(benchmarks/cpu_peak.cpp: fp32 FMA, bf16 dot products vdpbf16ps, int8 dot products), and every kernel
+(benchmarks/cpu_peak.cpp: fp32 FMA, bf16 dot products vdpbf16ps, int8 dot products, AMX tile products
+where the CPU has them), and every kernel
 against the peak of its own arithmetic at decode rows (`--kernel-rows` up to 64: `--layers` layers and
 the lm_head, the weights streamed as in a decode step) and prefill rows (512 and 2,048 tokens:
-`--prefill-layers` layers, no lm_head): fp32 panels (PANEL_GEMM), bf16 panels (BF16_GEMM, AVX512-BF16),
+`--prefill-layers` layers, no lm_head): fp32 panels (PANEL_GEMM), bf16 panels (BF16_GEMM: AMX-BF16
+where the CPU has it, then also on AVX512-BF16 with AMX off, side by side),
 int4 (GGUF Q4_1's numbers: quantize_int4) and int8 (Q8_0's: quantize_int8, groups of 32) weights with
 float32 activations (row-dot kernels below PANEL_GEMM_MIN_ROWS rows, the panel GEMM from there), in
 bf16 (from that many rows on) and with int8 activations (Act8Panels, VNNI or AVX2; skipped where this
 radixlm or CPU lacks them). Rates count 2 x M x N x K operations (GFLOP/s; GOP/s for int8 activations,
 against the int8 peak); a kernel in fp32 arithmetic is held against the widest fp32 FMA peak, bf16
-against vdpbf16ps', int8 activations against vpdpbusd's. Each kernel's output is checked against the
-float32 product with the weight it holds (relative error under 1e-4 in fp32, 3e-2 in bf16 or int8).
+against vdpbf16ps' (tdpbf16ps' on AMX tiles), int8 activations against vpdpbusd's. Each kernel's
+output is checked against the float32 product with the weight it holds (relative error under 1e-4 in
+fp32, 3e-2 in bf16 or int8).
 
     python benchmarks/bench_linear_cpu.py                    # rows 1 .. 900, 30 layers; peaks at all cores
     python benchmarks/bench_linear_cpu.py --threads 1,2      # peaks and kernels at 1 and 2 threads
@@ -59,6 +62,7 @@ from radixlm_runtime.layers import linear_kernels
 from radixlm_runtime.layers.linear_kernels import (
     BF16,
     FP32,
+    NO_AMX,
     PANEL_GEMM_MIN_ROWS,
     ROW_DOT,
     ROW_DOT_512,
@@ -66,6 +70,7 @@ from radixlm_runtime.layers.linear_kernels import (
     FloatPanels,
     bf16_available,
     cpu_linear,
+    kernel_mode,
 )
 from radixlm_runtime.layers.quantization import QuantizedWeight, quantize_int4, quantize_int8
 
@@ -132,10 +137,11 @@ def measure(rows: int, layers: int, repeats: int, mode: int) -> dict[str, float]
 PEAK_PATHS = {
     "fp32": ("fp32_fma_zmm", "fp32_fma_ymm"),
     "bf16": ("bf16_dot_zmm",),
+    "bf16_amx": ("bf16_amx",),
     "int8": ("int8_vnni_zmm", "int8_vnni_ymm", "int8_avx2_ymm"),
 }
 # Relative error allowed against the float32 product with the weight a kernel holds.
-TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "int8": 3e-2}
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "bf16_amx": 3e-2, "int8": 3e-2}
 # The share of its peak a kernel is to reach at prefill rows, in percent.
 PEAK_TARGET = 70.0
 
@@ -152,14 +158,21 @@ class Kernel:
     pack: Callable[[Any], Any]
     compute: str  # linear_kernels.FP32 or BF16
     act8: bool = False
+    no_amx: bool = False  # bf16 kept on the AVX512-BF16 kernel on a CPU with AMX-BF16 (set beside it)
 
     def arithmetic(self, rows: int) -> str:
-        """fp32, bf16 or int8: what the kernel run at `rows` rows multiplies in."""
+        """fp32, bf16 (vdpbf16ps), bf16_amx (tdpbf16ps) or int8: what the kernel at `rows` rows
+        multiplies in."""
         if self.act8:
             return "int8"
         if self.compute == BF16 and (self.pack == BF16Panels.pack or rows >= PANEL_GEMM_MIN_ROWS):
-            return "bf16"
+            amx = not self.no_amx and linear_kernels.bf16_path(rows, LAYER_SHAPES[0][1]) == "AMX-BF16"
+            return "bf16_amx" if amx else "bf16"
         return "fp32"
+
+    def mode(self, rows: int) -> int | None:
+        """The mode cpu_linear runs it in: its own pick, or that pick kept off AMX tiles."""
+        return kernel_mode(rows, self.compute) | NO_AMX if self.no_amx else None
 
 
 def _int8(weight: torch.Tensor) -> QuantizedWeight:
@@ -179,6 +192,9 @@ KERNELS = {
     for k in (
         Kernel("fp32_panels", "float32 panels", _same, FloatPanels.pack, FP32),
         Kernel("bf16_panels", "bf16 panels", _same, BF16Panels.pack, BF16),
+        Kernel(
+            "bf16_panels_vdp", "bf16 panels, AVX512-BF16 (AMX off)", _same, BF16Panels.pack, BF16, no_amx=True
+        ),
         Kernel("int4", "int4 weights, fp32 activations", quantize_int4, _same, FP32),
         Kernel("int4_bf16", "int4 weights, bf16 arithmetic", quantize_int4, _same, BF16),
         Kernel("int4_a8", "int4 weights, int8 activations", quantize_int4, _act8, FP32, act8=True),
@@ -193,6 +209,8 @@ def unavailable(kernel: Kernel) -> str | None:
     """Why `kernel` cannot run here (None: it can)."""
     if kernel.compute == BF16 and not bf16_available():
         return "this CPU has no AVX512-BF16 dot products"
+    if kernel.no_amx and linear_kernels.bf16_path(64, LAYER_SHAPES[0][1]) != "AMX-BF16":
+        return "this CPU has no AMX-BF16 tiles: the bf16 panels row is its AVX512-BF16 kernel"
     if kernel.act8:
         if not hasattr(linear_kernels, "Act8Panels"):
             return "this radixlm has no int8-activation kernels (linear_kernels.Act8Panels)"
@@ -214,9 +232,9 @@ def _reference(held: Any, packed: Any) -> torch.Tensor:
     return held.dequantize() if isinstance(held, QuantizedWeight) else held
 
 
-def _pass(packed: list[Any], inputs: dict[int, torch.Tensor], compute: str) -> None:
+def _pass(packed: list[Any], inputs: dict[int, torch.Tensor], compute: str, mode: int | None) -> None:
     for w in packed:
-        cpu_linear(inputs[w.in_features], w, compute=compute)
+        cpu_linear(inputs[w.in_features], w, mode=mode, compute=compute)
 
 
 def measure_kernel(
@@ -238,14 +256,14 @@ def measure_kernel(
             if shape not in checked:
                 x = inputs[w.in_features]
                 want = x @ _reference(h, w).T
-                got = cpu_linear(x, w, compute=kernel.compute)
+                got = cpu_linear(x, w, mode=kernel.mode(rows), compute=kernel.compute)
                 checked[shape] = float((got - want).norm() / want.norm())
         arithmetic = kernel.arithmetic(rows)
         error = max(checked.values())
         if error > TOLERANCE[arithmetic]:
             raise AssertionError(f"{kernel.name} at {rows} rows: relative error {error:.2e} against float32")
 
-        seconds = _best(functools.partial(_pass, packed, inputs, kernel.compute), repeats)
+        seconds = _best(functools.partial(_pass, packed, inputs, kernel.compute, kernel.mode(rows)), repeats)
         rate = ops_per_row * rows / seconds / 1e9
         path = next((p for p in PEAK_PATHS[arithmetic] if p in peaks), None)
         out.append(

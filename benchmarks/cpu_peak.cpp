@@ -1,7 +1,8 @@
 // This CPU's peak arithmetic rate per vector instruction set, the ceiling bench_linear_cpu.py holds the
 // linear kernels against: fp32 FMA (vfmadd*ps), bf16 pair dot products (vdpbf16ps, AVX512-BF16) and
 // int8 dot products (vpdpbusd, AVX512-VNNI; AVX-VNNI on ymm), each on zmm where the CPU has AVX-512, and
-// on every CPU with AVX2 fp32 FMA on ymm and AVX2's int8 dot product (vpmaddubsw + vpmaddwd + vpaddd).
+// on every CPU with AVX2 fp32 FMA on ymm and AVX2's int8 dot product (vpmaddubsw + vpmaddwd + vpaddd);
+// on Sapphire Rapids and later the AMX tile products too (tdpbusd, tdpbf16ps).
 //
 // Each thread runs 16 (zmm) or 12 (ymm) independent accumulator chains held in registers (more chains
 // than the instruction's latency times the ports that issue it, so none waits on its own result), on
@@ -13,13 +14,16 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <vector>
 
 namespace {
 
 // The paths, as cpu_peak.py numbers them.
-enum Isa { FMA_YMM = 0, FMA_ZMM = 1, BF16_ZMM = 2, VNNI_ZMM = 3, VNNI_YMM = 4, INT8_AVX2 = 5 };
+enum Isa { FMA_YMM = 0, FMA_ZMM = 1, BF16_ZMM = 2, VNNI_ZMM = 3, VNNI_YMM = 4, INT8_AVX2 = 5, AMX_INT8 = 6, AMX_BF16 = 7 };
 
 // Operands the compiler cannot see as constants (read once per call through a volatile).
 volatile float g_seed = 1.0f;
@@ -109,11 +113,67 @@ CP_PATH(vnni_ymm, "avx2,fma,avxvnni", CP_REP12, CP_VNNI_YMM_SETUP, __m256i, CP_E
   })
 CP_PATH(int8_avx2, "avx2,fma", CP_REP12, CP_AVX2_INT8_SETUP, __m256i, CP_EPI256, CP_AVX2_INT8, CP_LANE_EPI256)
 
+
+// AMX: four accumulator tiles (0-3) of 16 x 16 int32 or float32, each stepped every round by one tile
+// product of two operand tiles (4-5 times 6-7), so no product waits on the one before it in its chain.
+// A tdpbusd is 16 x 16 x 64 byte products, a tdpbf16ps 16 x 16 x 32 bf16 ones.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int kAmxChains = 4;
+
+// Linux hands a process AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+#define CP_AMX_PATH(NAME, TARGET, DP, ELEM)                                     \
+  __attribute__((target(TARGET))) double NAME(int64_t iters) {                 \
+    TileConfig cfg;                                                              \
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;             \
+    asm volatile("" : : "r"(&cfg) : "memory"); /* GCC 12: ldtilecfg's read */    \
+    _tile_loadconfig(&cfg);                                                      \
+    alignas(64) uint8_t operand[16 * 64];                                        \
+    for (auto& b : operand) b = static_cast<uint8_t>(g_seed) & 1;                \
+    _tile_loadd(4, operand, 64);                                                 \
+    _tile_loadd(5, operand, 64);                                                 \
+    _tile_loadd(6, operand, 64);                                                 \
+    _tile_loadd(7, operand, 64);                                                 \
+    _tile_zero(0);                                                               \
+    _tile_zero(1);                                                               \
+    _tile_zero(2);                                                               \
+    _tile_zero(3);                                                               \
+    for (int64_t it = 0; it < iters; ++it) {                                     \
+      DP(0, 4, 6);                                                               \
+      DP(1, 4, 7);                                                               \
+      DP(2, 5, 6);                                                               \
+      DP(3, 5, 7);                                                               \
+    }                                                                            \
+    alignas(64) ELEM out[4][16 * 16];                                            \
+    _tile_stored(0, out[0], 64);                                                 \
+    _tile_stored(1, out[1], 64);                                                 \
+    _tile_stored(2, out[2], 64);                                                 \
+    _tile_stored(3, out[3], 64);                                                 \
+    _tile_release();                                                             \
+    return static_cast<double>(out[0][0]) + out[1][0] + out[2][0] + out[3][0];   \
+  }
+
+#define CP_TDPBUSD(c, a, b) _tile_dpbusd(c, a, b)
+CP_AMX_PATH(amx_int8, "amx-tile,amx-int8", CP_TDPBUSD, int32_t)
+// Operand bytes 0 or 1 make bf16 values of 0 or about 1e-38: the float sums stay far from overflow.
+#define CP_TDPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
+CP_AMX_PATH(amx_bf16, "amx-tile,amx-bf16", CP_TDPBF16PS, float)
+
 }  // namespace
 
 extern "C" {
 
-// Whether this CPU runs path `isa` (0 fma_ymm, 1 fma_zmm, 2 bf16_zmm, 3 vnni_zmm, 4 vnni_ymm, 5 int8_avx2).
+// Whether this CPU runs path `isa` (0 fma_ymm, 1 fma_zmm, 2 bf16_zmm, 3 vnni_zmm, 4 vnni_ymm, 5 int8_avx2,
+// 6 amx_int8, 7 amx_bf16): AMX also needs the kernel's leave to use tile state.
 int cpu_peak_supported(int isa) {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -124,12 +184,17 @@ int cpu_peak_supported(int isa) {
     case VNNI_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512vnni");
     case VNNI_YMM: return avx2 && __builtin_cpu_supports("avxvnni");
     case INT8_AVX2: return avx2;
+    case AMX_INT8: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
+    case AMX_BF16: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
     default: return 0;
   }
 }
 
 // Independent chains per thread of path `isa`: one instruction each per round.
-int cpu_peak_chains(int isa) { return isa == FMA_YMM || isa == VNNI_YMM || isa == INT8_AVX2 ? kAccYmm : kAccZmm; }
+int cpu_peak_chains(int isa) {
+  if (isa == AMX_INT8 || isa == AMX_BF16) return kAmxChains;
+  return isa == FMA_YMM || isa == VNNI_YMM || isa == INT8_AVX2 ? kAccYmm : kAccZmm;
+}
 
 // Runs path `isa` on `threads` OpenMP threads, `iters` rounds each; returns the wall seconds of the
 // parallel region and writes the threads that ran to *team; -1 where the CPU lacks the path.
@@ -150,6 +215,8 @@ double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
       case BF16_ZMM: r = bf16_zmm(iters); break;
       case VNNI_ZMM: r = vnni_zmm(iters); break;
       case VNNI_YMM: r = vnni_ymm(iters); break;
+      case AMX_INT8: r = amx_int8(iters); break;
+      case AMX_BF16: r = amx_bf16(iters); break;
       default: r = int8_avx2(iters); break;
     }
     sink[static_cast<size_t>(t)] = r;

@@ -4,9 +4,9 @@ bench_linear_cpu.py reports the linear kernels against.
 
 A path's rate is ops per instruction (a multiply-add counts two: fp32 FMA 2 x lanes, vdpbf16ps 2 x 2
 per float lane, vpdpbusd 2 x 4 per int32 lane; AVX2's three-instruction int8 step as one vpdpbusd
-ymm) times the instructions its chains retired, over the
-wall time of the parallel region; best of `repeats` runs of about `seconds` each. A path this CPU lacks
-is left out (`supported` says which).
+ymm; an AMX tile product 2 x 16 x 16 x 64 bytes or x 32 bf16) times the instructions its chains
+retired, over the wall time of the parallel region; best of `repeats` runs of about `seconds` each. A
+path this CPU lacks is left out (`supported` says which).
 
     python benchmarks/cpu_peak.py                # every path at all cores and at 1 thread
     python benchmarks/cpu_peak.py --threads 1,2
@@ -45,6 +45,8 @@ PATHS = {
     "int8_vnni_zmm": PeakPath(3, "int8_vnni_zmm", "vpdpbusd zmm (AVX512-VNNI)", "GOP/s", 128),
     "int8_vnni_ymm": PeakPath(4, "int8_vnni_ymm", "vpdpbusd ymm (AVX-VNNI)", "GOP/s", 64),
     "int8_avx2_ymm": PeakPath(5, "int8_avx2_ymm", "vpmaddubsw+vpmaddwd+vpaddd ymm (AVX2)", "GOP/s", 64),
+    "int8_amx": PeakPath(6, "int8_amx", "tdpbusd (AMX-INT8)", "GOP/s", 2 * 16 * 16 * 64),
+    "bf16_amx": PeakPath(7, "bf16_amx", "tdpbf16ps (AMX-BF16)", "GFLOP/s", 2 * 16 * 16 * 32),
 }
 
 

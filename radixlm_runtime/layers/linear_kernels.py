@@ -21,14 +21,16 @@ _SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 # AVX-512 row-dot kernel, the bf16 panel GEMM (AVX512-BF16), and for Act8Panels the 256-bit VNNI code on
 # AVX512-VL (the AVX-VNNI path's arithmetic, for tests on CPUs without AVX-VNNI).
 SCALAR, ROW_DOT, PANEL_GEMM, ROW_DOT_512, BF16_GEMM, VNNI_256 = 0, 1, 2, 3, 4, 5
+# A bit OR'd into a mode: bf16 kept off AMX tiles, on the AVX512-BF16 kernel (benchmarks and tests set the
+# two side by side).
+NO_AMX = 8
 # What rq_act8_path reports: the int8-activation kernel a mode runs on this CPU.
-ACT8_PATHS = ("scalar", "AVX2", "AVX-VNNI", "AVX512-VL VNNI", "AVX512-VNNI", "AMX-INT8")
+ACT8_PATHS = ("scalar", "AVX2", "AVX-VNNI", "AVX512-VL VNNI", "AVX512-VNNI")
 # The CPU features rq_act8_path reads, as its bits (linear_cpu.cpp kFeat*), by /proc/cpuinfo flags.
 _ACT8_FEATURES = (
     (1, ("avx2", "fma")),
     (2, ("avx2", "fma", "avx_vnni")),
     (4, ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")),
-    (8, ("amx_tile", "amx_int8")),
 )
 # What rq_bf16_path reports: the bf16 kernel a row count runs on this CPU.
 BF16_PATHS = ("scalar", "AVX512-BF16", "AMX-BF16")
@@ -333,8 +335,7 @@ def act8_available() -> bool:
 
 def act8_path(rows: int = 1, cpu_info: cpu.CpuInfo | None = None) -> str:
     """The int8-activation kernel `rows` rows run (for the log): on this CPU as the built library sees
-    it (the AMX path only once it has checked itself here), or on `cpu_info`'s features (tests fake
-    them)."""
+    it, or on `cpu_info`'s features (tests fake them)."""
     features = -1
     if cpu_info is not None:
         features = sum(bit for bit, flags in _ACT8_FEATURES if set(flags) <= cpu_info.flags)

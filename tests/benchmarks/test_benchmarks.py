@@ -444,6 +444,7 @@ def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
     assert kernels | set(linear_cpu["skipped_kernels"]) == {
         "fp32_panels",
         "bf16_panels",
+        "bf16_panels_vdp",  # beside AMX-BF16; skipped where the CPU has no AMX
         "int4",
         "int4_bf16",
         "int4_a8",
@@ -457,6 +458,10 @@ def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
         assert r["relative_error"] < (1e-4 if r["arithmetic"] == "fp32" else 3e-2)
         if r["kernel"].endswith("_a8"):
             assert r["arithmetic"] == "int8" and r["peak_path"].startswith("int8_vnni")
+        if r["kernel"] == "bf16_panels_vdp":
+            assert r["arithmetic"] == "bf16" and r["peak_path"] == "bf16_dot_zmm"
+        if r["arithmetic"] == "bf16_amx":
+            assert r["peak_path"] == "bf16_amx" and r["kernel"] != "bf16_panels_vdp"
     assert [t["title"].split(" (")[0] for t in linear_cpu["tables"][1:]] == [
         "Measured peak of this machine",
         "CPU linear kernels against the measured peak of their arithmetic",

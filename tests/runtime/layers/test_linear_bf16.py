@@ -1,7 +1,8 @@
 """The bf16 arithmetic of the CPU linear kernels (--dtype bfloat16 on CPU): bf16 pair panels and
-quantized weights multiplied in bf16, against float32 math on the bf16-rounded operands, the SIMD path
-equal to the scalar one, batch-invariant, and picked only where the CPU has bf16 dot products (faked
-CPU features reach every branch of that choice). On the CPU whatever the test device."""
+quantized weights multiplied in bf16, against float32 math on the bf16-rounded operands, the AVX512-BF16
+path equal to the scalar one, AMX-BF16 (where the CPU has it) close to them, each batch-invariant, and
+picked only where the CPU has bf16 dot products (faked CPU features reach every branch of that choice).
+On the CPU whatever the test device."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from radixlm_runtime.layers.linear_kernels import (
     BF16,
     BF16_GEMM,
     FP32,
+    NO_AMX,
     PANEL_GEMM,
     PANEL_GEMM_MIN_ROWS,
     ROW_DOT_512,
@@ -30,6 +32,9 @@ from radixlm_runtime.utils import cpu
 
 needs_bf16 = pytest.mark.skipif(
     not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
+)
+needs_amx_bf16 = pytest.mark.skipif(
+    linear_kernels.bf16_path(16, 64) != "AMX-BF16", reason="this CPU has no usable AMX-BF16 tiles"
 )
 
 
@@ -52,7 +57,8 @@ def test_pair_panels_round_trip_and_need_an_even_k() -> None:
 )
 def test_pair_panels_compute_the_rounded_product(rows: int, out_features: int, in_features: int) -> None:
     """Every mode gives float32 math on bf16-rounded x and W; where the CPU has vdpbf16ps its bits equal
-    the scalar path's pair order (hi product, then lo, each add rounded)."""
+    the scalar path's pair order (hi product, then lo, each add rounded). AMX tiles (where the CPU has
+    them, for K a multiple of 32) add their products their own way: close, one path for every mode."""
     torch.manual_seed(rows)
     x, w, bias = (
         torch.randn(rows, in_features),
@@ -61,18 +67,38 @@ def test_pair_panels_compute_the_rounded_product(rows: int, out_features: int, i
     )
     panels = BF16Panels.pack(w)
     reference = _bf16(x).double() @ _bf16(w).double().T + bias.double()
-    outs = [cpu_linear(x, panels, bias, mode=mode) for mode in (SCALAR, PANEL_GEMM, ROW_DOT_512, BF16_GEMM)]
-    for out in outs:
+    modes = (SCALAR, PANEL_GEMM, ROW_DOT_512, BF16_GEMM)
+    outs = [cpu_linear(x, panels, bias, mode=mode) for mode in modes]
+    vdp = [cpu_linear(x, panels, bias, mode=mode | NO_AMX) for mode in modes]
+    for out in outs + vdp:
         torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
     if bf16_available():
-        for out in outs[1:]:
-            assert torch.equal(out, outs[0])
+        assert all(torch.equal(out, vdp[0]) for out in vdp[1:])  # vdpbf16ps: the scalar pair order
+        amx = linear_kernels.bf16_path(rows, in_features) == "AMX-BF16"
+        assert all(torch.equal(out, outs[1] if amx else vdp[0]) for out in outs[1:])
 
 
-def test_pair_panels_are_batch_invariant() -> None:
+@pytest.mark.parametrize("mode", [BF16_GEMM, BF16_GEMM | NO_AMX])
+def test_pair_panels_are_batch_invariant(mode: int) -> None:
     torch.manual_seed(0)
     panels = BF16Panels.pack(torch.randn(200, 576))
-    assert_batch_invariant(lambda rows: cpu_linear(rows, panels), torch.randn(40, 576))
+    assert_batch_invariant(lambda rows: cpu_linear(rows, panels, mode=mode), torch.randn(40, 576))
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_amx_bf16_tiles_serve_every_row_count_close_to_vdpbf16ps(in_features: int) -> None:
+    """On a CPU with AMX-BF16: a row's bits are the same alone, among 15, 16, 17 or 40 rows (whole and
+    part tiles, one and two row tiles a block), and within float32 rounding of the AVX512-BF16 kernel's,
+    whose bits they are not (a tile product sums its 32 products its own way)."""
+    torch.manual_seed(in_features)
+    panels = BF16Panels.pack(torch.randn(200, in_features))  # 13 panels: pairs and a last odd one
+    x = torch.randn(40, in_features)
+    amx, vdp = cpu_linear(x, panels), cpu_linear(x, panels, mode=BF16_GEMM | NO_AMX)
+    torch.testing.assert_close(amx, vdp, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(amx, vdp)
+    for rows in (1, 15, 16, 17):
+        assert torch.equal(cpu_linear(x[:rows], panels), amx[:rows])
 
 
 @needs_bf16
@@ -128,15 +154,14 @@ AMX_BF16 = AVX512 + " avx512_bf16 amx_tile amx_bf16"
         (AVX512 + " avx512_bf16", 64, 576, "AVX512-BF16"),
         (AMX_BF16, 64, 576, "AMX-BF16"),
         (AMX_BF16, 16, 576, "AMX-BF16"),
-        (AMX_BF16, 15, 576, "AVX512-BF16"),  # fewer rows than a tile
+        (AMX_BF16, 1, 576, "AMX-BF16"),  # every row count: the tiles' sums are their own
         (AMX_BF16, 64, 48, "AVX512-BF16"),  # K not whole tiles of 32 columns
         (AVX512 + " amx_tile amx_bf16", 64, 576, "scalar"),  # AMX without AVX512-BF16 beside it
     ],
 )
 def test_each_cpu_gets_its_bf16_path(flags: str, rows: int, in_features: int, path: str) -> None:
-    """AMX-BF16 where the CPU has it, for whole tiles (16 rows, 32 columns), else AVX512-BF16: the same
-    bits either way (each checked against the other on first use), so the choice by rows keeps the
-    outputs batch-invariant. No machine here has AMX: the dispatch is tested on faked features."""
+    """AMX-BF16 where the CPU has it, for K a multiple of 32, at every row count (its sums are not
+    vdpbf16ps's, so a weight keeps one path whatever the rows: batch-invariant), else AVX512-BF16."""
     assert linear_kernels.bf16_path(rows, in_features, _fake(flags)) == path
 
 
