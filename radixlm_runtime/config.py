@@ -90,8 +90,9 @@ class EngineConfig:
         "auto",
         "What the KV cache stores. 'auto': the model's dtype (float32 on CPU; bf16 under --dtype bfloat16"
         " on CPU and on CUDA). 'bfloat16': K and V rounded to bf16 under float32 arithmetic (half "
-        "float32's bytes, so twice the tokens and half a decode's reads); on a CPU with AVX512-BF16 the "
-        "C++ prefill attention then runs on vdpbf16ps (1.5x float32; the fastest CPU setting with "
+        "float32's bytes, so twice the tokens and half a decode's reads); on a CPU whose vdpbf16ps outruns "
+        "its float32 FMAs (timed at start: AMD Zen 4 yes, Intel Sapphire Rapids no) the C++ prefill "
+        "attention then runs on vdpbf16ps (1.5x float32 on a Zen 4; the fastest CPU setting there with "
         "--quantization auto --cpu-act-quant int8). 'int8': K and V as int8 with a float32 scale per "
         "token and kv head (symmetric, max |x| / 127), quantized as they are stored and read directly by "
         "every attention backend (C++ CPU, torch, Triton; dequantized in registers or per block, never a "

@@ -868,6 +868,9 @@ int ca_has_avx512(void) { return simd::cpu_has_avx512(); }
 
 int ca_has_avx512_bf16(void) { return simd::cpu_has_avx512_bf16(); }
 
+// vdpbf16ps's measured flop rate over float32 FMAs' here (0 without AVX512-BF16): whether path 3 pays.
+double ca_bf16_dot_over_fma(void) { return simd::bf16_dot_over_fma(); }
+
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.
 int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int cpu_has_avx512_bf16, int64_t head_dim) {
   return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, cpu_has_avx512_bf16 != 0, head_dim);

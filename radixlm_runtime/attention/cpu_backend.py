@@ -2,7 +2,8 @@
 of float32, (--dtype bfloat16, --kv-cache-dtype bfloat16) bf16 or (--kv-cache-dtype int8) int8. bf16:
 K/V rounded to bf16 as they are stored and widened back as they are read, the scores then dot products
 of bf16 operands (the queries rounded too) accumulated in float32; on prefill chunks, where the CPU has
-AVX512-BF16, both the scores and P.V (the weights rounded to bf16) by vdpbf16ps, 1.5x float32. int8:
+AVX512-BF16 and runs it fast (default_mode), both the scores and P.V (the weights rounded to bf16) by
+vdpbf16ps, 1.5x float32 on a Zen 4. int8:
 K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
 float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
 scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
@@ -32,6 +33,9 @@ from radixlm_runtime.attention.torch_backend import MIN_SHARED_PREFIX, shared_pr
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kernels.native import load_library
 from radixlm_runtime.kvcache.pool import KVPool, ReqToTokenTable
+from radixlm_runtime.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
@@ -39,6 +43,10 @@ _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # (AVX512-BF16).
 # Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
 SCALAR, AVX2, AVX512, AVX512_BF16 = 0, 1, 2, 3
+# vdpbf16ps's flop rate over float32 FMAs' from which the bf16 path is the default: it does layout work
+# the float32 path does not (queries, V and the weights in pairs), so at the FMAs' rate it loses (a
+# Sapphire Rapids Xeon, 0.44x: prefill attention 0.77x the float32 path's; a Zen 4, 2x: 1.5x).
+BF16_DOT_MIN_RATIO = 1.5
 # The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -51,6 +59,7 @@ def _library() -> ctypes.CDLL:
     lib.ca_has_avx2_fma.restype = c_int
     lib.ca_has_avx512.restype = c_int
     lib.ca_has_avx512_bf16.restype = c_int
+    lib.ca_bf16_dot_over_fma.restype = ctypes.c_double
     lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
@@ -77,6 +86,24 @@ def kernel_path(
     avx512 = lib.ca_has_avx512() if cpu_has_avx512 is None else int(cpu_has_avx512)
     bf16 = lib.ca_has_avx512_bf16() if cpu_has_avx512_bf16 is None else int(cpu_has_avx512_bf16)
     return lib.ca_select_path(mode, avx2, avx512, bf16, head_dim)
+
+
+@functools.cache
+def default_mode() -> int:
+    """The widest mode that pays on this CPU: AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by
+    BF16_DOT_MIN_RATIO (timed once by the library), else AVX512 (the C++ side then steps down to what
+    the CPU has). Logged when the CPU has bf16 dot products that do not pay."""
+    ratio = _library().ca_bf16_dot_over_fma()
+    if ratio >= BF16_DOT_MIN_RATIO:
+        return AVX512_BF16
+    if ratio > 0:
+        logger.info(
+            "CPU attention: bf16 pools widened to float32 on prefill: vdpbf16ps runs at %.2fx the float32 "
+            "FMAs' flops here (the bf16 path needs %.1fx)",
+            ratio,
+            BF16_DOT_MIN_RATIO,
+        )
+    return AVX512
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -212,8 +239,8 @@ def decode_attention(
 
 
 class CpuAttentionBackend(AttentionBackend):
-    """Float32, bfloat16 or int8 KV on the CPU only. `mode` picks a narrower kernel path than the CPU has
-    (tests)."""
+    """Float32, bfloat16 or int8 KV on the CPU only. `mode` picks another kernel path than the one that
+    pays on this CPU (default_mode; tests)."""
 
     supports_per_token = True
     supports_sliding_window = True
@@ -224,7 +251,7 @@ class CpuAttentionBackend(AttentionBackend):
         kv_pool: KVPool,
         req_to_token_table: ReqToTokenTable,
         layers: Sequence[AttentionLayer],
-        mode: int = AVX512_BF16,
+        mode: int | None = None,
     ) -> None:
         if kv_pool.dtype not in KV_TYPES or kv_pool.device.type != "cpu":
             raise ValueError(
@@ -233,7 +260,7 @@ class CpuAttentionBackend(AttentionBackend):
             )
         super().__init__(kv_pool, req_to_token_table, layers)
         _library()  # built now, so a missing compiler fails at start-up
-        self.mode = mode
+        self.mode = default_mode() if mode is None else mode
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """The kernel's work: every request of the step, decode or prefill chunk, and the groups of

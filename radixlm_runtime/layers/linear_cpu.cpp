@@ -902,7 +902,7 @@ constexpr int64_t kAmxBf16RowBlock = 512;  // rows of x a thread takes through i
 SIMD_AMX_BF16 void amx_bf16_tiles(int64_t m);
 SIMD_AMX_BF16 void amx_release();
 SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t count,
-                                 int64_t last_valid, float* y, int64_t ldy);
+                                 int64_t last_valid, float* y, int64_t ldy, int64_t tile_rows);
 
 // x [m, k] as bf16 for the AMX path: zero rows after the last up to a whole tile of 16 (fewer than 16
 // rows make tiles of that many: amx_bf16_tiles).
@@ -924,7 +924,7 @@ SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, floa
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t valid = std::min(kPanel, w.n - p * kPanel);
       pack_bf16_panel(w, p * kPanel, valid, f32.data(), pairs.data());
-      if (amx) amx_bf16_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
+      if (amx) amx_bf16_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n, std::min<int64_t>(m, 16));
       else bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
     }
     if (amx) amx_release();
@@ -1412,11 +1412,12 @@ struct D {
 // AVX512-BF16 kernel's: measured on a Xeon with AMX, one tdpbf16ps adds its 32 products among
 // themselves with its own rounding before adding them to the sum (a product 2^-30 beside +1 and -1 is
 // lost; vdpbf16ps adds the pairs to the sum one at a time). So where AMX-BF16 serves a weight it serves
-// every row count of it, decode's single rows included (in a tile padded with zero rows: the weights'
-// bytes bound those steps, not the tile products): each output is one chain of tile products over K
-// in order, whatever the rows beside it, so the path is batch-invariant on its own. It checks itself
-// on first use (close to the AVX512-BF16 kernel, and the same bits for a row alone as among others)
-// and stays off if not; K not a multiple of 32 takes the AVX512-BF16 kernel.
+// every row count of it, decode's single rows included (in tiles of that many rows: the weights' bytes
+// bound those steps, not the tile products; 0.85x vdpbf16ps at 1-2 rows, 4-6x from 64 rows on the Xeon
+// measured in benchmarks/README.md): each output is one chain of tile products over K in order,
+// whatever the rows beside it, so the path is batch-invariant on its own. It checks itself on first
+// use (close to the AVX512-BF16 kernel, and the same bits for a row alone as among others) and stays
+// off if not; K not a multiple of 32 takes the AVX512-BF16 kernel.
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -1435,7 +1436,8 @@ bool amx_tiles_permitted() {
 }
 
 // Tiles 0-3: the sums of two row tiles (0-1, 2-3) by two panels; 4-5: 16 rows of x each; 6-7: 16
-// pairs of a panel each. Loaded per parallel region, by each thread (see the int8 path).
+// pairs of a panel each. Loaded per parallel region, by each thread: other libraries (oneDNN) may
+// configure the tiles of the same threads their own way.
 // With fewer than 16 rows of x, the sums' and x's tiles are that many rows: a tile product's time
 // follows its rows (decode's single rows).
 SIMD_AMX_BF16 void amx_bf16_tiles(int64_t m) {
@@ -1449,11 +1451,11 @@ SIMD_AMX_BF16 void amx_bf16_tiles(int64_t m) {
 
 SIMD_AMX_BF16 void amx_release() { _tile_release(); }
 
-// RT row tiles of xb (k columns) times PT panels (`stride` elements apart) into sums [RT * PT][16 x 16],
-// row tile r by panel q at r * PT + q: four independent chains of tile products where both are 2.
+// RT row tiles of xb (k columns) times PT panels (`stride` elements apart) into out[r * PT + q] (row
+// tile r by panel q, rows ld[.] bytes apart): four independent chains of tile products where both are 2.
 template <int RT, int PT>
 SIMD_AMX_BF16 void amx_bf16_block(const uint16_t* xb, int64_t k, const uint16_t* panel, int64_t stride,
-                                  float* sums) {
+                                  float* const* out, const int64_t* ld) {
   _tile_zero(0);
   if constexpr (PT > 1) _tile_zero(1);
   if constexpr (RT > 1) _tile_zero(2);
@@ -1477,31 +1479,45 @@ SIMD_AMX_BF16 void amx_bf16_block(const uint16_t* xb, int64_t k, const uint16_t*
     if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
     if constexpr (RT > 1 && PT > 1) _tile_dpbf16ps(3, 5, 7);
   }
-  _tile_stored(0, sums, 64);
-  if constexpr (PT > 1) _tile_stored(1, sums + 256, 64);
-  if constexpr (RT > 1) _tile_stored(2, sums + PT * 256, 64);
-  if constexpr (RT > 1 && PT > 1) _tile_stored(3, sums + 3 * 256, 64);
+  _tile_stored(0, out[0], ld[0]);
+  if constexpr (PT > 1) _tile_stored(1, out[1], ld[1]);
+  if constexpr (RT > 1) _tile_stored(2, out[PT], ld[PT]);
+  if constexpr (RT > 1 && PT > 1) _tile_stored(3, out[3], ld[3]);
 }
 
-// m rows of xb (bf16, k columns, zero rows after them to a whole block: rows_as_bf16_tiles) times
+// m rows of xb (bf16, k columns, zero rows after them to a whole tile: rows_as_bf16_tiles) times
 // `count` (1 or 2) consecutive pair panels into y (ldy apart); the last panel writes `last_valid` columns.
+// The tiles hold `tile_rows` rows (as amx_bf16_tiles configured them). A tile whose rows and columns all
+// fall in y is stored there directly (reading a tile's store back into vectors waits for it); a part
+// tile goes through `sums`.
 SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const uint16_t* panel, int64_t count,
-                                 int64_t last_valid, float* y, int64_t ldy) {
+                                 int64_t last_valid, float* y, int64_t ldy, int64_t tile_rows) {
   alignas(64) float sums[4 * 256];
   const int64_t stride = k * kPanel;
   for (int64_t r0 = 0; r0 < m; r0 += 32) {  // two row tiles a block
     const int64_t rt = r0 + 16 < m ? 2 : 1;
-    const uint16_t* a = xb + r0 * k;
-    if (rt == 2 && count == 2) amx_bf16_block<2, 2>(a, k, panel, stride, sums);
-    else if (rt == 2) amx_bf16_block<2, 1>(a, k, panel, stride, sums);
-    else if (count == 2) amx_bf16_block<1, 2>(a, k, panel, stride, sums);
-    else amx_bf16_block<1, 1>(a, k, panel, stride, sums);
+    float* out[4];
+    int64_t ld[4];
     for (int64_t r = 0; r < rt; ++r) {
       for (int64_t q = 0; q < count; ++q) {
+        const int64_t t = r * count + q, cols = q + 1 == count ? last_valid : kPanel;
+        const bool direct = cols == kPanel && std::min<int64_t>(16, m - r0 - 16 * r) == tile_rows;
+        out[t] = direct ? y + (r0 + 16 * r) * ldy + q * kPanel : sums + t * 256;
+        ld[t] = direct ? ldy * 4 : 64;
+      }
+    }
+    const uint16_t* a = xb + r0 * k;
+    if (rt == 2 && count == 2) amx_bf16_block<2, 2>(a, k, panel, stride, out, ld);
+    else if (rt == 2) amx_bf16_block<2, 1>(a, k, panel, stride, out, ld);
+    else if (count == 2) amx_bf16_block<1, 2>(a, k, panel, stride, out, ld);
+    else amx_bf16_block<1, 1>(a, k, panel, stride, out, ld);
+    for (int64_t r = 0; r < rt; ++r) {
+      for (int64_t q = 0; q < count; ++q) {
+        const int64_t t = r * count + q;
+        if (ld[t] != 64 || out[t] != sums + t * 256) continue;  // stored in place
         const __mmask16 mask = static_cast<__mmask16>((1u << (q + 1 == count ? last_valid : kPanel)) - 1);
-        const float* tile = sums + (r * count + q) * 256;
         for (int64_t i = 0; i < std::min<int64_t>(16, m - r0 - 16 * r); ++i) {
-          _mm512_mask_storeu_ps(y + (r0 + 16 * r + i) * ldy + q * kPanel, mask, _mm512_load_ps(tile + i * 16));
+          _mm512_mask_storeu_ps(y + (r0 + 16 * r + i) * ldy + q * kPanel, mask, _mm512_load_ps(out[t] + i * 16));
         }
       }
     }
@@ -1522,7 +1538,7 @@ SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, 
       for (int64_t q = pairs * t / nt; q < pairs * (t + 1) / nt; ++q) {
         const int64_t p = 2 * q, count = std::min<int64_t>(2, panels - p);
         amx_bf16_rows(xb + r0 * w.k, rows, w.k, bf16_panels_of(w) + p * w.k * kPanel, count,
-                      valid_columns(w, p + count - 1), y + r0 * w.n + p * kPanel, w.n);
+                      valid_columns(w, p + count - 1), y + r0 * w.n + p * kPanel, w.n, std::min<int64_t>(m, 16));
       }
     }
     amx_release();

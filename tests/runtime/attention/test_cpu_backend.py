@@ -385,6 +385,54 @@ def test_cpu_features_pick_the_path() -> None:
     assert bool(lib.ca_has_avx512_bf16()) == bf16_available()
 
 
+class _Ratio:
+    """A library stand-in that reports a given vdpbf16ps / FMA flop-rate ratio."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    def ca_bf16_dot_over_fma(self) -> float:
+        return self.ratio
+
+
+@pytest.mark.parametrize(
+    ("ratio", "mode", "logged"),
+    [(2.0, AVX512_BF16, False), (1.5, AVX512_BF16, False), (0.44, AVX512, True), (0.0, AVX512, False)],
+)
+def test_the_bf16_path_is_the_default_only_where_vdpbf16ps_outruns_fmas(
+    monkeypatch: pytest.MonkeyPatch,
+    runtime_caplog: pytest.LogCaptureFixture,
+    ratio: float,
+    mode: int,
+    logged: bool,
+) -> None:
+    """Zen 4 (2x the FMAs' flops) takes path 3 by default; a Sapphire Rapids Xeon (0.44x, where path 3 ran
+    0.77x the float32 path) widens bf16 pools to float32 and says so; a CPU without AVX512-BF16 (0) takes
+    the AVX-512 path silently."""
+    monkeypatch.setattr(cpu_backend, "_library", lambda: _Ratio(ratio))
+    cpu_backend.default_mode.cache_clear()
+    try:
+        assert cpu_backend.default_mode() == mode
+    finally:
+        cpu_backend.default_mode.cache_clear()
+    assert ("vdpbf16ps runs at" in runtime_caplog.text) is logged
+
+
+def test_this_cpu_measures_its_bf16_dot_rate() -> None:
+    """The library times vdpbf16ps against FMAs once: 0 without AVX512-BF16, else a rate ratio within
+    what CPUs have (0.44x on a Xeon with AMX, 2x on a Zen 4); the backend's default mode follows it."""
+    lib = cpu_backend._library()
+    ratio = lib.ca_bf16_dot_over_fma()
+    assert (ratio == 0.0) if not lib.ca_has_avx512_bf16() else (0.1 < ratio < 8.0)
+    pool, table = KVPool(8, 1, 1, 8, torch.float32, "cpu"), ReqToTokenTable(2, 8)
+    backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(1, 1.0))
+    assert (
+        backend.mode
+        == cpu_backend.default_mode()
+        == (AVX512_BF16 if ratio >= cpu_backend.BF16_DOT_MIN_RATIO else AVX512)
+    )
+
+
 def test_rejects_what_it_cannot_serve() -> None:
     table = ReqToTokenTable(2, 8)
     with pytest.raises(ValueError, match="float32, bfloat16 or int8"):

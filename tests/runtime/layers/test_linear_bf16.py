@@ -99,6 +99,11 @@ def test_amx_bf16_tiles_serve_every_row_count_close_to_vdpbf16ps(in_features: in
     assert not torch.equal(amx, vdp)
     for rows in (1, 15, 16, 17):
         assert torch.equal(cpu_linear(x[:rows], panels), amx[:rows])
+    # Past a block of 512 rows, a last block of fewer than 16 rows among tiles of 16.
+    long = torch.randn(520, in_features)
+    out = cpu_linear(long, panels)
+    torch.testing.assert_close(out, cpu_linear(long, panels, mode=BF16_GEMM | NO_AMX), rtol=1e-5, atol=1e-4)
+    assert torch.equal(out[512:], cpu_linear(long[512:], panels))
 
 
 @needs_bf16
