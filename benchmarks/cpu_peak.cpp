@@ -14,11 +14,10 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstdint>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -113,30 +112,16 @@ CP_PATH(vnni_ymm, "avx2,fma,avxvnni", CP_REP12, CP_VNNI_YMM_SETUP, __m256i, CP_E
   })
 CP_PATH(int8_avx2, "avx2,fma", CP_REP12, CP_AVX2_INT8_SETUP, __m256i, CP_EPI256, CP_AVX2_INT8, CP_LANE_EPI256)
 
-
 // AMX: four accumulator tiles (0-3) of 16 x 16 int32 or float32, each stepped every round by one tile
 // product of two operand tiles (4-5 times 6-7), so no product waits on the one before it in its chain.
 // A tdpbusd is 16 x 16 x 64 byte products, a tdpbf16ps 16 x 16 x 32 bf16 ones.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 constexpr int kAmxChains = 4;
-
-// Linux hands a process AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-bool amx_permitted() {
-  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return permitted;
-}
 
 #define CP_AMX_PATH(NAME, TARGET, DP, ELEM)                                     \
   __attribute__((target(TARGET))) double NAME(int64_t iters) {                 \
-    TileConfig cfg;                                                              \
+    simd::TileConfig cfg;                                                        \
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;             \
-    asm volatile("" : : "r"(&cfg) : "memory"); /* GCC 12: ldtilecfg's read */    \
-    _tile_loadconfig(&cfg);                                                      \
+    simd::load_tile_config(cfg);                                                 \
     alignas(64) uint8_t operand[16 * 64];                                        \
     for (auto& b : operand) b = static_cast<uint8_t>(g_seed) & 1;                \
     _tile_loadd(4, operand, 64);                                                 \
@@ -184,8 +169,8 @@ int cpu_peak_supported(int isa) {
     case VNNI_ZMM: return avx2 && has_avx512() && __builtin_cpu_supports("avx512vnni");
     case VNNI_YMM: return avx2 && __builtin_cpu_supports("avxvnni");
     case INT8_AVX2: return avx2;
-    case AMX_INT8: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_permitted();
-    case AMX_BF16: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+    case AMX_INT8: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && simd::amx_tiles_permitted();
+    case AMX_BF16: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && simd::amx_tiles_permitted();
     default: return 0;
   }
 }

@@ -1,6 +1,6 @@
 // SIMD helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
-// attention/cpu_attention.cpp): CPU feature checks, bf16 rounding and widening, AVX2 and AVX-512 exp and
-// tanh. kernels/native.py compiles each kernel with this folder on the include path and hashes this
+// attention/cpu_attention.cpp, and benchmarks/cpu_peak.cpp): CPU feature checks, bf16 rounding and
+// widening, AVX2 and AVX-512 exp and tanh, AMX tile set-up. kernels/native.py compiles each kernel with this folder on the include path and hashes this
 // header into every library's cache key, so editing it rebuilds them all.
 
 #pragma once
@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -36,6 +38,31 @@ inline bool cpu_has_avx512() {
 inline bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+// An AMX tile configuration (palette 1): the rows and bytes per row of each of the 8 tiles, 0 for unused.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether the kernel lets this process use AMX tile state (Linux asks for it: arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA). Asked once.
+inline bool amx_tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Configures this thread's tiles as `cfg` says. GCC 12 does not see ldtilecfg read its operand and
+// drops the stores that filled it (a configuration of stack garbage, or a fault): the asm makes them
+// land first.
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
 }
 
 // Whether a kernel call runs its AVX2 path: asked for (`mode` != 0; tests force 0 to reach the

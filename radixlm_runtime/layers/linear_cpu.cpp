@@ -31,8 +31,6 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1419,34 +1417,15 @@ struct D {
 // use (close to the AVX512-BF16 kernel, and the same bits for a row alone as among others) and stays
 // off if not; K not a multiple of 32 takes the AVX512-BF16 kernel.
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Whether the kernel lets this process use AMX tile state (Linux asks for it: arch_prctl
-// ARCH_REQ_XCOMP_PERM). Asked once.
-bool amx_tiles_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
 // Tiles 0-3: the sums of two row tiles (0-1, 2-3) by two panels; 4-5: 16 rows of x each; 6-7: 16
 // pairs of a panel each. Loaded per parallel region, by each thread: other libraries (oneDNN) may
 // configure the tiles of the same threads their own way.
 // With fewer than 16 rows of x, the sums' and x's tiles are that many rows: a tile product's time
 // follows its rows (decode's single rows).
 SIMD_AMX_BF16 void amx_bf16_tiles(int64_t m) {
-  TileConfig cfg;
+  simd::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = t < 6 ? static_cast<uint8_t>(std::min<int64_t>(m, 16)) : 16, cfg.colsb[t] = 64;
-  // GCC 12 does not see ldtilecfg read its operand and drops the stores above (a tile configuration of
-  // stack garbage, or a fault): the asm makes them land first.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  simd::load_tile_config(cfg);
 }
 
 SIMD_AMX_BF16 void amx_release() { _tile_release(); }
@@ -1497,11 +1476,12 @@ SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const
   for (int64_t r0 = 0; r0 < m; r0 += 32) {  // two row tiles a block
     const int64_t rt = r0 + 16 < m ? 2 : 1;
     float* out[4];
-    int64_t ld[4];
+    int64_t ld[4], rows[4], cols[4];
     for (int64_t r = 0; r < rt; ++r) {
       for (int64_t q = 0; q < count; ++q) {
-        const int64_t t = r * count + q, cols = q + 1 == count ? last_valid : kPanel;
-        const bool direct = cols == kPanel && std::min<int64_t>(16, m - r0 - 16 * r) == tile_rows;
+        const int64_t t = r * count + q;
+        rows[t] = std::min<int64_t>(16, m - r0 - 16 * r), cols[t] = q + 1 == count ? last_valid : kPanel;
+        const bool direct = cols[t] == kPanel && rows[t] == tile_rows;
         out[t] = direct ? y + (r0 + 16 * r) * ldy + q * kPanel : sums + t * 256;
         ld[t] = direct ? ldy * 4 : 64;
       }
@@ -1514,9 +1494,9 @@ SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const
     for (int64_t r = 0; r < rt; ++r) {
       for (int64_t q = 0; q < count; ++q) {
         const int64_t t = r * count + q;
-        if (ld[t] != 64 || out[t] != sums + t * 256) continue;  // stored in place
-        const __mmask16 mask = static_cast<__mmask16>((1u << (q + 1 == count ? last_valid : kPanel)) - 1);
-        for (int64_t i = 0; i < std::min<int64_t>(16, m - r0 - 16 * r); ++i) {
+        if (out[t] != sums + t * 256) continue;  // stored in place
+        const __mmask16 mask = static_cast<__mmask16>((1u << cols[t]) - 1);
+        for (int64_t i = 0; i < rows[t]; ++i) {
           _mm512_mask_storeu_ps(y + (r0 + 16 * r + i) * ldy + q * kPanel, mask, _mm512_load_ps(out[t] + i * 16));
         }
       }
@@ -1554,7 +1534,7 @@ bool amx_bf16_usable() {
     if (!cpu_has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
       return false;
     }
-    if (!amx_tiles_permitted()) return false;
+    if (!simd::amx_tiles_permitted()) return false;
     const int64_t n = 40, k = 64, m = 37, panels = (n + kPanel - 1) / kPanel;
     std::vector<uint16_t> pairs(panels * k * kPanel);
     std::vector<float> x(m * k), a(m * n), b(m * n), one(n);
