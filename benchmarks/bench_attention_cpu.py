@@ -26,6 +26,7 @@ from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_fig
 from cpu_peak import PATHS, measure
 
 from radixlm_runtime.attention.cpu_backend import (
+    AMX_BF16,
     AVX2,
     AVX512,
     AVX512_BF16,
@@ -55,10 +56,11 @@ ROWS = [
     Row("float32 pool", torch.float32, AVX512),
     Row("bf16 pool, widened", torch.bfloat16, AVX512),
     Row("bf16 pool, vdpbf16ps", torch.bfloat16, AVX512_BF16),
+    Row("bf16 pool, AMX tiles", torch.bfloat16, AMX_BF16),
     Row("int8 pool", torch.int8, AVX512),
 ]
 # The cpu_peak.PATHS instruction each kernel path multiplies with (the scalar path: none measured).
-PATH_PEAKS = {AVX2: "fp32_fma_ymm", AVX512: "fp32_fma_zmm", AVX512_BF16: "bf16_dot_zmm"}
+PATH_PEAKS = {AVX2: "fp32_fma_ymm", AVX512: "fp32_fma_zmm", AVX512_BF16: "bf16_dot_zmm", AMX_BF16: "bf16_amx"}
 
 
 def run_row(row: Row, requests: int, tokens: int, repeats: int) -> tuple[float, torch.Tensor]:
@@ -113,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         path = kernel_path(HEAD_DIM, row.mode)
         if row.mode == AVX512_BF16 and path != AVX512_BF16:
             skipped[row.label] = "this CPU has no AVX512-BF16: the widened row is what it runs"
+            continue
+        if row.mode == AMX_BF16 and path != AMX_BF16:
+            skipped[row.label] = "this CPU has no AMX-BF16: the widened row is what it runs"
             continue
         seconds, out = run_row(row, requests, tokens, repeats)
         reference = out if reference is None else reference

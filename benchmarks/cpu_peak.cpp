@@ -170,7 +170,7 @@ int cpu_peak_supported(int isa) {
     case VNNI_YMM: return avx2 && __builtin_cpu_supports("avxvnni");
     case INT8_AVX2: return avx2;
     case AMX_INT8: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && simd::amx_tiles_permitted();
-    case AMX_BF16: return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && simd::amx_tiles_permitted();
+    case AMX_BF16: return simd::cpu_has_amx_bf16();
     default: return 0;
   }
 }

@@ -55,7 +55,9 @@
 // token alone has on the row-major tiles, so a decode token's result moves with the group it falls in only
 // within float32 rounding. Path 3 is batch-invariant as the others are: each lane one chain over D (scores)
 // and over the key pairs (P.V) in order, on either vector width, whatever else shares its item or however its
-// request was chunked.
+// request was chunked. Path 4 (mode 4, a CPU with AMX-BF16) runs a bf16 pool's prefill chunks
+// with both products on AMX tiles instead (see "AMX path" below): 1.7-1.8x the widening path on a Xeon
+// whose vdpbf16ps runs at half its FMAs' rate.
 //
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
 // token and kv head, k_scale / v_scale [slots, Hkv]): the store quantizes each head's D values
@@ -98,10 +100,13 @@ using simd::tanh_avx2;
 constexpr int64_t kBlock = 64;
 // New tokens per item: 16 tokens x G = 3 heads is 48 query rows, 12 KB of scores and accumulators.
 constexpr int64_t kQueryChunk = 16;
+// On path 4 (AMX tiles) 32: a block's K/V rows are laid out for the tiles once per item, so more rows
+// per item share that work.
+constexpr int64_t kAmxQueryChunk = 32;
 // Under a window an item's keys start where its first token's window does, so each later token's window
 // starts within kQueryChunk keys of there: every row sees a key of the first block, and no row's running
 // max is still -inf (which would make the next rescale exp(-inf - -inf)) after it.
-static_assert(kQueryChunk < kBlock, "every row of an item sees a key of its first block");
+static_assert(kQueryChunk < kBlock && kAmxQueryChunk < kBlock, "every row of an item sees a key of its first block");
 // Members per group item: 16 decode tokens (x G = 3 heads: 48 query rows, three full AVX-512 panels)
 // where a group still gives every thread two items that way, else 8. Scratch is sized for kQueryChunk.
 constexpr int64_t kGroupChunk = 8, kWideGroupChunk = 16;
@@ -180,7 +185,9 @@ struct Scratch {
   std::vector<float> ks, vs;  // an int8 pool's scales of a block's rows of one head
   std::vector<uint32_t> qpairs;  // path 3: the queries as bf16 pairs, [heads][D / 2][lanes]
   std::vector<uint32_t> vpairs;  // path 3: a block's V rows of one head as key pairs, [keys / 2][D]
-  std::vector<uint32_t> ppairs;  // path 3: a block's weights as key pairs, [keys / 2][lanes]
+  std::vector<uint32_t> ppairs;  // paths 3-4: a block's weights as key pairs, [keys / 2][lanes]
+  std::vector<uint16_t> ktile;   // path 4: a block's K rows of one head, contiguous, [keys][D]
+  std::vector<uint32_t> vt;      // path 4: a block's V rows of one head as key pairs per element, [D][keys / 2]
   std::vector<const float*> kp, vp;
   std::vector<const uint16_t*> kb;  // path 3: a block's K rows of one head, bf16 in the pool
   std::vector<const char*> krow, vrow;
@@ -200,6 +207,8 @@ struct Scratch {
     grow(qpairs, rows * heads * d / 2);
     grow(vpairs, kBlock / 2 * d);
     grow(ppairs, rows * kBlock / 2);
+    grow(ktile, kBlock * d);
+    grow(vt, d * kBlock / 2);
     grow(kf, kBlock * d);
     grow(ks, kBlock);
     grow(vs, kBlock);
@@ -722,6 +731,146 @@ SIMD_AVX2 void item_avx2(const Problem& p, const Item& it, const Span& sp, Scrat
 // operations in the same order whatever the width, so both give the same bits. Decode tokens (a
 // handful of rows) stay on the row-major tiles, whose vectors run along the head dim.
 
+// Kv head h's query rows of the item as a rows-as-lanes kernel reads them (lane i: token i / G, q head
+// h * G + i % G; lanes past the rows zero), query_at's values: transposed, w.q [D][lanes] floats; or with
+// `pairs` (paths 3-4) only as bf16 pairs, w.qpairs [D / 2][lanes] (element 2e in the low half of pair e),
+// what vdpbf16ps and the tile products multiply K's pairs by. One element at a time.
+void head_queries(const Problem& p, const Item& it, const Span& sp, int64_t h, int64_t lanes, bool pairs,
+                  Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, hi = h - it.h0;
+  float* qt = w.q.data() + hi * d * lanes;
+  uint32_t* qp = w.qpairs.data() + hi * (d / 2) * lanes;
+  if (pairs) std::fill(qp, qp + d / 2 * lanes, 0u);
+  else std::fill(qt, qt + d * lanes, 0.0f);
+  for (int64_t t = 0; t < sp.tokens; ++t) {
+    const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
+    for (int64_t e = 0; e < g; ++e) {
+      const int64_t lane = t * g + e;
+      for (int64_t i = 0; i < d; ++i) {
+        const float x = query_at(p, src[e * d + i]);
+        if (!pairs) {
+          qt[i * lanes + lane] = x;
+          continue;
+        }
+        uint32_t bits;
+        memcpy(&bits, &x, 4);
+        qp[i / 2 * lanes + lane] |= i % 2 ? bits & 0xffff0000u : bits >> 16;
+      }
+    }
+  }
+}
+
+// query_at's values of 16 elements from x, as float32 bits.
+SIMD_AVX512 inline __m512i queries16(const Problem& p, const float* x, __m512 scale) {
+  const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(x), scale);
+  return p.bf16 ? _mm512_slli_epi32(simd::bf16_round_avx512(scaled), 16) : _mm512_castps_si512(scaled);
+}
+
+// head_queries on AVX-512 (D a multiple of 32), the same values: 16 lanes' rows of 16 elements (or 32 as
+// bf16 pairs) loaded, scaled and rounded as query_at does, then transposed in registers.
+SIMD_AVX512 void head_queries_avx512(const Problem& p, const Item& it, const Span& sp, int64_t h, int64_t lanes,
+                                     bool pairs, Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, hi = h - it.h0, rows = sp.tokens * g;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t c = 0; c < lanes; c += 16) {
+    const float* src[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t lane = c + j;
+      src[j] = lane < rows ? p.q + token_row(p, it, lane / g) * p.q_stride + (h * g + lane % g) * d : nullptr;
+    }
+    const int64_t step = pairs ? 32 : 16;
+    for (int64_t e0 = 0; e0 < d; e0 += step) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        if (src[j] == nullptr) {
+          r[j] = _mm512_setzero_si512();
+        } else if (pairs) {
+          const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(queries16(p, src[j] + e0, scale), 16));
+          const __m256i hi16 = _mm512_cvtepi32_epi16(_mm512_srli_epi32(queries16(p, src[j] + e0 + 16, scale), 16));
+          r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi16, 1);
+        } else {
+          r[j] = queries16(p, src[j] + e0, scale);
+        }
+      }
+      simd::transpose16(r);
+      for (int i = 0; i < 16; ++i) {
+        void* dst = pairs ? static_cast<void*>(w.qpairs.data() + hi * (d / 2) * lanes + (e0 / 2 + i) * lanes + c)
+                          : static_cast<void*>(w.q.data() + hi * d * lanes + (e0 + i) * lanes + c);
+        _mm512_storeu_si512(dst, r[i]);
+      }
+    }
+  }
+}
+
+// A rows-as-lanes item's start (paths 2-4): lane i is query row i, token i / G at position first + i / G,
+// which sees the keys up to there (w.pos); padding lanes take the last token's position and zero queries
+// (finite, and never stored). Per head, the queries (head_queries; on AVX-512 where `wide`), the
+// accumulators w.acc [D][lanes] zeroed, the running max and sum w.m, w.l empty; the item's first block
+// of K/V rows is fetched into cache (pf).
+void lane_queries(const Problem& p, const Item& it, const Span& sp, int64_t lanes, bool pairs, bool wide,
+                  Scratch& w, Prefetcher& pf) {
+  const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0, rows = sp.tokens * g;
+  for (int64_t i = 0; i < lanes; ++i) w.pos[i] = static_cast<int32_t>(sp.first + std::min(i, rows - 1) / g);
+  pf.start(p, sp.slots + sp.from, std::min(kBlock, sp.len - sp.from), it.h0, heads);
+  pf.finish();
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    if (wide && d % 32 == 0) head_queries_avx512(p, it, sp, h, lanes, pairs, w);
+    else head_queries(p, it, sp, h, lanes, pairs, w);
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + heads * d * lanes, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + heads * lanes, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + heads * lanes, 0.0f);
+}
+
+// A request chunk's outputs of kv head h on AVX-512 (D a multiple of 16), lane_outputs' values: the
+// accumulators' [D][lanes] rows transposed in registers, 16 lanes by 16 elements at a time.
+SIMD_AVX512 void head_outputs_avx512(const Problem& p, const Item& it, const Span& sp, int64_t h, int64_t lanes,
+                                     const Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, hi = h - it.h0, rows = sp.tokens * g;
+  const float *acc = w.acc.data() + hi * d * lanes, *lh = w.l.data() + hi * lanes;
+  for (int64_t c = 0; c < rows; c += 16) {
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_loadu_ps(acc + (e0 + i) * lanes + c));
+      simd::transpose16(r);
+      for (int64_t j = 0; j < 16 && c + j < rows; ++j) {
+        const int64_t lane = c + j;
+        float* dst = p.out + token_row(p, it, lane / g) * p.out_stride + (h * g + lane % g) * d + e0;
+        _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_castsi512_ps(r[j]), _mm512_set1_ps(1.0f / lh[lane])));
+      }
+    }
+  }
+}
+
+// A rows-as-lanes item's end: a request chunk's outputs, normalized (on AVX-512 where `wide`); a group
+// item's state, saved for its members' own items.
+void lane_outputs(const Problem& p, const Item& it, const Span& sp, int64_t lanes, bool wide, const Scratch& w) {
+  const int64_t d = p.head_dim, g = p.group, hq = p.kv_heads * g;
+  for (int64_t h = it.h0; h < it.h1; ++h) {
+    if (wide && !sp.group && d % 16 == 0) {
+      head_outputs_avx512(p, it, sp, h, lanes, w);
+      continue;
+    }
+    const int64_t hi = h - it.h0;
+    const float *acc = w.acc.data() + hi * d * lanes, *mh = w.m.data() + hi * lanes, *lh = w.l.data() + hi * lanes;
+    for (int64_t t = 0; t < sp.tokens; ++t) {
+      for (int64_t e = 0; e < g; ++e) {
+        const int64_t lane = t * g + e;
+        if (sp.group) {
+          const int64_t at = token_req(p, it, t) * hq + h * g + e;
+          p.state_m[at] = mh[lane];
+          p.state_l[at] = lh[lane];
+          for (int64_t i = 0; i < d; ++i) p.state_acc[at * d + i] = acc[i * lanes + lane];
+          continue;
+        }
+        float* dst = p.out + token_row(p, it, t) * p.out_stride + (h * g + e) * d;
+        const float inv = 1.0f / lh[lane];
+        for (int64_t i = 0; i < d; ++i) dst[i] = acc[i * lanes + lane] * inv;
+      }
+    }
+  }
+}
+
 struct Avx512 {
   using Reg = __m512;
   using Mask = __mmask16;
@@ -815,13 +964,189 @@ using V = Avx2;
 #undef LANES_TARGET
 }  // namespace lanes8
 
+// ---------------------------------------------------------------- AMX path (path 4: prefill over a bf16 pool)
+//
+// On CPUs with AMX-BF16 (Sapphire Rapids and later), a prefill chunk over a bf16 pool runs both products
+// as tdpbf16ps tile products, 16x the products of a vdpbf16ps, around the rows-as-lanes softmax
+// (lanes16's, unchanged). The scores come transposed, S^T [keys][lanes] = K . Q^T: A is 16 keys x 32
+// head elements of K (a block's rows of one head copied contiguous, what a tile load needs), B the
+// queries as pairs ([D / 2][lanes], path 3's). P.V comes transposed too, acc^T [D][lanes] += V^T . P^T:
+// A is 16 head elements x 32 keys of V^T (a block's V rows transposed into pairs of keys per head
+// element, amx_head_rows), B the weights rounded to bf16 as key pairs ([keys / 2][lanes], path 3's
+// pack_weights). Each output is one chain of tile products in order (over D for a score; over a block's
+// 32-key tiles, after the block's rescale, for P.V), whatever else shares its item or however its
+// request was chunked: keys past a token are weighted 0, so they add exact zeros, and a block padded to
+// whole 32-key tiles adds zero tiles. A tile product sums its 32 products with its own rounding
+// (linear_cpu.cpp's "AMX (bf16)"), so the bits are not path 3's, within the same bf16 rounding of the
+// weights. Group items and decode tokens run path 2, as on a CPU without AMX.
+
+// Keys per P.V tile product, so a block's keys are padded to a multiple of it.
+constexpr int64_t kAmxKeys = 32;
+
+// Tiles 0-3: sums of two row tiles (0-1, 2-3) by two lane tiles; 4-5: A's row tiles; 6-7: B's lane
+// tiles; every one 16 rows of 64 bytes. Configured per item, by its thread: other kernels on the same
+// threads (linear_cpu.cpp's, oneDNN's) configure the tiles their own way.
+SIMD_AMX_BF16 void amx_attention_tiles() {
+  simd::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  simd::load_tile_config(cfg);
+}
+
+// A tile product's operand: 16-row tiles of 64 bytes, `row` bytes between a tile's rows, `tile` bytes
+// between neighbouring tiles (A's row tiles, B's lane tiles), `step` bytes between a chain's steps.
+struct TileOperand {
+  const char* base;
+  int64_t row, tile, step;
+};
+
+// C's RT row tiles x CT lane tiles (rows `c_row` bytes apart, row tiles `c_tile` bytes, lane tiles 64
+// bytes) = C (as stored where kLoad, else 0) + the sum over `steps` of A(r, s) . B(s, c), in order: up
+// to four independent chains.
+template <int RT, int CT, bool kLoad>
+SIMD_AMX_BF16 void amx_chain(const TileOperand& a, const TileOperand& b, int64_t steps, char* c, int64_t c_row,
+                             int64_t c_tile) {
+  if constexpr (kLoad) {
+    _tile_loadd(0, c, c_row);
+    if constexpr (CT > 1) _tile_loadd(1, c + 64, c_row);
+    if constexpr (RT > 1) _tile_loadd(2, c + c_tile, c_row);
+    if constexpr (RT > 1 && CT > 1) _tile_loadd(3, c + c_tile + 64, c_row);
+  } else {
+    _tile_zero(0);
+    if constexpr (CT > 1) _tile_zero(1);
+    if constexpr (RT > 1) _tile_zero(2);
+    if constexpr (RT > 1 && CT > 1) _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a.base + s * a.step, a.row);
+    if constexpr (RT > 1) _tile_loadd(5, a.base + a.tile + s * a.step, a.row);
+    _tile_loadd(6, b.base + s * b.step, b.row);
+    if constexpr (CT > 1) _tile_loadd(7, b.base + b.tile + s * b.step, b.row);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (RT > 1 && CT > 1) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, c_row);
+  if constexpr (CT > 1) _tile_stored(1, c + 64, c_row);
+  if constexpr (RT > 1) _tile_stored(2, c + c_tile, c_row);
+  if constexpr (RT > 1 && CT > 1) _tile_stored(3, c + c_tile + 64, c_row);
+}
+
+// c [row_tiles x 16][lanes] floats (+)= A . B over `steps`, in blocks of two row tiles by two lane tiles.
+template <bool kLoad>
+SIMD_AMX_BF16 void amx_product(const TileOperand& a, int64_t row_tiles, const TileOperand& b, int64_t lanes,
+                               int64_t steps, float* c) {
+  const int64_t c_row = lanes * 4, c_tile = 16 * c_row, lane_tiles = lanes / 16;
+  for (int64_t r = 0; r < row_tiles; r += 2) {
+    const TileOperand ar{a.base + r * a.tile, a.row, a.tile, a.step};
+    for (int64_t q = 0; q < lane_tiles; q += 2) {
+      const TileOperand bq{b.base + q * b.tile, b.row, b.tile, b.step};
+      char* cq = reinterpret_cast<char*>(c) + r * c_tile + q * 64;
+      const bool two_rows = row_tiles - r > 1, two_lanes = lane_tiles - q > 1;
+      if (two_rows && two_lanes) amx_chain<2, 2, kLoad>(ar, bq, steps, cq, c_row, c_tile);
+      else if (two_rows) amx_chain<2, 1, kLoad>(ar, bq, steps, cq, c_row, c_tile);
+      else if (two_lanes) amx_chain<1, 2, kLoad>(ar, bq, steps, cq, c_row, c_tile);
+      else amx_chain<1, 1, kLoad>(ar, bq, steps, cq, c_row, c_tile);
+    }
+  }
+}
+
+// Kv head h's rows of a block (`padded` keys, a multiple of kAmxKeys, from block_rows) as path 4's A
+// operands: K's rows copied contiguous into kt [padded][D] (bf16), V's transposed into key pairs vt
+// [D][padded / 2] (element e, pair tp: V[2tp][e] low, V[2tp + 1][e] high). The transpose takes 32 keys x
+// 32 elements at a time: each key pair's rows interleaved (unpacklo / unpackhi_epi16: pairs of elements
+// 8L .. 8L + 3 and 8L + 4 .. 8L + 7 in 128-bit lane L), then two 16 x 16 transposes of the pairs.
+SIMD_AVX512 void amx_head_rows(const char* const* krow, const char* const* vrow, int64_t h, int64_t d,
+                               int64_t padded, uint16_t* kt, uint32_t* vt, Prefetcher& pf) {
+  const int64_t head_bytes = d * 2, pairs = padded / 2;
+  for (int64_t t = 0; t < padded; ++t) {
+    if (t % 8 == 0) pf.step(kPrefetchStep);
+    memcpy(kt + t * d, krow[t] + h * head_bytes, head_bytes);
+  }
+  for (int64_t tp0 = 0; tp0 < pairs; tp0 += 16) {
+    pf.step(kPrefetchStep);
+    for (int64_t e0 = 0; e0 < d; e0 += 32) {
+      __m512i lo[16], hi[16];
+      for (int j = 0; j < 16; ++j) {
+        const char* v0 = vrow[2 * (tp0 + j)] + h * head_bytes + e0 * 2;
+        const char* v1 = vrow[2 * (tp0 + j) + 1] + h * head_bytes + e0 * 2;
+        const __m512i a = _mm512_loadu_si512(v0), b = _mm512_loadu_si512(v1);
+        lo[j] = _mm512_unpacklo_epi16(a, b);
+        hi[j] = _mm512_unpackhi_epi16(a, b);
+      }
+      simd::transpose16(lo);
+      simd::transpose16(hi);
+      for (int i = 0; i < 16; ++i) {
+        const int64_t e = e0 + 8 * (i / 4) + i % 4;
+        _mm512_storeu_si512(vt + e * pairs + tp0, lo[i]);
+        _mm512_storeu_si512(vt + (e + 4) * pairs + tp0, hi[i]);
+      }
+    }
+  }
+}
+
+// acc^T [D][lanes] rescaled lane by lane by the online softmax's corrections.
+SIMD_AVX512 inline void rescale_lanes(float* acct, int64_t d, int64_t lanes, const float* corr) {
+  for (int64_t e = 0; e < d; ++e) {
+    for (int64_t i = 0; i < lanes; i += 16) {
+      _mm512_storeu_ps(acct + e * lanes + i, _mm512_mul_ps(_mm512_loadu_ps(acct + e * lanes + i), _mm512_loadu_ps(corr + i)));
+    }
+  }
+}
+
+// A request chunk over a bf16 pool on path 4 (D a multiple of kAmxKeys): lanes16::item_lanes's walk,
+// with the two products on tiles.
+template <bool kWindow, bool kCap>
+SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
+  constexpr int64_t kl = Avx512::kLanes;
+  const int64_t d = p.head_dim, rows = sp.tokens * p.group;
+  const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
+  float *st = w.s.data(), *corr = w.corr.data();
+  uint16_t* kt = w.ktile.data();
+  uint32_t *vt = w.vt.data(), *pp = w.ppairs.data();
+  const char** krow = w.krow.data();
+  const char** vrow = w.vrow.data();
+  Prefetcher pf;
+  lane_queries(p, it, sp, lanes, true, true, w, pf);
+  amx_attention_tiles();
+  for (int64_t b0 = sp.from; b0 < sp.len; b0 += kBlock) {
+    const int64_t keys = std::min(kBlock, sp.len - b0);
+    const int64_t padded = (keys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+    block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
+    for (int64_t h = it.h0; h < it.h1; ++h) {
+      const int64_t hi = h - it.h0;
+      float *acc = w.acc.data() + hi * d * lanes, *m = w.m.data() + hi * lanes, *l = w.l.data() + hi * lanes;
+      amx_head_rows(krow, vrow, h, d, padded, kt, vt, pf);
+      const TileOperand k_rows{reinterpret_cast<const char*>(kt), d * 2, 16 * d * 2, 64};
+      const TileOperand q_pairs{reinterpret_cast<const char*>(w.qpairs.data() + hi * (d / 2) * lanes), lanes * 4, 64,
+                                16 * lanes * 4};
+      amx_product<false>(k_rows, padded / 16, q_pairs, lanes, d / kAmxKeys, st);
+      for (int64_t c = 0; c < panels; ++c) {
+        lanes16::lanes_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, w.pos.data() + c * kl,
+                                              sp.window, p.softcap, m + c * kl, l + c * kl, corr + c * kl);
+      }
+      lanes16::pack_weights(st, lanes, padded, pp);
+      rescale_lanes(acc, d, lanes, corr);
+      const TileOperand v_pairs{reinterpret_cast<const char*>(vt), padded * 2, 16 * padded * 2, 64};
+      const TileOperand p_pairs{reinterpret_cast<const char*>(pp), lanes * 4, 64, 16 * lanes * 4};
+      amx_product<true>(v_pairs, d / 16, p_pairs, lanes, padded / kAmxKeys, acc);
+    }
+    pf.finish();
+  }
+  _tile_release();
+  lane_outputs(p, it, sp, lanes, true, w);
+}
+
 // The path a call runs: the widest of the mode asked for (0 scalar, 1 AVX2, 2 AVX-512 on prefill
 // chunks, 3 that and, over a bf16 pool, their scores and P.V by vdpbf16ps) that the CPU has, where a
-// head is whole 8-float vectors; otherwise the scalar one.
-int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, int64_t head_dim) {
+// head is whole 8-float vectors; otherwise the scalar one. Mode 4 asks for 2 with a bf16 pool's prefill
+// chunks on AMX tiles: path 4 where the CPU has AMX-BF16 and a head is whole 32-element tiles, else 2
+// (not 3: the CPUs with AMX measured so far run vdpbf16ps at half the FMAs' rate).
+int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;
   if (mode == 1 || !avx512) return 1;
-  return mode >= 3 && avx512_bf16 ? 3 : 2;
+  if (mode == 4) return amx_bf16 && head_dim % kAmxKeys == 0 ? 4 : 2;
+  return mode == 3 && avx512_bf16 ? 3 : 2;
 }
 
 // f(window, cap) with each flag a compile-time bool (std::true_type / std::false_type): the branch is
@@ -871,9 +1196,13 @@ int ca_has_avx512_bf16(void) { return simd::cpu_has_avx512_bf16(); }
 // vdpbf16ps's measured flop rate over float32 FMAs' here (0 without AVX512-BF16): whether path 3 pays.
 double ca_bf16_dot_over_fma(void) { return simd::bf16_dot_over_fma(); }
 
+int ca_has_amx_bf16(void) { return simd::cpu_has_amx_bf16(); }
+
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.
-int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int cpu_has_avx512_bf16, int64_t head_dim) {
-  return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, cpu_has_avx512_bf16 != 0, head_dim);
+int ca_select_path(int mode, int cpu_has_avx2_fma, int cpu_has_avx512, int cpu_has_avx512_bf16,
+                   int cpu_has_amx_bf16, int64_t head_dim) {
+  return select_path(mode, cpu_has_avx2_fma != 0, cpu_has_avx512 != 0, cpu_has_avx512_bf16 != 0,
+                     cpu_has_amx_bf16 != 0, head_dim);
 }
 
 // One head's d floats x as int8 codes and their scale, as pool.py's quantize_int8 computes them: scale =
@@ -931,8 +1260,8 @@ void ca_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_str
 // window: the layer's sliding window in keys, softcap its logit soft-cap (0: none, either).
 // k_buf, v_buf: of kv_type (KvType); k_scale, v_scale: an int8 pool's scales ([slots, Hkv] float32; null
 // for the others). mode: 0 = scalar, 1 = AVX2, 2 = AVX-512 (prefill chunks; decode on
-// AVX2), 3 = 2 with, over a bf16 pool, prefill chunks' scores by vdpbf16ps (AVX512-BF16), where
-// select_path allows it.
+// AVX2), 3 = 2 with, over a bf16 pool, prefill chunks' scores and P.V by vdpbf16ps (AVX512-BF16), 4 = 2
+// with a bf16 pool's prefill chunks on AMX tiles (AMX-BF16), where select_path allows it.
 void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride, const void* k_buf,
                const void* v_buf, const float* k_scale, const float* v_scale, int kv_type, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
@@ -941,7 +1270,8 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   static const bool avx2 = simd::cpu_has_avx2_fma();
   static const bool avx512 = simd::cpu_has_avx512();
   static const bool avx512_bf16 = simd::cpu_has_avx512_bf16();
-  const int path = select_path(mode, avx2, avx512, avx512_bf16, head_dim);
+  static const bool amx_bf16 = simd::cpu_has_amx_bf16();
+  const int path = select_path(mode, avx2, avx512, avx512_bf16, amx_bf16, head_dim);
   const int64_t group = num_q_heads / num_kv_heads;
   static thread_local std::vector<int64_t> prefix_of, kept_groups;
   static thread_local std::vector<float> state_m, state_l, state_acc;
@@ -966,7 +1296,8 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
   // per head (one request decoding: its heads are the parallelism). A request's chunks run from its last.
   int64_t chunks = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) chunks += (p.num_new[r] + kQueryChunk - 1) / kQueryChunk;
+  const int64_t query_chunk = path == 4 && bf16 ? kAmxQueryChunk : kQueryChunk;
+  for (int64_t r = 0; r < num_reqs; ++r) chunks += (p.num_new[r] + query_chunk - 1) / query_chunk;
   const int64_t head_step = chunks >= 2 * threads ? num_kv_heads : 1;
   static thread_local std::vector<Item> items;
   items.clear();
@@ -985,9 +1316,9 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = p.num_new[r], keys = p.seq_lens[r] - prefix_of[r];
     work += (window > 0 ? std::min(keys, window) : keys) * n;
-    for (int64_t j1 = n; j1 > 0; j1 -= kQueryChunk) {
+    for (int64_t j1 = n; j1 > 0; j1 -= query_chunk) {
       for (int64_t h = 0; h < num_kv_heads; h += head_step) {
-        items.push_back({r, h, h + head_step, std::max<int64_t>(0, j1 - kQueryChunk), j1});
+        items.push_back({r, h, h + head_step, std::max<int64_t>(0, j1 - query_chunk), j1});
       }
     }
   }
@@ -999,7 +1330,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     Scratch& w = tls_scratch;
-    w.fit(kQueryChunk * group, head_step, head_dim);  // group items are no larger
+    w.fit(query_chunk * group, head_step, head_dim);  // group items are no larger
     // Prefill chunks (a request adding two or more tokens, all of a request's chunks alike so a
     // token's result does not depend on how its request was cut) and group items take the
     // rows-as-lanes path, on AVX-512 vectors where the item fills three panels of 16 rows (on fewer
@@ -1011,7 +1342,9 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
       const bool lanes = it.r < 0 || (p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0);
       with_features(sp.window > 0, p.softcap > 0.0f, [&](auto window_t, auto cap_t) {
         constexpr bool kWindow = decltype(window_t)::value, kCap = decltype(cap_t)::value;
-        if (path >= 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
+        if (path == 4 && p.bf16 && lanes && !sp.group) {
+          item_amx<kWindow, kCap>(p, it, sp, w);
+        } else if (path >= 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
           lanes16::item_lanes<kWindow, kCap>(p, it, sp, w);
         } else if (path >= 1 && lanes) {
           lanes8::item_lanes<kWindow, kCap>(p, it, sp, w);

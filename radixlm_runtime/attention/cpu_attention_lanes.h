@@ -104,19 +104,6 @@ SIMD_BF16 void lanes_scores_pairs(const uint32_t* qp, int64_t lanes, const uint1
   }
 }
 
-// Path 3: a head's queries qt [D][lanes] (bf16 values already: query_at's) as pairs qp [D / 2][lanes],
-// element 2e in the low half of pair e.
-LANES_TARGET inline void pair_queries(const float* qt, int64_t d, int64_t lanes, uint32_t* qp) {
-  for (int64_t e = 0; e < d / 2; ++e) {
-    for (int64_t i = 0; i < lanes; ++i) {
-      uint32_t lo, hi;
-      memcpy(&lo, qt + 2 * e * lanes + i, 4);
-      memcpy(&hi, qt + (2 * e + 1) * lanes + i, 4);
-      qp[e * lanes + i] = (lo >> 16) | (hi & 0xffff0000u);
-    }
-  }
-}
-
 // acc^T [D][lanes] of NP panels = acc^T * corr + sum over keys t of V[t] x P^T[t] (pt rows `lanes`
 // floats apart), kTile head elements at a time: per key kTile V broadcasts feed kTile x NP FMAs.
 template <int NP>
@@ -250,37 +237,19 @@ LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t ke
 template <bool kWindow, bool kCap>
 LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   constexpr int64_t kl = V::kLanes;
-  const int64_t d = p.head_dim, g = p.group, heads = it.h1 - it.h0;
-  const int64_t first = sp.first, len = sp.len, rows = sp.tokens * g;
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t len = sp.len, rows = sp.tokens * g;
   // A prefill chunk's P.V on bf16 pairs; a group item's stays float32, as its members' decode tiles are.
   const bool pv_pairs = p.pairs && !sp.group;
   const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float* corr = w.corr.data();
-  int32_t* pos = w.pos.data();
+  const int32_t* pos = w.pos.data();
   const float* const* vp = w.vp.data();
   const char** krow = w.krow.data();
   const char** vrow = w.vrow.data();
-  // Lane i is query row i: token i / G at position first + i / G, which sees the keys up to there.
-  // Padding lanes take the last token's position and zero queries: finite, and never stored.
-  for (int64_t i = 0; i < lanes; ++i) pos[i] = static_cast<int32_t>(first + std::min(i, rows - 1) / g);
   Prefetcher pf;
-  pf.start(p, sp.slots + sp.from, std::min(kBlock, len - sp.from), it.h0, heads);
-  pf.finish();
-  std::fill(qt, qt + heads * d * lanes, 0.0f);
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    float* q = qt + (h - it.h0) * d * lanes;
-    for (int64_t t = 0; t < sp.tokens; ++t) {
-      const float* src = p.q + token_row(p, it, t) * p.q_stride + h * g * d;
-      for (int64_t e = 0; e < g; ++e) {
-        for (int64_t i = 0; i < d; ++i) q[i * lanes + t * g + e] = query_at(p, src[e * d + i]);
-      }
-    }
-    if (p.pairs) pair_queries(q, d, lanes, w.qpairs.data() + (h - it.h0) * (d / 2) * lanes);
-  }
-  std::fill(acct, acct + heads * d * lanes, 0.0f);
-  std::fill(m, m + heads * lanes, kNegInf);
-  std::fill(l, l + heads * lanes, 0.0f);
+  lane_queries(p, it, sp, lanes, p.pairs, V::kLanes == 16, w, pf);
   for (int64_t b0 = sp.from; b0 < len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, len - b0);
     const int64_t padded = (keys + V::kTile - 1) / V::kTile * V::kTile;
@@ -321,25 +290,5 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
     }
     pf.finish();
   }
-  // A request chunk's outputs, normalized; a group item's state, saved for its members' own items.
-  const int64_t hq = p.kv_heads * g;
-  for (int64_t h = it.h0; h < it.h1; ++h) {
-    const int64_t hi = h - it.h0;
-    const float *acc = acct + hi * d * lanes, *mh = m + hi * lanes, *lh = l + hi * lanes;
-    for (int64_t t = 0; t < sp.tokens; ++t) {
-      for (int64_t e = 0; e < g; ++e) {
-        const int64_t lane = t * g + e;
-        if (sp.group) {
-          const int64_t at = token_req(p, it, t) * hq + h * g + e;
-          p.state_m[at] = mh[lane];
-          p.state_l[at] = lh[lane];
-          for (int64_t i = 0; i < d; ++i) p.state_acc[at * d + i] = acc[i * lanes + lane];
-          continue;
-        }
-        float* dst = p.out + token_row(p, it, t) * p.out_stride + (h * g + e) * d;
-        const float inv = 1.0f / lh[lane];
-        for (int64_t i = 0; i < d; ++i) dst[i] = acc[i * lanes + lane] * inv;
-      }
-    }
-  }
+  lane_outputs(p, it, sp, lanes, V::kLanes == 16, w);
 }

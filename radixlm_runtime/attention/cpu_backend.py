@@ -3,7 +3,8 @@ of float32, (--dtype bfloat16, --kv-cache-dtype bfloat16) bf16 or (--kv-cache-dt
 K/V rounded to bf16 as they are stored and widened back as they are read, the scores then dot products
 of bf16 operands (the queries rounded too) accumulated in float32; on prefill chunks, where the CPU has
 AVX512-BF16 and runs it fast (default_mode), both the scores and P.V (the weights rounded to bf16) by
-vdpbf16ps, 1.5x float32 on a Zen 4. int8:
+vdpbf16ps, 1.5x float32 on a Zen 4; where it has AMX-BF16, both on AMX tiles (1.7-1.8x on a Xeon).
+int8:
 K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
 float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
 scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
@@ -40,9 +41,9 @@ logger = get_logger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
 # more (the rest on AVX2); that and, over a bf16 pool, those items' scores and P.V by vdpbf16ps
-# (AVX512-BF16).
-# Each runs where the CPU has it and D is whole 8-float vectors, else the one below.
-SCALAR, AVX2, AVX512, AVX512_BF16 = 0, 1, 2, 3
+# (AVX512-BF16); AVX-512 with a bf16 pool's prefill chunks on AMX tiles (AMX-BF16, D a multiple of 32).
+# Each runs where the CPU has it and D is whole 8-float vectors, else the one below (AMX_BF16: AVX512).
+SCALAR, AVX2, AVX512, AVX512_BF16, AMX_BF16 = 0, 1, 2, 3, 4
 # vdpbf16ps's flop rate over float32 FMAs' from which the bf16 path is the default: it does layout work
 # the float32 path does not (queries, V and the weights in pairs), so at the FMAs' rate it loses (a
 # Sapphire Rapids Xeon, 0.44x: prefill attention 0.77x the float32 path's; a Zen 4, 2x: 1.5x).
@@ -59,8 +60,9 @@ def _library() -> ctypes.CDLL:
     lib.ca_has_avx2_fma.restype = c_int
     lib.ca_has_avx512.restype = c_int
     lib.ca_has_avx512_bf16.restype = c_int
+    lib.ca_has_amx_bf16.restype = c_int
     lib.ca_bf16_dot_over_fma.restype = ctypes.c_double
-    lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, i64]
+    lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
     lib.ca_store_kv.restype = None
@@ -78,6 +80,7 @@ def kernel_path(
     cpu_has_avx2_fma: bool | None = None,
     cpu_has_avx512: bool | None = None,
     cpu_has_avx512_bf16: bool | None = None,
+    cpu_has_amx_bf16: bool | None = None,
 ) -> int:
     """The path the kernels run for `mode` on a CPU with the given features (this one's, asked of the
     CPU, where None): the C++ side's own choice, so a fake feature set tests it."""
@@ -85,15 +88,21 @@ def kernel_path(
     avx2 = lib.ca_has_avx2_fma() if cpu_has_avx2_fma is None else int(cpu_has_avx2_fma)
     avx512 = lib.ca_has_avx512() if cpu_has_avx512 is None else int(cpu_has_avx512)
     bf16 = lib.ca_has_avx512_bf16() if cpu_has_avx512_bf16 is None else int(cpu_has_avx512_bf16)
-    return lib.ca_select_path(mode, avx2, avx512, bf16, head_dim)
+    amx = lib.ca_has_amx_bf16() if cpu_has_amx_bf16 is None else int(cpu_has_amx_bf16)
+    return lib.ca_select_path(mode, avx2, avx512, bf16, amx, head_dim)
 
 
 @functools.cache
 def default_mode() -> int:
-    """The widest mode that pays on this CPU: AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by
-    BF16_DOT_MIN_RATIO (timed once by the library), else AVX512 (the C++ side then steps down to what
-    the CPU has). Logged when the CPU has bf16 dot products that do not pay."""
-    ratio = _library().ca_bf16_dot_over_fma()
+    """The widest mode that pays on this CPU: AMX_BF16 where the CPU has AMX-BF16 tiles (a bf16 pool's
+    prefill on tiles: 1.7-1.8x the float32 FMAs on a Sapphire Rapids Xeon, benchmarks/README.md);
+    AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by BF16_DOT_MIN_RATIO (timed once by the
+    library); else AVX512 (the C++ side then steps down to what the CPU has). Logged when the CPU has
+    bf16 dot products that do not pay."""
+    lib = _library()
+    if lib.ca_has_amx_bf16():
+        return AMX_BF16
+    ratio = lib.ca_bf16_dot_over_fma()
     if ratio >= BF16_DOT_MIN_RATIO:
         return AVX512_BF16
     if ratio > 0:

@@ -18,6 +18,7 @@
 #define SIMD_AVX2 __attribute__((target("avx2,fma")))
 #define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
 namespace simd {
 
@@ -57,6 +58,14 @@ inline bool amx_tiles_permitted() {
   return permitted;
 }
 
+// Whether this process can run AMX-BF16 tile products: the CPU has them (and AVX512-BF16 beside, which
+// every AMX-BF16 CPU has and the kernels' vector parts use) and the kernel permits the tile state.
+inline bool cpu_has_amx_bf16() {
+  __builtin_cpu_init();
+  return cpu_has_avx512_bf16() && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+         amx_tiles_permitted();
+}
+
 // Configures this thread's tiles as `cfg` says. GCC 12 does not see ldtilecfg read its operand and
 // drops the stores that filled it (a configuration of stack garbage, or a fault): the asm makes them
 // land first.
@@ -87,6 +96,46 @@ inline float bf16_widen(uint16_t b) {
   float f;
   memcpy(&f, &u, 4);
   return f;
+}
+
+// bf16_round on 16 lanes: each lane's bf16 in its low 16 bits, the same bits (not vcvtneps2bf16's,
+// which flushes denormals).
+SIMD_AVX512 inline __m512i bf16_round_avx512(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+// Transposes 16 rows of 16 32-bit elements in place: r[i][j] becomes r[j][i].
+SIMD_AVX512 inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // Per group of four rows, u_j's 128-bit lane L holds column 4L + j of the group's rows.
+  for (int g = 0; g < 4; ++g) {
+    __m512i* u = r + 4 * g;
+    const __m512i* v = t + 4 * g;
+    u[0] = _mm512_unpacklo_epi64(v[0], v[2]);
+    u[1] = _mm512_unpackhi_epi64(v[0], v[2]);
+    u[2] = _mm512_unpacklo_epi64(v[1], v[3]);
+    u[3] = _mm512_unpackhi_epi64(v[1], v[3]);
+  }
+  // Column 4L + j gathers lane L of u_j from the four groups.
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), y01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    const __m512i x23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    const __m512i y23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_i32x4(x01, x23, 0x88);       // lane 0
+    t[8 + j] = _mm512_shuffle_i32x4(x01, x23, 0xdd);   // lane 2
+    t[4 + j] = _mm512_shuffle_i32x4(y01, y23, 0x88);   // lane 1
+    t[12 + j] = _mm512_shuffle_i32x4(y01, y23, 0xdd);  // lane 3
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 SIMD_AVX2 inline float hsum(__m256 v) {

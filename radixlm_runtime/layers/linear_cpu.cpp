@@ -891,7 +891,6 @@ SIMD_BF16 void pack_bf16_panel(const Weights& w, int64_t n0, int64_t valid, floa
 }
 
 // The AMX-BF16 path's parts (see "AMX (bf16)" below), which the quantized GEMM takes too.
-#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
 constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
 
@@ -1531,10 +1530,7 @@ SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, 
 bool amx_bf16_usable() {
   static const bool usable = [] {
     __builtin_cpu_init();
-    if (!cpu_has_avx512_bf16() || !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
-      return false;
-    }
-    if (!simd::amx_tiles_permitted()) return false;
+    if (!simd::cpu_has_amx_bf16()) return false;
     const int64_t n = 40, k = 64, m = 37, panels = (n + kPanel - 1) / kPanel;
     std::vector<uint16_t> pairs(panels * k * kPanel);
     std::vector<float> x(m * k), a(m * n), b(m * n), one(n);

@@ -24,6 +24,7 @@ from test_backends import PROMPTS, _hand_built_step, _reference_attention, _run
 from radixlm_runtime.attention import cpu_backend, registry
 from radixlm_runtime.attention.base import AttentionLayer
 from radixlm_runtime.attention.cpu_backend import (
+    AMX_BF16,
     AVX2,
     AVX512,
     AVX512_BF16,
@@ -44,21 +45,22 @@ TOL = {"atol": 1e-5, "rtol": 1e-4}
 BF16 = torch.bfloat16
 INT8 = torch.int8
 # (pool dtype, mode): a float32 pool on each path (AVX512_BF16 runs AVX512's there), a bf16 one on each
-# path including vdpbf16ps's (AVX512's where the CPU lacks it), an int8 one on each path.
-POOL_MODES = [(torch.float32, m) for m in MODES] + [(BF16, m) for m in [*MODES, AVX512_BF16]]
+# path including vdpbf16ps's and AMX tiles' (AVX512's where the CPU lacks them), an int8 one on each path.
+POOL_MODES = [(torch.float32, m) for m in MODES] + [(BF16, m) for m in [*MODES, AVX512_BF16, AMX_BF16]]
 POOL_MODES += [(INT8, m) for m in MODES]
 POOL_MODE_IDS = [f"{str(d)[6:]}-mode{m}" for d, m in POOL_MODES]
 needs_bf16 = pytest.mark.skipif(
     not bf16_available(), reason="this CPU has no bf16 dot products (AVX512-BF16)"
 )
-# Path 3 over a bf16 pool rounds the prefill weights (P) to bf16 for P.V, as flash-attention kernels do:
-# each output moves by up to a few bf16 roundings of the values it averages.
+needs_amx = pytest.mark.skipif(kernel_path(64, AMX_BF16) != AMX_BF16, reason="this CPU has no AMX-BF16 tiles")
+# Paths 3 and 4 over a bf16 pool round the prefill weights (P) to bf16 for P.V, as flash-attention
+# kernels do: each output moves by up to a few bf16 roundings of the values it averages.
 PAIRS_TOL = {"atol": 1e-2, "rtol": 1e-2}
 
 
 def _tol(dtype: torch.dtype, mode: int) -> dict[str, float]:
     """The tolerance against a float32 reference of the path that `mode` runs over a pool of dtype."""
-    return PAIRS_TOL if dtype == BF16 and kernel_path(64, mode) == AVX512_BF16 else TOL
+    return PAIRS_TOL if dtype == BF16 and kernel_path(64, mode) in (AVX512_BF16, AMX_BF16) else TOL
 
 
 def _kernel_queries(q: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -377,6 +379,13 @@ def test_cpu_features_pick_the_path() -> None:
     assert kernel_path(64, AVX512_BF16, False, False, False) == SCALAR
     assert kernel_path(20, AVX512_BF16, True, True, True) == SCALAR
     assert kernel_path(64, SCALAR, True, True, True) == SCALAR
+    # AMX tiles where the CPU has them and a head is whole 32-element tiles; else AVX-512 (not path 3).
+    assert kernel_path(64, AMX_BF16, True, True, True, True) == AMX_BF16
+    assert kernel_path(128, AMX_BF16, True, True, True, True) == AMX_BF16
+    assert kernel_path(64, AMX_BF16, True, True, True, False) == AVX512
+    assert kernel_path(48, AMX_BF16, True, True, True, True) == AVX512
+    assert kernel_path(64, AMX_BF16, True, False, True, True) == AVX2
+    assert kernel_path(64, AVX512_BF16, True, True, True, True) == AVX512_BF16
     lib = cpu_backend._library()
     widest = (AVX512 if lib.ca_has_avx512() else AVX2) if lib.ca_has_avx2_fma() else SCALAR
     if widest == AVX512 and lib.ca_has_avx512_bf16():
@@ -386,30 +395,41 @@ def test_cpu_features_pick_the_path() -> None:
 
 
 class _Ratio:
-    """A library stand-in that reports a given vdpbf16ps / FMA flop-rate ratio."""
+    """A library stand-in that reports a given vdpbf16ps / FMA flop-rate ratio, and AMX-BF16 or not."""
 
-    def __init__(self, ratio: float) -> None:
+    def __init__(self, ratio: float, amx: bool) -> None:
         self.ratio = ratio
+        self.amx = amx
 
     def ca_bf16_dot_over_fma(self) -> float:
         return self.ratio
 
+    def ca_has_amx_bf16(self) -> int:
+        return int(self.amx)
+
 
 @pytest.mark.parametrize(
-    ("ratio", "mode", "logged"),
-    [(2.0, AVX512_BF16, False), (1.5, AVX512_BF16, False), (0.44, AVX512, True), (0.0, AVX512, False)],
+    ("ratio", "amx", "mode", "logged"),
+    [
+        (2.0, False, AVX512_BF16, False),
+        (1.5, False, AVX512_BF16, False),
+        (0.44, False, AVX512, True),
+        (0.0, False, AVX512, False),
+        (0.44, True, AMX_BF16, False),
+    ],
 )
-def test_the_bf16_path_is_the_default_only_where_vdpbf16ps_outruns_fmas(
+def test_the_bf16_path_is_the_default_only_where_it_outruns_fmas(
     monkeypatch: pytest.MonkeyPatch,
     runtime_caplog: pytest.LogCaptureFixture,
     ratio: float,
+    amx: bool,
     mode: int,
     logged: bool,
 ) -> None:
-    """Zen 4 (2x the FMAs' flops) takes path 3 by default; a Sapphire Rapids Xeon (0.44x, where path 3 ran
-    0.77x the float32 path) widens bf16 pools to float32 and says so; a CPU without AVX512-BF16 (0) takes
-    the AVX-512 path silently."""
-    monkeypatch.setattr(cpu_backend, "_library", lambda: _Ratio(ratio))
+    """Zen 4 (vdpbf16ps at 2x the FMAs' flops) takes path 3 by default; a Xeon without AMX that ran it at
+    0.44x widens bf16 pools to float32 and says so; a CPU without AVX512-BF16 (0) takes the AVX-512 path
+    silently; a Sapphire Rapids Xeon (AMX tiles, vdpbf16ps at 0.44x) takes the tiles."""
+    monkeypatch.setattr(cpu_backend, "_library", lambda: _Ratio(ratio, amx))
     cpu_backend.default_mode.cache_clear()
     try:
         assert cpu_backend.default_mode() == mode
@@ -426,11 +446,8 @@ def test_this_cpu_measures_its_bf16_dot_rate() -> None:
     assert (ratio == 0.0) if not lib.ca_has_avx512_bf16() else (0.1 < ratio < 8.0)
     pool, table = KVPool(8, 1, 1, 8, torch.float32, "cpu"), ReqToTokenTable(2, 8)
     backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(1, 1.0))
-    assert (
-        backend.mode
-        == cpu_backend.default_mode()
-        == (AVX512_BF16 if ratio >= cpu_backend.BF16_DOT_MIN_RATIO else AVX512)
-    )
+    bf16_mode = AVX512_BF16 if ratio >= cpu_backend.BF16_DOT_MIN_RATIO else AVX512
+    assert backend.mode == cpu_backend.default_mode() == (AMX_BF16 if lib.ca_has_amx_bf16() else bf16_mode)
 
 
 def test_rejects_what_it_cannot_serve() -> None:
@@ -750,3 +767,21 @@ def test_bf16_prefill_by_vdpbf16ps_where_the_cpu_has_them() -> None:
     assert torch.equal(pairs[decode_rows], floats[decode_rows])
     assert not torch.equal(pairs, floats)
     torch.testing.assert_close(pairs, floats, **PAIRS_TOL)
+
+
+@needs_amx
+def test_bf16_prefill_on_amx_tiles_where_the_cpu_has_them() -> None:
+    """On a CPU with AMX-BF16 a bf16 pool's prefill chunks take path 4 by default: both products as tile
+    products over the same bf16 operands as path 3 (each tile product summing its 32 products its own
+    way), within bf16 rounding of the weights of the float32 path; decode tokens and shared-prefix groups
+    run path 2's code, to the bit; windows and soft-caps as on the other paths."""
+    for features in ((None, None), (WINDOW, 2.0)):
+        for pool, table, batch, q in (_window_step(BF16), _groups_step(BF16)):
+            layer = AttentionLayer(0.5, *features)
+            tiles = _cpu_attend(pool, table, layer, q, batch, AMX_BF16)
+            floats = _cpu_attend(pool, table, layer, q, batch, AVX512)
+            decode_rows = [s for s, n in zip(batch.extend_start_loc_cpu, batch.extend_lens_cpu) if n == 1]
+            assert torch.equal(tiles[decode_rows], floats[decode_rows])
+            assert not torch.equal(tiles, floats)
+            torch.testing.assert_close(tiles, floats, **PAIRS_TOL)
+    assert cpu_backend.default_mode() == AMX_BF16
