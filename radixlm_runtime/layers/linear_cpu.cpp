@@ -750,7 +750,7 @@ inline float float_bits(uint32_t u) {
 
 const uint16_t* bf16_panels_of(const Weights& w) { return reinterpret_cast<const uint16_t*>(w.q); }
 
-// x [m, k] as bf16 into the calling thread's buffer (reused across calls).
+// count values of x as bf16 (nearest even) into out, 32 at a time.
 SIMD_BF16 void round_rows_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
   int64_t i = 0;
   for (; i + 32 <= count; i += 32) {
@@ -760,12 +760,28 @@ SIMD_BF16 void round_rows_bf16_avx512(const float* x, int64_t count, uint16_t* o
   for (; i < count; ++i) out[i] = bf16_round(x[i]);
 }
 
+// Values from which rows_as_bf16 rounds on `threads` threads: a prefill's x (a few MB), which one thread
+// rounded while the others waited at the GEMM's start (3 % of a bf16 prefill, and as much again waiting).
+constexpr int64_t kParallelRoundMin = 1 << 16;
+
+// count values of x (rows of a [m, k] x) as bf16 into the calling thread's buffer (reused across calls),
 // `zeros` more values after them, zero (the AMX path's whole 16-row tiles).
-const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec, int64_t zeros = 0) {
+const uint16_t* rows_as_bf16(const float* x, int64_t count, bool vec, int threads, int64_t zeros = 0) {
   static thread_local std::vector<uint16_t> buf;
   if (static_cast<int64_t>(buf.size()) < count + zeros) buf.resize(count + zeros);
-  if (vec) round_rows_bf16_avx512(x, count, buf.data());
-  else for (int64_t i = 0; i < count; ++i) buf[i] = bf16_round(x[i]);
+  uint16_t* out = buf.data();
+  if (vec) {
+    // Shares of whole 32-value vectors, so every value is rounded as one thread would round it.
+    const int nt = count >= kParallelRoundMin ? threads : 1;
+    const int64_t vectors = (count + 31) / 32;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int t = 0; t < nt; ++t) {
+      const int64_t begin = vectors * t / nt * 32, end = std::min(count, vectors * (t + 1) / nt * 32);
+      round_rows_bf16_avx512(x + begin, end - begin, out + begin);
+    }
+  } else {
+    for (int64_t i = 0; i < count; ++i) out[i] = bf16_round(x[i]);
+  }
   std::fill_n(buf.data() + count, zeros, uint16_t{0});
   return buf.data();
 }
@@ -846,7 +862,7 @@ SIMD_BF16 void bf16_panel_rows(const uint16_t* xb, int64_t m, int64_t k, const u
 }
 
 SIMD_BF16 void bf16_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
-  const uint16_t* xb = rows_as_bf16(x, m * w.k, true);
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, true, threads);
   const int64_t np = m <= 4 ? 4 : 3;
   for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
     bf16_panel_rows(xb, m, w.k, bf16_panels_of(w) + p * w.k * kPanel, count, valid_columns(w, p + count - 1),
@@ -855,7 +871,7 @@ SIMD_BF16 void bf16_linear_avx512(const Weights& w, const float* x, int64_t m, f
 }
 
 void bf16_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int threads) {
-  const uint16_t* xb = rows_as_bf16(x, m * w.k, false);
+  const uint16_t* xb = rows_as_bf16(x, m * w.k, false, 1);
   for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
     const uint16_t* panel = bf16_panels_of(w) + p * w.k * kPanel;
     for (int64_t j = 0; j < valid_columns(w, p); ++j) {
@@ -903,14 +919,14 @@ SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const
 
 // x [m, k] as bf16 for the AMX path: zero rows after the last up to a whole tile of 16 (fewer than 16
 // rows make tiles of that many: amx_bf16_tiles).
-const uint16_t* rows_as_bf16_tiles(const float* x, int64_t m, int64_t k) {
-  return rows_as_bf16(x, m * k, true, m < 16 ? 0 : ((m + 15) / 16 * 16 - m) * k);
+const uint16_t* rows_as_bf16_tiles(const float* x, int64_t m, int64_t k, int threads) {
+  return rows_as_bf16(x, m * k, true, threads, m < 16 ? 0 : ((m + 15) / 16 * 16 - m) * k);
 }
 
 // A quantized weight on the bf16 micro-kernel, or with `amx` on AMX tiles (not the same bits; see "AMX
 // (bf16)" below): per thread, each 16-row panel dequantised once and multiplied with every row.
 SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads, bool amx) {
-  const uint16_t* xb = amx ? rows_as_bf16_tiles(x, m, w.k) : rows_as_bf16(x, m * w.k, true);
+  const uint16_t* xb = amx ? rows_as_bf16_tiles(x, m, w.k, threads) : rows_as_bf16(x, m * w.k, true, threads);
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
 #pragma omp parallel num_threads(threads)
   {
@@ -1504,7 +1520,7 @@ SIMD_AMX_BF16 void amx_bf16_rows(const uint16_t* xb, int64_t m, int64_t k, const
 }
 
 SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, float* y, int threads) {
-  const uint16_t* xb = rows_as_bf16_tiles(x, m, w.k);
+  const uint16_t* xb = rows_as_bf16_tiles(x, m, w.k, threads);
   const int64_t panels = (w.n + kPanel - 1) / kPanel, pairs = (panels + 1) / 2;
 #pragma omp parallel num_threads(threads)
   {

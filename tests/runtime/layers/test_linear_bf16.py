@@ -85,6 +85,19 @@ def test_pair_panels_are_batch_invariant(mode: int) -> None:
     assert_batch_invariant(lambda rows: cpu_linear(rows, panels, mode=mode), torch.randn(40, 576))
 
 
+@pytest.mark.parametrize("mode", [BF16_GEMM, BF16_GEMM | NO_AMX])
+@pytest.mark.parametrize("in_features", [576, 330])
+def test_a_prefills_x_is_rounded_to_bf16_on_every_thread_as_on_one(mode: int, in_features: int) -> None:
+    """From 2^16 values x is rounded to bf16 by all the threads, in shares of whole vectors: a prefill's
+    rows get the bits they get alone (k = 330: the values' last part vector, rounded apart, at its end)."""
+    torch.manual_seed(1)
+    panels = BF16Panels.pack(torch.randn(40, in_features))
+    x = torch.randn(240, in_features)  # 79,200 or 138,240 values
+    whole = cpu_linear(x, panels, mode=mode)
+    for i in (0, 1, 117, 239):
+        assert torch.equal(cpu_linear(x[i : i + 1], panels, mode=mode), whole[i : i + 1])
+
+
 @needs_amx_bf16
 @pytest.mark.parametrize("in_features", [576, 1536])
 def test_amx_bf16_tiles_serve_every_row_count_close_to_vdpbf16ps(in_features: int) -> None:
