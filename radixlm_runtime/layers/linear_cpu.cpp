@@ -924,21 +924,31 @@ const uint16_t* rows_as_bf16_tiles(const float* x, int64_t m, int64_t k, int thr
 }
 
 // A quantized weight on the bf16 micro-kernel, or with `amx` on AMX tiles (not the same bits; see "AMX
-// (bf16)" below): per thread, each 16-row panel dequantised once and multiplied with every row.
+// (bf16)" below): per thread, each 16-row panel dequantised once and multiplied with every row; on AMX
+// two panels at a time, so the rows take blocks of two row tiles by two panels (each row tile's loads
+// serving two tile products: 1.3x at 2,048 rows, the same at 512), each output the same chain of tile
+// products.
 SIMD_BF16 void quant_bf16_gemm(const Weights& w, const float* x, int64_t m, float* y, int threads, bool amx) {
   const uint16_t* xb = amx ? rows_as_bf16_tiles(x, m, w.k, threads) : rows_as_bf16(x, m * w.k, true, threads);
-  const int64_t panels = (w.n + kPanel - 1) / kPanel;
+  const int64_t panels = (w.n + kPanel - 1) / kPanel, per_step = amx ? 2 : 1;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> f32(w.k * kPanel);
-    std::vector<uint16_t> pairs(w.k * kPanel);
+    std::vector<uint16_t> pairs(per_step * w.k * kPanel);
     if (amx) amx_bf16_tiles(m);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t valid = std::min(kPanel, w.n - p * kPanel);
-      pack_bf16_panel(w, p * kPanel, valid, f32.data(), pairs.data());
-      if (amx) amx_bf16_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n, std::min<int64_t>(m, 16));
-      else bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
+    for (int64_t s = 0; s < (panels + per_step - 1) / per_step; ++s) {
+      const int64_t p = s * per_step, count = std::min(per_step, panels - p);
+      int64_t valid = kPanel;
+      for (int64_t i = 0; i < count; ++i) {
+        valid = std::min(kPanel, w.n - (p + i) * kPanel);
+        pack_bf16_panel(w, (p + i) * kPanel, valid, f32.data(), pairs.data() + i * w.k * kPanel);
+      }
+      if (amx) {
+        amx_bf16_rows(xb, m, w.k, pairs.data(), count, valid, y + p * kPanel, w.n, std::min<int64_t>(m, 16));
+      } else {
+        bf16_panel_rows(xb, m, w.k, pairs.data(), 1, valid, y + p * kPanel, w.n);
+      }
     }
     if (amx) amx_release();
   }
