@@ -5,7 +5,8 @@ each KV pool the kernels read and each path this CPU has, against the peak of it
 Rows: a float32 pool (float32 FMAs on the rows-as-lanes path, AVX-512 or AVX2); a bf16 pool read
 widened to float32 (the bits of a float32 pool holding the rounded values) and, where the CPU has
 AVX512-BF16, on path 3 (the scores and P.V by `vdpbf16ps`, the weights rounded to bf16: what
-`--kv-cache-dtype bfloat16` and `--dtype bfloat16` run there); an int8 pool (codes converted per block,
+`--kv-cache-dtype bfloat16` and `--dtype bfloat16` run where it pays) and, where the CPU has AMX-BF16, on
+path 4 (both products on AMX tiles, the default there); an int8 pool (codes converted per block,
 float32 FMAs). Rates count the causal
 work, 2 x 2 x L (L + 1) / 2 x D operations per query head and prompt (Q.K and P.V), against this
 machine's measured peak of the instruction the row multiplies with (benchmarks/cpu_peak.py). Every row's

@@ -7,8 +7,9 @@ soft-caps against the torch backend's per-request float32 path, the reference fo
 around and past 3x the window, shared-prefix groups whose prefix a member's window holds or not, and
 --deterministic's per-token decodes. Each over a float32 pool and a bf16 one (--dtype bfloat16 on CPU),
 whose reference is float32 math on the bf16-rounded K/V and queries: paths 0-2 give over a bf16 pool the
-bits they give over a float32 pool holding the rounded values; path 3 (vdpbf16ps prefill scores, where
-the CPU has AVX512-BF16) agrees within float32 rounding; every path is batch- and chunk-invariant. And over
+bits they give over a float32 pool holding the rounded values; paths 3 (vdpbf16ps, where the CPU has
+AVX512-BF16) and 4 (AMX tiles, where it has AMX-BF16) agree within bf16 rounding of the prefill weights;
+every path is batch- and chunk-invariant. And over
 an int8 pool (--kv-cache-dtype int8), whose reference is the dequantized K/V: every path gives the bits it
 gives within float32 rounding of a float32 pool holding them, and its store quantizes as KVPool.set_kv
 does."""
