@@ -161,6 +161,12 @@ struct Problem {
   float* state_m;
   float* state_l;
   float* state_acc;
+  // Path 4: the K/V blocks of the requests whose prefill chunks run on tiles, laid out for them once per
+  // call (amx_layout_block): K rows [blocks][Hkv][kBlock][D], V transposed into key pairs [blocks][Hkv][D]
+  // [kBlock / 2]; per request the index of its first block, -1 where its items lay blocks out themselves.
+  const uint16_t* amx_k = nullptr;
+  const uint32_t* amx_v = nullptr;
+  const int64_t* amx_first = nullptr;
 
   int64_t row_bytes() const { return kv_heads * head_dim * kv_bytes(kv_type); }
   // An int8 pool's scale of kv head h at slot (scales: k_scale or v_scale); 1 for the others (unused).
@@ -1085,6 +1091,22 @@ SIMD_AVX512 void amx_head_rows(const char* const* krow, const char* const* vrow,
   }
 }
 
+// Path 4's layout of block b (keys b * kBlock ..) of request r, kv head h, into kt [kBlock][D] and vt [D]
+// [kBlock / 2]: a whole block, keys past the request's end from the dummy slot 0 (zeros). Items whose
+// last block ends sooner read the first rows of it; the keys after an item's tokens are weighted 0, so
+// real K/V there give the bits the dummy's zeros give.
+void amx_layout_block(const Problem& p, int64_t r, int64_t b, int64_t h, uint16_t* kt, uint32_t* vt, Scratch& w) {
+  const int64_t* slots = p.table + p.rows[r] * p.table_stride;
+  const int64_t b0 = b * kBlock, keys = std::min(kBlock, p.seq_lens[r] - b0);
+  for (int64_t t = 0; t < kBlock; ++t) {
+    const int64_t slot = t < keys ? slots[b0 + t] : 0;
+    w.krow[t] = p.row(p.k_buf, slot);
+    w.vrow[t] = p.row(p.v_buf, slot);
+  }
+  Prefetcher none;  // nothing to fetch ahead: the next task is another block
+  amx_head_rows(w.krow.data(), w.vrow.data(), h, p.head_dim, kBlock, kt, vt, none);
+}
+
 // acc^T [D][lanes] rescaled lane by lane by the online softmax's corrections.
 SIMD_AVX512 inline void rescale_lanes(float* acct, int64_t d, int64_t lanes, const float* corr) {
   for (int64_t e = 0; e < d; ++e) {
@@ -1095,28 +1117,39 @@ SIMD_AVX512 inline void rescale_lanes(float* acct, int64_t d, int64_t lanes, con
 }
 
 // A request chunk over a bf16 pool on path 4 (D a multiple of kAmxKeys): lanes16::item_lanes's walk,
-// with the two products on tiles.
+// with the two products on tiles, over its request's blocks as laid out for the call (p.amx_first) or,
+// where they are not (a sliding window: its items start at different keys), as it lays them out.
 template <bool kWindow, bool kCap>
 SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Scratch& w) {
   constexpr int64_t kl = Avx512::kLanes;
   const int64_t d = p.head_dim, rows = sp.tokens * p.group;
   const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
   float *st = w.s.data(), *corr = w.corr.data();
-  uint16_t* kt = w.ktile.data();
-  uint32_t *vt = w.vt.data(), *pp = w.ppairs.data();
+  uint32_t* pp = w.ppairs.data();
   const char** krow = w.krow.data();
   const char** vrow = w.vrow.data();
+  const int64_t first_block = p.amx_first != nullptr && sp.from == 0 ? p.amx_first[it.r] : -1;
   Prefetcher pf;
   lane_queries(p, it, sp, lanes, true, true, w, pf);
   amx_attention_tiles();
   for (int64_t b0 = sp.from; b0 < sp.len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, sp.len - b0);
     const int64_t padded = (keys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
-    block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
+    if (first_block < 0) block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
       float *acc = w.acc.data() + hi * d * lanes, *m = w.m.data() + hi * lanes, *l = w.l.data() + hi * lanes;
-      amx_head_rows(krow, vrow, h, d, padded, kt, vt, pf);
+      const uint16_t* kt = w.ktile.data();
+      const uint32_t* vt = w.vt.data();
+      int64_t vt_row = padded * 2;  // bytes between V^T rows
+      if (first_block >= 0) {
+        const int64_t at = (first_block + b0 / kBlock) * p.kv_heads + h;
+        kt = p.amx_k + at * kBlock * d;
+        vt = p.amx_v + at * d * (kBlock / 2);
+        vt_row = kBlock * 2;
+      } else {
+        amx_head_rows(krow, vrow, h, d, padded, w.ktile.data(), w.vt.data(), pf);
+      }
       const TileOperand k_rows{reinterpret_cast<const char*>(kt), d * 2, 16 * d * 2, 64};
       const TileOperand q_pairs{reinterpret_cast<const char*>(w.qpairs.data() + hi * (d / 2) * lanes), lanes * 4, 64,
                                 16 * lanes * 4};
@@ -1127,7 +1160,7 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
       }
       lanes16::pack_weights(st, lanes, padded, pp);
       rescale_lanes(acc, d, lanes, corr);
-      const TileOperand v_pairs{reinterpret_cast<const char*>(vt), padded * 2, 16 * padded * 2, 64};
+      const TileOperand v_pairs{reinterpret_cast<const char*>(vt), vt_row, 16 * vt_row, 64};
       const TileOperand p_pairs{reinterpret_cast<const char*>(pp), lanes * 4, 64, 16 * lanes * 4};
       amx_product<true>(v_pairs, d / 16, p_pairs, lanes, padded / kAmxKeys, acc);
     }
@@ -1289,10 +1322,35 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     grow(state_acc, num_reqs * num_q_heads * head_dim);
   }
   const bool bf16 = kv_type == kKvBf16;
-  const Problem p{q, q_stride, out, out_stride, static_cast<const char*>(k_buf), static_cast<const char*>(v_buf),
-                  kv_type, bf16, kv_type == kKvInt8, bf16 && path == 3, k_scale, v_scale, num_kv_heads, head_dim, group, table, table_stride, requests,
-                  requests + num_reqs, requests + 2 * num_reqs, requests + 3 * num_reqs, scale, window, softcap,
-                  groups, num_groups, members, prefix_of.data(), state_m.data(), state_l.data(), state_acc.data()};
+  Problem p{q, q_stride, out, out_stride, static_cast<const char*>(k_buf), static_cast<const char*>(v_buf),
+            kv_type, bf16, kv_type == kKvInt8, bf16 && path == 3, k_scale, v_scale, num_kv_heads, head_dim, group, table, table_stride, requests,
+            requests + num_reqs, requests + 2 * num_reqs, requests + 3 * num_reqs, scale, window, softcap,
+            groups, num_groups, members, prefix_of.data(), state_m.data(), state_l.data(), state_acc.data()};
+  // Path 4 without a window: every prefill request's K/V blocks laid out for the tiles once, before its
+  // items run (each of them walks the blocks from the first, so a block served each item's copy of it).
+  static thread_local std::vector<int64_t> amx_first, amx_blocks;  // blocks: (request, block) pairs
+  static thread_local std::vector<uint16_t> amx_k;
+  static thread_local std::vector<uint32_t> amx_v;
+  amx_blocks.clear();
+  if (path == 4 && bf16 && window == 0) {
+    amx_first.assign(num_reqs, -1);
+    for (int64_t r = 0; r < num_reqs; ++r) {
+      if (p.num_new[r] < 2 || prefix_of[r] > 0) continue;  // not a rows-as-lanes request
+      amx_first[r] = static_cast<int64_t>(amx_blocks.size()) / 2;
+      for (int64_t b = 0; b * kBlock < p.seq_lens[r]; ++b) amx_blocks.insert(amx_blocks.end(), {r, b});
+    }
+    const int64_t blocks = static_cast<int64_t>(amx_blocks.size()) / 2;
+    grow(amx_k, blocks * num_kv_heads * kBlock * head_dim);
+    grow(amx_v, blocks * num_kv_heads * head_dim * (kBlock / 2));
+    p.amx_k = amx_k.data();
+    p.amx_v = amx_v.data();
+    p.amx_first = amx_first.data();
+  }
+  // The pool's threads read this thread's buffers through these.
+  const int64_t layouts = static_cast<int64_t>(amx_blocks.size()) / 2 * num_kv_heads;
+  const int64_t* layout_blocks = amx_blocks.data();
+  uint16_t* layout_k = amx_k.data();
+  uint32_t* layout_v = amx_v.data();
   // Every kv head in one item where there are enough items to keep the threads busy, otherwise an item
   // per head (one request decoding: its heads are the parallelism). A request's chunks run from its last.
   int64_t chunks = 0;
@@ -1357,9 +1415,16 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
         }
       });
     };
-    // Group items first: their states are where the members' own items start (the loop's barrier).
-#pragma omp for schedule(dynamic, 1)
+    // Group items first: their states are where the members' own items start (the loop's barrier); and
+    // path 4's block layouts.
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t i = 0; i < group_items; ++i) run(list[i]);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t i = 0; i < layouts; ++i) {  // block i / Hkv (as p.amx_first counts them), kv head i % Hkv
+      const int64_t* block = layout_blocks + 2 * (i / num_kv_heads);
+      amx_layout_block(p, block[0], block[1], i % num_kv_heads, layout_k + i * kBlock * head_dim,
+                       layout_v + i * head_dim * (kBlock / 2), w);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = group_items; i < count; ++i) run(list[i]);
   }
