@@ -1107,13 +1107,69 @@ void amx_layout_block(const Problem& p, int64_t r, int64_t b, int64_t h, uint16_
   amx_head_rows(w.krow.data(), w.vrow.data(), h, p.head_dim, kBlock, kt, vt, none);
 }
 
-// acc^T [D][lanes] rescaled lane by lane by the online softmax's corrections.
+// acc^T [D][lanes] rescaled lane by lane by the online softmax's corrections; a panel none of whose
+// corrections differs from 1 (its running max unchanged, most blocks past the first few) is skipped.
 SIMD_AVX512 inline void rescale_lanes(float* acct, int64_t d, int64_t lanes, const float* corr) {
-  for (int64_t e = 0; e < d; ++e) {
-    for (int64_t i = 0; i < lanes; i += 16) {
-      _mm512_storeu_ps(acct + e * lanes + i, _mm512_mul_ps(_mm512_loadu_ps(acct + e * lanes + i), _mm512_loadu_ps(corr + i)));
+  for (int64_t i = 0; i < lanes; i += 16) {
+    const __m512 c = _mm512_loadu_ps(corr + i);
+    if (_mm512_cmp_ps_mask(c, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) == 0) continue;
+    for (int64_t e = 0; e < d; ++e) {
+      _mm512_storeu_ps(acct + e * lanes + i, _mm512_mul_ps(_mm512_loadu_ps(acct + e * lanes + i), c));
     }
   }
+}
+
+// exp(x) on 16 lanes within ~3e-6 relatively (x clamped at -100; NaN gives exp(-100)): 2^n (vscalefps)
+// times 2^f, x log2 e = n + f with f in [-0.5, 0.5], 2^f by its Taylor polynomial of degree 5. Half the
+// operations of simd::exp_avx512 (within 2 ulp); path 4's softmax only, whose weights are rounded to
+// bf16 (4e-3) for P.V.
+SIMD_AVX512 inline __m512 exp_fast(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.0f)), _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(1.3333558e-3f);  // (ln 2)^k / k!, k = 5 .. 0
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504109e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022651e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// lanes16::lanes_softmax for path 4, one panel: the same masks, soft-cap and running max, the weights by
+// exp_fast, and written only as bf16 key pairs into pp (rows `lanes` apart; pack_weights' layout),
+// which is all P.V reads; the sum takes them in float32, key by key in order.
+template <bool kWindow, bool kCap>
+SIMD_AMX_BF16 void amx_softmax(float* st, int64_t lanes, int64_t b0, int64_t keys, int64_t padded,
+                               const int32_t* pos, int64_t window, float cap, float* m, float* l, float* corr,
+                               uint32_t* pp) {
+  const __m512 m_old = _mm512_loadu_ps(m);
+  __m512 mx = m_old;
+  for (int64_t t = 0; t < keys; ++t) {
+    __m512 x = _mm512_loadu_ps(st + t * lanes);
+    if constexpr (kCap) {
+      x = _mm512_mul_ps(_mm512_set1_ps(cap), simd::tanh_avx512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
+      _mm512_storeu_ps(st + t * lanes, x);
+    }
+    mx = _mm512_mask_max_ps(mx, lanes16::sees<kWindow>(pos, b0 + t, window), mx, x);
+  }
+  __m512 sum = _mm512_setzero_ps();
+  auto weight = [&](int64_t t) SIMD_AVX512 {
+    if (t >= keys) return _mm512_setzero_ps();
+    const __m512 e = exp_fast(_mm512_sub_ps(_mm512_loadu_ps(st + t * lanes), mx));
+    return _mm512_maskz_mov_ps(lanes16::sees<kWindow>(pos, b0 + t, window), e);
+  };
+  for (int64_t t = 0; t < padded; t += 2) {
+    const __m512 w0 = weight(t), w1 = weight(t + 1);
+    sum = _mm512_add_ps(_mm512_add_ps(sum, w0), w1);
+    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w0)));
+    const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w1)));
+    _mm512_storeu_si512(pp + t / 2 * lanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+  const __m512 c = exp_fast(_mm512_sub_ps(m_old, mx));  // ~0 on the first block (m = -inf)
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, sum));
+  _mm512_storeu_ps(m, mx);
+  _mm512_storeu_ps(corr, c);
 }
 
 // A request chunk over a bf16 pool on path 4 (D a multiple of kAmxKeys): lanes16::item_lanes's walk,
@@ -1155,10 +1211,9 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
                                 16 * lanes * 4};
       amx_product<false>(k_rows, padded / 16, q_pairs, lanes, d / kAmxKeys, st);
       for (int64_t c = 0; c < panels; ++c) {
-        lanes16::lanes_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, w.pos.data() + c * kl,
-                                              sp.window, p.softcap, m + c * kl, l + c * kl, corr + c * kl);
+        amx_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, w.pos.data() + c * kl, sp.window,
+                                   p.softcap, m + c * kl, l + c * kl, corr + c * kl, pp + c * kl);
       }
-      lanes16::pack_weights(st, lanes, padded, pp);
       rescale_lanes(acc, d, lanes, corr);
       const TileOperand v_pairs{reinterpret_cast<const char*>(vt), vt_row, 16 * vt_row, 64};
       const TileOperand p_pairs{reinterpret_cast<const char*>(pp), lanes * 4, 64, 16 * lanes * 4};
