@@ -56,7 +56,7 @@
 // within float32 rounding. Path 3 is batch-invariant as the others are: each lane one chain over D (scores)
 // and over the key pairs (P.V) in order, on either vector width, whatever else shares its item or however its
 // request was chunked. Path 4 (mode 4, a CPU with AMX-BF16) runs a bf16 pool's prefill chunks
-// with both products on AMX tiles instead (see "AMX path" below): 1.7-1.8x the widening path on a Xeon
+// with both products on AMX tiles instead (see "AMX path" below): about 2x the widening path on a Xeon
 // whose vdpbf16ps runs at half its FMAs' rate.
 //
 // An int8 pool (--kv-cache-dtype int8: a quarter of float32's bytes per token plus a float32 scale per
@@ -973,13 +973,13 @@ using V = Avx2;
 // ---------------------------------------------------------------- AMX path (path 4: prefill over a bf16 pool)
 //
 // On CPUs with AMX-BF16 (Sapphire Rapids and later), a prefill chunk over a bf16 pool runs both products
-// as tdpbf16ps tile products, 16x the products of a vdpbf16ps, around the rows-as-lanes softmax
-// (lanes16's, unchanged). The scores come transposed, S^T [keys][lanes] = K . Q^T: A is 16 keys x 32
-// head elements of K (a block's rows of one head copied contiguous, what a tile load needs), B the
-// queries as pairs ([D / 2][lanes], path 3's). P.V comes transposed too, acc^T [D][lanes] += V^T . P^T:
-// A is 16 head elements x 32 keys of V^T (a block's V rows transposed into pairs of keys per head
-// element, amx_head_rows), B the weights rounded to bf16 as key pairs ([keys / 2][lanes], path 3's
-// pack_weights). Each output is one chain of tile products in order (over D for a score; over a block's
+// as tdpbf16ps tile products, 16x the products of a vdpbf16ps, around a rows-as-lanes online softmax
+// (amx_softmax). The scores come transposed, S^T [keys][lanes] = K . Q^T: A is 16 keys x 32 head
+// elements of K (a block's rows of one head copied contiguous, what a tile load needs), B the queries as
+// pairs ([D / 2][lanes], path 3's). P.V comes transposed too, acc^T [D][lanes] += V^T . P^T: A is 16
+// head elements x 32 keys of V^T (a block's V rows transposed into pairs of keys per head element,
+// amx_head_rows; once per call for all of a request's items, amx_layout_block), B the weights rounded to
+// bf16 as key pairs ([keys / 2][lanes], path 3's layout). Each output is one chain of tile products in order (over D for a score; over a block's
 // 32-key tiles, after the block's rescale, for P.V), whatever else shares its item or however its
 // request was chunked: keys past a token are weighted 0, so they add exact zeros, and a block padded to
 // whole 32-key tiles adds zero tiles. A tile product sums its 32 products with its own rounding

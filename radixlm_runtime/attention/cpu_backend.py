@@ -3,7 +3,7 @@ of float32, (--dtype bfloat16, --kv-cache-dtype bfloat16) bf16 or (--kv-cache-dt
 K/V rounded to bf16 as they are stored and widened back as they are read, the scores then dot products
 of bf16 operands (the queries rounded too) accumulated in float32; on prefill chunks, where the CPU has
 AVX512-BF16 and runs it fast (default_mode), both the scores and P.V (the weights rounded to bf16) by
-vdpbf16ps, 1.5x float32 on a Zen 4; where it has AMX-BF16, both on AMX tiles (1.7-1.8x on a Xeon).
+vdpbf16ps, 1.5x float32 on a Zen 4; where it has AMX-BF16, both on AMX tiles (~2x on a Xeon).
 int8:
 K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
 float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
@@ -95,7 +95,7 @@ def kernel_path(
 @functools.cache
 def default_mode() -> int:
     """The widest mode that pays on this CPU: AMX_BF16 where the CPU has AMX-BF16 tiles (a bf16 pool's
-    prefill on tiles: 1.7-1.8x the float32 FMAs on a Sapphire Rapids Xeon, benchmarks/README.md);
+    prefill on tiles: ~2x the float32 FMAs on a Sapphire Rapids Xeon, benchmarks/README.md);
     AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by BF16_DOT_MIN_RATIO (timed once by the
     library); else AVX512 (the C++ side then steps down to what the CPU has). Logged when the CPU has
     bf16 dot products that do not pay."""
