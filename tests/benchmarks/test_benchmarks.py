@@ -411,8 +411,8 @@ def test_linear_cpu(linear_cpu: dict[str, Any]) -> None:
 
 def test_attention_cpu(attention_cpu: dict[str, Any]) -> None:
     """Every pool this machine's kernels read, float32 first (the reference of the others' outputs);
-    path 3 where the CPU has AVX512-BF16, else skipped with the reason; rates against the peak of the
-    instruction each path multiplies with."""
+    path 3 where the CPU has AVX512-BF16 and path 4 where it has AMX-BF16, else skipped with the
+    reason; rates against the peak of the instruction each path multiplies with."""
     results = attention_cpu["results"]
     labels = [r["label"].split(" (path")[0] for r in results]
     assert labels[0] == "float32 pool" and results[0]["max_diff_vs_float32"] == 0.0
@@ -420,6 +420,7 @@ def test_attention_cpu(attention_cpu: dict[str, Any]) -> None:
         "float32 pool",
         "bf16 pool, widened",
         "bf16 pool, vdpbf16ps",
+        "bf16 pool, AMX tiles",
         "int8 pool",
     }
     for r in results:
@@ -427,6 +428,8 @@ def test_attention_cpu(attention_cpu: dict[str, Any]) -> None:
         assert 0 <= r["max_diff_vs_float32"] < 0.1  # bf16 / int8 K and V, random unit-variance data
         if r["path"] == 3:
             assert r["peak"].startswith("vdpbf16ps")
+        if r["path"] == 4:
+            assert r["peak"].startswith("tdpbf16ps")
         if r["peak_gflops"]:
             assert r["share_of_peak"] == pytest.approx(100 * r["gflops"] / r["peak_gflops"])
 

@@ -152,8 +152,8 @@ ONE_DECODE = ([300], [1])
 @pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
 @pytest.mark.parametrize(
     "num_q_heads, num_kv_heads, head_dim",
-    [(9, 3, 64), (8, 2, 24), (4, 4, 16), (6, 3, 20)],
-    ids=["gqa3-d64", "gqa4-d24", "mha-d16", "gqa2-d20-scalar-only"],
+    [(9, 3, 64), (8, 2, 128), (8, 2, 24), (4, 4, 16), (6, 3, 20)],
+    ids=["gqa3-d64", "gqa4-d128", "gqa4-d24", "mha-d16", "gqa2-d20-scalar-only"],
 )
 @pytest.mark.parametrize("lens", [(SEQ_LENS, EXTEND_LENS), ONE_DECODE], ids=["batch", "one-decode"])
 def test_forward_matches_dense_reference(
