@@ -4,6 +4,8 @@ scripted CPU times and a scripted clock, and once from this machine's real /proc
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -82,8 +84,12 @@ def test_never_below_one_thread_and_readings_wait_for_the_interval() -> None:
 
 
 def test_reads_this_machines_cpu_times() -> None:
+    """The counters advance with work. Work is timed by this process's CPU clock: os.times counts
+    clock ticks (10 ms), and a fixed loop of ~10 ms sometimes fell within one tick on a loaded machine."""
     before = cpu.read_cpu_times()
-    sum(i * i for i in range(200_000))
+    start = time.process_time()
+    while time.process_time() - start < 0.05:
+        sum(i * i for i in range(10_000))
     after = cpu.read_cpu_times()
     assert after.busy >= before.busy > 0 and after.own > before.own > 0
     assert after.waiting >= before.waiting >= 0
