@@ -119,9 +119,7 @@ constexpr int kAmxChains = 4;
 
 #define CP_AMX_PATH(NAME, TARGET, DP, ELEM)                                     \
   __attribute__((target(TARGET))) double NAME(int64_t iters) {                 \
-    simd::TileConfig cfg;                                                        \
-    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;             \
-    simd::load_tile_config(cfg);                                                 \
+    simd::load_tile_config(simd::TileConfig::whole());                           \
     alignas(64) uint8_t operand[16 * 64];                                        \
     for (auto& b : operand) b = static_cast<uint8_t>(g_seed) & 1;                \
     _tile_loadd(4, operand, 64);                                                 \

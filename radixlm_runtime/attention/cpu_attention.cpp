@@ -909,11 +909,14 @@ struct Avx512 {
   SIMD_BF16 static Reg dot_pairs(Reg acc, Reg a, Reg b) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
   }
-  // Lane i of out: x0[i] and x1[i] rounded to bf16 (nearest even), x0's in the low half.
+  // Lane i: x0[i] and x1[i] rounded to bf16 (nearest even), x0's in the low half.
+  SIMD_BF16 static __m512i pairs_of(Reg x0, Reg x1) {
+    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x0)));
+    const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x1)));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
   SIMD_BF16 static void pack_pairs(const float* x0, const float* x1, uint32_t* out) {
-    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load(x0))));
-    const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(load(x1))));
-    _mm512_storeu_si512(out, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_storeu_si512(out, pairs_of(load(x0), load(x1)));
   }
 };
 
@@ -979,24 +982,22 @@ using V = Avx2;
 // pairs ([D / 2][lanes], path 3's). P.V comes transposed too, acc^T [D][lanes] += V^T . P^T: A is 16
 // head elements x 32 keys of V^T (a block's V rows transposed into pairs of keys per head element,
 // amx_head_rows; once per call for all of a request's items, amx_layout_block), B the weights rounded to
-// bf16 as key pairs ([keys / 2][lanes], path 3's layout). Each output is one chain of tile products in order (over D for a score; over a block's
-// 32-key tiles, after the block's rescale, for P.V), whatever else shares its item or however its
-// request was chunked: keys past a token are weighted 0, so they add exact zeros, and a block padded to
-// whole 32-key tiles adds zero tiles. A tile product sums its 32 products with its own rounding
-// (linear_cpu.cpp's "AMX (bf16)"), so the bits are not path 3's, within the same bf16 rounding of the
-// weights. Group items and decode tokens run path 2, as on a CPU without AMX.
+// bf16 as key pairs ([keys / 2][lanes], path 3's layout). Each output is one chain of tile products in
+// order (over D for a score; over a block's 32-key tiles, after the block's rescale, for P.V), whatever
+// else shares its item or however its request was chunked: keys past a token are weighted 0, so they
+// add exact zeros, and a block padded to whole 32-key tiles adds zero tiles. A tile product sums its 32
+// products with its own rounding (linear_cpu.cpp's "AMX (bf16)"), so the bits are not path 3's, within
+// the same bf16 rounding of the weights. Group items and decode tokens run path 2, as on a CPU without
+// AMX.
 
-// Keys per P.V tile product, so a block's keys are padded to a multiple of it.
-constexpr int64_t kAmxKeys = 32;
+// bf16 values a tile row holds: a tile product's depth, 32 head elements of a score's chain and 32 keys of
+// a P.V one; a block's keys are padded to a multiple of it, and D must be one.
+constexpr int64_t kTileDepth = 32;
 
 // Tiles 0-3: sums of two row tiles (0-1, 2-3) by two lane tiles; 4-5: A's row tiles; 6-7: B's lane
 // tiles; every one 16 rows of 64 bytes. Configured per item, by its thread: other kernels on the same
 // threads (linear_cpu.cpp's, oneDNN's) configure the tiles their own way.
-SIMD_AMX_BF16 void amx_attention_tiles() {
-  simd::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  simd::load_tile_config(cfg);
-}
+SIMD_AMX_BF16 void amx_attention_tiles() { simd::load_tile_config(simd::TileConfig::whole()); }
 
 // A tile product's operand: 16-row tiles of 64 bytes, `row` bytes between a tile's rows, `tile` bytes
 // between neighbouring tiles (A's row tiles, B's lane tiles), `step` bytes between a chain's steps.
@@ -1057,7 +1058,7 @@ SIMD_AMX_BF16 void amx_product(const TileOperand& a, int64_t row_tiles, const Ti
   }
 }
 
-// Kv head h's rows of a block (`padded` keys, a multiple of kAmxKeys, from block_rows) as path 4's A
+// Kv head h's rows of a block (`padded` keys, a multiple of kTileDepth, from block_rows) as path 4's A
 // operands: K's rows copied contiguous into kt [padded][D] (bf16), V's transposed into key pairs vt
 // [D][padded / 2] (element e, pair tp: V[2tp][e] low, V[2tp + 1][e] high). The transpose takes 32 keys x
 // 32 elements at a time: each key pair's rows interleaved (unpacklo / unpackhi_epi16: pairs of elements
@@ -1136,7 +1137,7 @@ SIMD_AVX512 inline __m512 exp_fast(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// lanes16::lanes_softmax for path 4, one panel: the same masks, soft-cap and running max, the weights by
+// lanes16::lanes_softmax for path 4, one panel: the same running max (lanes_max), the weights by
 // exp_fast, and written only as bf16 key pairs into pp (rows `lanes` apart; pack_weights' layout),
 // which is all P.V reads; the sum takes them in float32, key by key in order.
 template <bool kWindow, bool kCap>
@@ -1144,15 +1145,7 @@ SIMD_AMX_BF16 void amx_softmax(float* st, int64_t lanes, int64_t b0, int64_t key
                                const int32_t* pos, int64_t window, float cap, float* m, float* l, float* corr,
                                uint32_t* pp) {
   const __m512 m_old = _mm512_loadu_ps(m);
-  __m512 mx = m_old;
-  for (int64_t t = 0; t < keys; ++t) {
-    __m512 x = _mm512_loadu_ps(st + t * lanes);
-    if constexpr (kCap) {
-      x = _mm512_mul_ps(_mm512_set1_ps(cap), simd::tanh_avx512(_mm512_mul_ps(x, _mm512_set1_ps(1.0f / cap))));
-      _mm512_storeu_ps(st + t * lanes, x);
-    }
-    mx = _mm512_mask_max_ps(mx, lanes16::sees<kWindow>(pos, b0 + t, window), mx, x);
-  }
+  const __m512 mx = lanes16::lanes_max<kWindow, kCap>(st, lanes, b0, keys, pos, window, cap, m_old);
   __m512 sum = _mm512_setzero_ps();
   auto weight = [&](int64_t t) SIMD_AVX512 {
     if (t >= keys) return _mm512_setzero_ps();
@@ -1162,9 +1155,7 @@ SIMD_AMX_BF16 void amx_softmax(float* st, int64_t lanes, int64_t b0, int64_t key
   for (int64_t t = 0; t < padded; t += 2) {
     const __m512 w0 = weight(t), w1 = weight(t + 1);
     sum = _mm512_add_ps(_mm512_add_ps(sum, w0), w1);
-    const __m512i lo = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w0)));
-    const __m512i hi = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(w1)));
-    _mm512_storeu_si512(pp + t / 2 * lanes, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_storeu_si512(pp + t / 2 * lanes, Avx512::pairs_of(w0, w1));
   }
   const __m512 c = exp_fast(_mm512_sub_ps(m_old, mx));  // ~0 on the first block (m = -inf)
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), c, sum));
@@ -1172,7 +1163,7 @@ SIMD_AMX_BF16 void amx_softmax(float* st, int64_t lanes, int64_t b0, int64_t key
   _mm512_storeu_ps(corr, c);
 }
 
-// A request chunk over a bf16 pool on path 4 (D a multiple of kAmxKeys): lanes16::item_lanes's walk,
+// A request chunk over a bf16 pool on path 4 (D a multiple of kTileDepth): lanes16::item_lanes's walk,
 // with the two products on tiles, over its request's blocks as laid out for the call (p.amx_first) or,
 // where they are not (a sliding window: its items start at different keys), as it lays them out.
 template <bool kWindow, bool kCap>
@@ -1190,7 +1181,7 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
   amx_attention_tiles();
   for (int64_t b0 = sp.from; b0 < sp.len; b0 += kBlock) {
     const int64_t keys = std::min(kBlock, sp.len - b0);
-    const int64_t padded = (keys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+    const int64_t padded = (keys + kTileDepth - 1) / kTileDepth * kTileDepth;
     if (first_block < 0) block_rows(p, it, sp, b0, keys, padded, krow, vrow, pf);
     for (int64_t h = it.h0; h < it.h1; ++h) {
       const int64_t hi = h - it.h0;
@@ -1209,7 +1200,7 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
       const TileOperand k_rows{reinterpret_cast<const char*>(kt), d * 2, 16 * d * 2, 64};
       const TileOperand q_pairs{reinterpret_cast<const char*>(w.qpairs.data() + hi * (d / 2) * lanes), lanes * 4, 64,
                                 16 * lanes * 4};
-      amx_product<false>(k_rows, padded / 16, q_pairs, lanes, d / kAmxKeys, st);
+      amx_product<false>(k_rows, padded / 16, q_pairs, lanes, d / kTileDepth, st);
       for (int64_t c = 0; c < panels; ++c) {
         amx_softmax<kWindow, kCap>(st + c * kl, lanes, b0, keys, padded, w.pos.data() + c * kl, sp.window,
                                    p.softcap, m + c * kl, l + c * kl, corr + c * kl, pp + c * kl);
@@ -1217,7 +1208,7 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
       rescale_lanes(acc, d, lanes, corr);
       const TileOperand v_pairs{reinterpret_cast<const char*>(vt), vt_row, 16 * vt_row, 64};
       const TileOperand p_pairs{reinterpret_cast<const char*>(pp), lanes * 4, 64, 16 * lanes * 4};
-      amx_product<true>(v_pairs, d / 16, p_pairs, lanes, padded / kAmxKeys, acc);
+      amx_product<true>(v_pairs, d / 16, p_pairs, lanes, padded / kTileDepth, acc);
     }
     pf.finish();
   }
@@ -1233,7 +1224,7 @@ SIMD_AMX_BF16 void item_amx(const Problem& p, const Item& it, const Span& sp, Sc
 int select_path(int mode, bool avx2, bool avx512, bool avx512_bf16, bool amx_bf16, int64_t head_dim) {
   if (mode == 0 || !avx2 || head_dim % 8 != 0) return 0;
   if (mode == 1 || !avx512) return 1;
-  if (mode == 4) return amx_bf16 && head_dim % kAmxKeys == 0 ? 4 : 2;
+  if (mode == 4) return amx_bf16 && head_dim % kTileDepth == 0 ? 4 : 2;
   return mode == 3 && avx512_bf16 ? 3 : 2;
 }
 

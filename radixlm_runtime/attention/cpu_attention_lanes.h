@@ -198,6 +198,23 @@ LANES_TARGET inline typename V::Mask sees(const int32_t* pos, int64_t t, int64_t
   }
 }
 
+// The first half of an online-softmax step of one panel (lanes_softmax's, and path 4's amx_softmax): the
+// new running max, from `mx` and the panel's scores over the keys b0 .. b0 + keys - 1 that each lane sees,
+// soft-capped in place first where kCap.
+template <bool kWindow, bool kCap>
+LANES_TARGET typename V::Reg lanes_max(float* st, int64_t lanes, int64_t b0, int64_t keys, const int32_t* pos,
+                                       int64_t window, float cap, typename V::Reg mx) {
+  for (int64_t t = 0; t < keys; ++t) {
+    typename V::Reg x = V::load(st + t * lanes);
+    if constexpr (kCap) {
+      x = V::mul(V::set1(cap), V::tanh(V::mul(x, V::set1(1.0f / cap))));
+      V::store(st + t * lanes, x);
+    }
+    mx = V::max_where(mx, sees<kWindow>(pos, b0 + t, window), x);
+  }
+  return mx;
+}
+
 // Online-softmax step of one panel over a block of keys b0 .. b0 + keys - 1 (st's column of scores,
 // rows `lanes` apart, padded to `padded` rows): scores, soft-capped first where kCap (cap: the cap),
 // become the weights exp(s - new max), 0 where a lane does not see the key (see `sees`) and in the
@@ -207,15 +224,7 @@ template <bool kWindow, bool kCap>
 LANES_TARGET void lanes_softmax(float* st, int64_t lanes, int64_t b0, int64_t keys, int64_t padded,
                                 const int32_t* pos, int64_t window, float cap, float* m, float* l, float* corr) {
   const typename V::Reg m_old = V::load(m);
-  typename V::Reg mx = m_old;
-  for (int64_t t = 0; t < keys; ++t) {
-    typename V::Reg x = V::load(st + t * lanes);
-    if constexpr (kCap) {
-      x = V::mul(V::set1(cap), V::tanh(V::mul(x, V::set1(1.0f / cap))));
-      V::store(st + t * lanes, x);
-    }
-    mx = V::max_where(mx, sees<kWindow>(pos, b0 + t, window), x);
-  }
+  const typename V::Reg mx = lanes_max<kWindow, kCap>(st, lanes, b0, keys, pos, window, cap, m_old);
   typename V::Reg sum = V::zero();
   for (int64_t t = 0; t < keys; ++t) {
     const typename V::Reg x = V::sub(V::load(st + t * lanes), mx);

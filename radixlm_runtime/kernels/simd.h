@@ -1,7 +1,8 @@
 // SIMD helpers shared by the C++ CPU kernels (layers/linear_cpu.cpp, layers/fused_cpu.cpp,
 // attention/cpu_attention.cpp, and benchmarks/cpu_peak.cpp): CPU feature checks, bf16 rounding and
-// widening, AVX2 and AVX-512 exp and tanh, AMX tile set-up. kernels/native.py compiles each kernel with this folder on the include path and hashes this
-// header into every library's cache key, so editing it rebuilds them all.
+// widening, AVX2 and AVX-512 exp and tanh, a 16 x 16 transpose, AMX tile set-up. kernels/native.py
+// compiles each kernel with this folder on the include path and hashes this header into every library's
+// cache key, so editing it rebuilds them all.
 
 #pragma once
 
@@ -46,6 +47,13 @@ struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
+
+  // All 8 tiles whole: 16 rows of 64 bytes.
+  static TileConfig whole() {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    return cfg;
+  }
 };
 
 // Whether the kernel lets this process use AMX tile state (Linux asks for it: arch_prctl

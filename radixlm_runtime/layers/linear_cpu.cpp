@@ -907,7 +907,6 @@ SIMD_BF16 void pack_bf16_panel(const Weights& w, int64_t n0, int64_t valid, floa
 }
 
 // The AMX-BF16 path's parts (see "AMX (bf16)" below), which the quantized GEMM takes too.
-
 constexpr int64_t kAmxBf16Cols = 32;  // input columns of one tile of x
 
 constexpr int64_t kAmxBf16RowBlock = 512;  // rows of x a thread takes through its panels at once
@@ -1448,8 +1447,8 @@ struct D {
 // With fewer than 16 rows of x, the sums' and x's tiles are that many rows: a tile product's time
 // follows its rows (decode's single rows).
 SIMD_AMX_BF16 void amx_bf16_tiles(int64_t m) {
-  simd::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = t < 6 ? static_cast<uint8_t>(std::min<int64_t>(m, 16)) : 16, cfg.colsb[t] = 64;
+  simd::TileConfig cfg = simd::TileConfig::whole();
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = static_cast<uint8_t>(std::min<int64_t>(m, 16));
   simd::load_tile_config(cfg);
 }
 
@@ -1555,7 +1554,6 @@ SIMD_AMX_BF16 void bf16_linear_amx(const Weights& w, const float* x, int64_t m, 
 // among others. Asked once.
 bool amx_bf16_usable() {
   static const bool usable = [] {
-    __builtin_cpu_init();
     if (!simd::cpu_has_amx_bf16()) return false;
     const int64_t n = 40, k = 64, m = 37, panels = (n + kPanel - 1) / kPanel;
     std::vector<uint16_t> pairs(panels * k * kPanel);
