@@ -14,6 +14,7 @@ lower TTFT than the first, and >= 2x lower than vLLM-CPU.
     python benchmarks/bench_long_context.py
     python benchmarks/bench_long_context.py --servers host_off,host_on   # without vLLM-CPU
     python benchmarks/bench_long_context.py --tiny
+    python benchmarks/bench_long_context.py --model-path gemma3-270m --conversations 2 --turns 4
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ import httpx
 import torch
 from bench_serving import NATIVE, OPENAI, Api, Request, long_documents, send
 from common import (
+    BenchModel,
     Size,
     Table,
     add_list_flag,
+    add_model_flag,
     bench_parser,
     fmt,
     list_flag,
@@ -48,11 +51,10 @@ from systems import SystemUnavailable
 from radixlm_runtime.io.tokenizer import load_tokenizer
 from radixlm_runtime.kvcache.pool import KVPool
 from radixlm_runtime.models.config import ModelConfig
-from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "long_context"
 SIZES = {
-    "doc_tokens": Size(6000, 600, "tokens of each conversation's document"),
+    "doc_tokens": Size(0, 600, "tokens of each document (0: three quarters of the model's context)"),
     "conversations": Size(3, 2, "conversations, each with a document of its own", scales=False),
     "turns": Size(6, 3, "questions per conversation: the first, then the follow-ups", scales=False),
     "max_new_tokens": Size(16, 4, "tokens decoded per answer", scales=False),
@@ -71,9 +73,10 @@ def conversation_turns(tokenizer: Any, doc: list[int], turns: int) -> list[list[
     """The prompt of each turn: the document, the earlier questions with their answers, the question."""
     prompts, ids = [], list(doc)
     for t in range(turns):
-        ids += tokenizer.encode(f"\n\nQuestion {t + 1}: which problem above is number {7 * t + 3}?\nAnswer:")
+        question = f"\n\nQuestion {t + 1}: which problem above is number {7 * t + 3}?\nAnswer:"
+        ids += tokenizer.encode(question, add_special_tokens=False)
         prompts.append(list(ids))
-        ids += tokenizer.encode(" " + ANSWER)
+        ids += tokenizer.encode(" " + ANSWER, add_special_tokens=False)
     return prompts
 
 
@@ -103,16 +106,17 @@ def per_turn(outs: list[list[Any]]) -> list[dict[str, float]]:
 
 @contextlib.contextmanager
 def serving(
-    name: str, pool: int, host: int, pool_bytes: int, context: int, logs: Path
+    name: str, model: BenchModel, pool: int, host: int, pool_bytes: int, context: int, logs: Path
 ) -> Iterator[tuple[str, Api]]:
     log = logs / f"{name}.log"
     if name == "vllm_cpu":
-        with running_vllm_server(
-            resolve_model_path(None), log, max_model_len=context, kv_cache_bytes=pool_bytes
-        ) as url:
+        vllm = running_vllm_server(model.hf_dir(), log, max_model_len=context, kv_cache_bytes=pool_bytes)
+        with vllm as url:
             yield url, OPENAI
         return
     flags = ["--max-total-tokens", str(pool)] + (["--kv-host-tokens", str(host)] if name == "host_on" else [])
+    if model.path is not None:
+        flags += ["--model-path", model.path]
     with running_server(flags, log) as url:
         yield url, NATIVE
 
@@ -141,12 +145,15 @@ def main(argv: list[str] | None = None) -> None:
         default=0.5,
         help="KV pool size as a fraction of documents x conversations (below 1: documents leave the pool).",
     )
+    add_model_flag(ap)
     args, sizes = parse_sizes(ap, argv, SIZES)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
-    model_dir = resolve_model_path(None)
+    model = BenchModel(args.model_path)
+    model_dir = model.hf_dir()
     tokenizer = load_tokenizer(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    docs = long_documents(sizes["conversations"], sizes["doc_tokens"])
+    sizes["doc_tokens"] = sizes["doc_tokens"] or config.max_position_embeddings * 3 // 4
+    docs = long_documents(sizes["conversations"], sizes["doc_tokens"], tokenizer)
     prompts = [conversation_turns(tokenizer, doc, sizes["turns"]) for doc in docs]
     longest = max(len(p[-1]) for p in prompts) + sizes["max_new_tokens"]
     if longest > config.max_position_embeddings:
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in list_flag(args, "--servers", str):
             try:
                 with serving(
-                    name, pool, 2 * working_set, pool_bytes, config.max_position_embeddings, Path(logs)
+                    name, model, pool, 2 * working_set, pool_bytes, config.max_position_embeddings, Path(logs)
                 ) as (url, api):
                     results[name] = per_turn(
                         asyncio.run(run_conversations(url, api, prompts, sizes["max_new_tokens"]))
@@ -202,17 +209,19 @@ def main(argv: list[str] | None = None) -> None:
             "follow-up TTFT, radixlm with a host tier vs vLLM-CPU: "
             f"{follow_up('vllm_cpu') / follow_up('host_on'):.2f}x lower (target 2x)"
         )
-    figure = f"{NAME}.png"
+    name = model.result_name(NAME)
+    figure = f"{name}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, results)
     save_result(
         args.out_dir,
-        NAME,
+        name,
         {"pool_tokens": pool, "working_set_tokens": working_set, "servers": results},
         [table],
         notes,
         [figure],
         sizes,
+        model,
     )
 
 

@@ -140,15 +140,17 @@ def long_mix_requests(num_requests: int, long_tokens: int, turns: int, num_shots
     return reqs
 
 
-def long_documents(count: int, tokens: int) -> list[list[int]]:
-    """`count` documents of exactly `tokens` token ids: GSM8K questions in an order of their own each
-    (seeded), so no two share a cached prefix."""
-    tokenizer = load_tokenizer(resolve_model_path(None))
+def long_documents(count: int, tokens: int, tokenizer: Any = None) -> list[list[int]]:
+    """`count` documents of exactly `tokens` token ids of `tokenizer` (default: the embedded model's):
+    GSM8K questions in an order of their own each (seeded), so no two share a cached prefix. Each
+    starts with what the tokenizer puts before a text (Gemma's BOS; nothing for SmolLM2)."""
+    tokenizer = tokenizer or load_tokenizer(resolve_model_path(None))
+    start = tokenizer.encode("")
     questions = gsm8k_prompts(200, 0)[0]
     rng = random.Random(0)
     docs: list[list[int]] = []
     for _ in range(count):
-        ids: list[int] = []
+        ids = list(start)
         while len(ids) < tokens:
             text = "\n\n".join(rng.sample(questions, len(questions)))
             ids += tokenizer.encode(text, add_special_tokens=False)

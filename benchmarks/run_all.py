@@ -72,6 +72,12 @@ BENCHMARKS = [
         ("--model-path", "gemma3-270m", "--systems", "radixlm_fp32,radixlm_int4,llamacpp"),
     ),
     Bench(
+        "long_context_gemma3-270m",
+        "bench_long_context.py",
+        "Gemma 3 270M: long context at 32k, follow-up turns on a reused document",
+        ("--model-path", "gemma3-270m", "--conversations", "2", "--turns", "4"),
+    ),
+    Bench(
         "linear_cpu",
         "bench_linear_cpu.py",
         "CPU linears: float32 panels vs oneDNN, every kernel against the measured peak",
