@@ -54,7 +54,7 @@ from radixlm_runtime.models.config import ModelConfig
 
 NAME = "long_context"
 SIZES = {
-    "doc_tokens": Size(0, 600, "tokens of each document (0: three quarters of the model's context)"),
+    "doc_tokens": Size(6144, 600, "tokens of each document: 3/4 of the model's context", scales=False),
     "conversations": Size(3, 2, "conversations, each with a document of its own", scales=False),
     "turns": Size(6, 3, "questions per conversation: the first, then the follow-ups", scales=False),
     "max_new_tokens": Size(16, 4, "tokens decoded per answer", scales=False),
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = model.hf_dir()
     tokenizer = load_tokenizer(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    sizes["doc_tokens"] = sizes["doc_tokens"] or config.max_position_embeddings * 3 // 4
+    if args.doc_tokens is None and not args.tiny:  # the default model's 6144, another model's own
+        sizes["doc_tokens"] = config.max_position_embeddings * 3 // 4
     docs = long_documents(sizes["conversations"], sizes["doc_tokens"], tokenizer)
     prompts = [conversation_turns(tokenizer, doc, sizes["turns"]) for doc in docs]
     longest = max(len(p[-1]) for p in prompts) + sizes["max_new_tokens"]
