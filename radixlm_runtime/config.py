@@ -105,6 +105,17 @@ class EngineConfig:
     max_total_tokens: int | None = flag(
         None, "Size of the KV cache pool in tokens. Default: derived from --mem-fraction-static."
     )
+    swa_full_tokens_ratio: float = flag(
+        0.8,
+        "Models with sliding-window layers (Gemma 2 and 3, gpt-oss, Qwen2 with use_sliding_window): "
+        "those layers keep their KV in a pool of their own of this many slots per token of the "
+        "pool, since a token's KV there is needed only while it is within a query's window. The "
+        "radix cache keeps a cached prefix's window KV at its end while there is room and drops it "
+        "least recently used first; a prefix without it is recomputed from the last point that "
+        "has it. Lower holds more tokens in the same memory at the cost of fewer reusable prefix "
+        "ends. 1 (or a host or disk KV tier, which store every layer per token) keeps every layer "
+        "in the one pool. SGLang's flag of the same name.",
+    )
     kv_host_tokens: int = flag(
         0,
         "Size in tokens of the host KV tier under the radix cache (0: none). Cached prefixes evicted "
@@ -197,6 +208,8 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.kv_host_tokens < 0:
             raise ValueError(f"kv_host_tokens must be >= 0, got {self.kv_host_tokens}")
         if self.kv_disk_bytes <= 0:

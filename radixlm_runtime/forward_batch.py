@@ -37,6 +37,9 @@ class ForwardBatch:
     # Each request's KV slots, new tokens included (host mirror of its req_to_token row).
     seq_slots_cpu: list[list[int]]
     attn_metadata: Any = field(default=None)
+    # [T] device: the window slots of the new tokens, where sliding-window layers keep their KV in
+    # slots of their own (kvcache/pool.py); None otherwise.
+    window_loc: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

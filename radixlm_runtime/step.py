@@ -46,6 +46,11 @@ class RunnerInfo:
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
     # the next step meanwhile (overlap scheduling).
     async_launch: bool = False
+    # Sliding-window layers' own KV slots (1..window_slots; 0: those layers use the token's slot),
+    # and the widest of their windows: a token at position p needs its window KV while a query at
+    # p + window - 1 or before may still run (kvcache/pool.py).
+    window_slots: int = 0
+    sliding_window: int = 0
 
     def disk_entry_slots(self, num_tokens: int, path_tokens: int) -> int:
         """Disk tier slots a disk entry of num_tokens rows under a path of path_tokens ids costs: its
@@ -110,6 +115,9 @@ class ForwardItem:
     # equals the token its preceding row sampled.
     draft_len: int = 0
     draft_samples: list[SampleSpec] = field(default_factory=list)
+    # With window slots (RunnerInfo.window_slots): those of seq_slots[write_from:] (0: none, a token
+    # out of every query's window), written to the window table beside them.
+    window_slots: list[int] | None = None
 
     @property
     def num_logit_rows(self) -> int:

@@ -51,9 +51,30 @@ class AttentionBackend(ABC):
         missing = self.unsupported(layers)
         if missing:
             raise ValueError(f"the {type(self).__name__} does not serve {missing}")
+        if kv_pool.windowed and req_to_token_table.req_to_window is None:
+            raise ValueError("a KV pool with window slots needs a request-to-token table with a window table")
+        for i in kv_pool.window_layers:
+            if layers[i].sliding_window is None:
+                raise ValueError(f"layer {i} keeps window slots in the KV pool but has no sliding window")
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_table.req_to_token
+        self.req_to_window = req_to_token_table.req_to_window
         self.layers = tuple(layers)
+
+    def table_of(self, layer_id: int) -> torch.Tensor:
+        """The request-to-token table this layer reads its KV slots from: the window table for a
+        layer that keeps its KV in window slots."""
+        if layer_id in self.kv_pool.window_layers:
+            assert self.req_to_window is not None
+            return self.req_to_window
+        return self.req_to_token
+
+    def loc_of(self, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """The slots this layer stores the new tokens' KV in (window slots: see table_of)."""
+        if layer_id in self.kv_pool.window_layers:
+            assert batch.window_loc is not None, "a step on a windowed pool without window slots"
+            return batch.window_loc
+        return batch.out_cache_loc
 
     @classmethod
     def unsupported(cls, layers: Sequence[AttentionLayer]) -> str | None:
@@ -84,7 +105,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, Hq, D]; k, v [T, Hkv, D] of the new tokens. Their KV is stored first, then every
         request attends to its whole sequence through the request-to-token table."""
-        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        self.kv_pool.set_kv(layer_id, self.loc_of(layer_id, batch), k, v)
         return self.attend(q, layer_id, batch)
 
     @abstractmethod

@@ -299,7 +299,7 @@ class CpuAttentionBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
     ) -> torch.Tensor:
-        store_kv(self.kv_pool, layer_id, batch.out_cache_loc, k, v)
+        store_kv(self.kv_pool, layer_id, self.loc_of(layer_id, batch), k, v)
         return self.attend(q, layer_id, batch)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
@@ -310,7 +310,7 @@ class CpuAttentionBackend(AttentionBackend):
             out,
             self.kv_pool,
             layer_id,
-            self.req_to_token,
+            self.table_of(layer_id),
             batch.attn_metadata,
             layer.scale,
             self.mode,

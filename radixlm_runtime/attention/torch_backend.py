@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm_runtime.attention.base import AttentionBackend, AttentionLayer
+from radixlm_runtime.attention.base import AttentionBackend
 from radixlm_runtime.forward_batch import ForwardBatch
 from radixlm_runtime.kvcache.pool import QUANTIZED_KV_DTYPES, KVPool
 
@@ -194,7 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv = _LayerKV(self.kv_pool, layer_id)
         layer = self.layers[layer_id]
         if layer.sliding_window is not None or layer.logit_softcap is not None:
-            return self._attend_general(q, layer, batch, kv)
+            return self._attend_general(q, layer_id, batch, kv)
         out = torch.empty_like(q)
         for item in meta.extends:
             out[item.start : item.start + item.length] = self._extend(q, item, kv, layer.scale)
@@ -209,13 +209,11 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _attend_general(
-        self,
-        q: torch.Tensor,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        kv: _LayerKV,
+        self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, kv: _LayerKV
     ) -> torch.Tensor:
-        """Each request's new tokens against the keys of their windows, one request at a time."""
+        """Each request's new tokens against the keys of their windows, one request at a time (a
+        layer with window slots reads them from the window table)."""
+        layer = self.layers[layer_id]
         meta: _TorchMeta = batch.attn_metadata
         if meta.general is None:
             device = q.device
@@ -228,9 +226,12 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         group = q.shape[1] // self.kv_pool.num_kv_heads
         window = layer.sliding_window
-        for start, n, seq, slots in meta.general:
+        windowed = layer_id in self.kv_pool.window_layers
+        for b, (start, n, seq, slots) in enumerate(meta.general):
             first = seq - n  # position of the first new token
             lo = 0 if window is None else max(0, first - window + 1)
+            if windowed:
+                slots = self.table_of(layer_id)[batch.req_pool_indices_cpu[b]]
             k, v = kv.read(slots[lo:seq], torch.float32)
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             qi = q[start : start + n].float()

@@ -30,8 +30,8 @@ logger = get_logger(__name__)
 
 # Rows of the static input buffer, and what a padding row holds in each (the dummy request's
 # req_to_token row is filled in at construction).
-_INPUT_IDS, _POSITIONS, _OUT_CACHE_LOC, _REQ_POOL_INDICES, _SEQ_LENS = range(5)
-_PAD_VALUES = (0, 0, 0, None, 1)
+_INPUT_IDS, _POSITIONS, _OUT_CACHE_LOC, _REQ_POOL_INDICES, _SEQ_LENS, _WINDOW_LOC = range(6)
+_PAD_VALUES = (0, 0, 0, None, 1, 0)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -88,7 +88,8 @@ class CudaGraphRunner:
         self.dummy_row = dummy_row
         n = self.max_bs
         pad = [dummy_row if v is None else v for v in _PAD_VALUES]
-        # [5, max_bs]: input ids, positions, KV slots, table rows, sequence lengths; padding rows
+        # [6, max_bs]: input ids, positions, KV slots, table rows, sequence lengths, window slots (a
+        # windowed pool's; kvcache/pool.py); padding rows
         # hold the dummy request. Rows from `_dirty_until` on hold padding values.
         self.pad = torch.tensor(pad, dtype=torch.int64, device=device)[:, None].expand(-1, n)
         self.inputs = self.pad.clone(memory_format=torch.contiguous_format)
@@ -123,6 +124,7 @@ class CudaGraphRunner:
             extend_lens_cpu=[1] * bs,
             extend_start_loc_cpu=list(range(bs)),
             seq_slots_cpu=[[0]] * bs,
+            window_loc=inputs[_WINDOW_LOC] if self.attn.kv_pool.windowed else None,
         )
 
     @torch.inference_mode()
@@ -164,6 +166,8 @@ class CudaGraphRunner:
         inputs[_OUT_CACHE_LOC, :bs].copy_(batch.out_cache_loc)
         inputs[_REQ_POOL_INDICES, :bs].copy_(batch.req_pool_indices)
         inputs[_SEQ_LENS, :bs].copy_(batch.seq_lens)
+        if batch.window_loc is not None:
+            inputs[_WINDOW_LOC, :bs].copy_(batch.window_loc)
         # Padding rows that an earlier, larger batch used get the dummy request back; in a steady
         # batch size there are none.
         end = min(self._dirty_until, padded)

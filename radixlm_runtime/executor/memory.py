@@ -4,6 +4,7 @@ executor lends the measurement a step runner on a scratch pool (`Scratch`); the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -189,14 +190,21 @@ def kv_pool_size(
     device: torch.device,
     limits: StepLimits,
     open_scratch: OpenScratch,
+    windows: tuple[int, float] = (0, 0.0),
 ) -> int:
     """Tokens of the KV pool (of kv_dtype, kv_dtype_for's): --max-total-tokens when given, else
     --mem-fraction-static (or its default) of the available memory, less on CUDA the activations of the
     largest steps, measured; a token's bytes are what the pool stores for it (an int8 pool's scales
-    included), so a quantized pool holds more tokens in the same memory."""
+    included), so a quantized pool holds more tokens in the same memory. `windows`: how many layers keep
+    their KV in window slots, and how many of those a token of the pool comes with (kvcache/pool.py)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_token_for(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    window_layers, ratio = windows
+    full, window = (
+        KVPool.bytes_per_token_for(n, model.num_kv_heads, model.head_dim, kv_dtype)
+        for n in (model.num_layers - window_layers, window_layers)
+    )
+    per_token = full + math.ceil(ratio * window)
     fraction = config.mem_fraction_static
     if fraction is None:
         fraction = DEFAULT_MEM_FRACTION[device.type == "cuda"]

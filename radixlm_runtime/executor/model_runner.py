@@ -102,12 +102,27 @@ class ModelRunner:
 
         self.sampler = Sampler(device=self.device)
         limits = StepLimits.of(config, max_step_tokens, self.context_len)
+        self.window_layers, self.sliding_window = self._window_layers()
+        ratio = config.swa_full_tokens_ratio if self.window_layers else 0.0
         self.max_total_tokens = kv_pool_size(
-            config, self.model.config, self.kv_dtype, self.device, limits, self.open_scratch
+            config,
+            self.model.config,
+            self.kv_dtype,
+            self.device,
+            limits,
+            self.open_scratch,
+            (len(self.window_layers), ratio),
         )
         if tp is not None:  # one pool size that every rank's memory holds
             self.max_total_tokens = tp.min_int(self.max_total_tokens)
-        self.kv_pool = self._new_kv_pool(self.max_total_tokens)
+        # Room for the largest step beside a request's two windows (the one it locks before its
+        # cached end, its own), at least, so that one request can always run (admission.py); where
+        # that is the whole pool, window slots would save nothing.
+        least = max_step_tokens + 2 * self.sliding_window
+        self.window_slots = max(int(self.max_total_tokens * ratio), least) if self.window_layers else 0
+        if self.window_slots >= self.max_total_tokens:
+            self.window_layers, self.window_slots = frozenset(), 0
+        self.kv_pool = self._new_kv_pool(self.max_total_tokens, self.window_slots)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
         # What the bits of the KV depend on beside the weights: a restarted server reads the disk
         # tier's entries only under the same (its cached runs then match its uncached ones).
@@ -119,7 +134,7 @@ class ModelRunner:
             self.kv_pool, self.host_pool, config.kv_disk_dir, config.kv_disk_bytes, model_dir, numerics
         )
         self.req_to_token = ReqToTokenTable(
-            config.max_running_requests + 8, self.context_len + 8, self.device
+            config.max_running_requests + 8, self.context_len + 8, self.device, self.kv_pool.windowed
         )
         self.attn_backend = self._make_attention_backend(self.kv_pool, self.req_to_token)
         self.model.cpu_decoder = LlamaCpuDecoder.build(self.model, self.attn_backend)
@@ -136,13 +151,22 @@ class ModelRunner:
             kv_bytes_per_token=self.kv_pool.bytes_per_token(),
             disk_entry_header=self.tiers.disk_entry_header,
             async_launch=self.device.type == "cuda",
+            window_slots=self.window_slots,
+            sliding_window=self.sliding_window if self.window_slots else 0,
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
         self._last_sampled: torch.Tensor | None = None
         logger.info(
-            "KV pool: %d tokens (%.2f GiB, %s), attention backend %s, decoder layers %s",
+            "KV pool: %d tokens%s (%.2f GiB, %s), attention backend %s, decoder layers %s",
             self.max_total_tokens,
-            self.max_total_tokens * self.kv_pool.bytes_per_token() / 2**30,
+            f" and {self.window_slots} window slots of {len(self.window_layers)} sliding-window layers"
+            if self.window_slots
+            else "",
+            (
+                self.max_total_tokens * self.kv_pool.bytes_per_token()
+                + self.window_slots * self.kv_pool.bytes_per_window_slot()
+            )
+            / 2**30,
             self.kv_pool.dtype,
             type(self.attn_backend).__name__,
             "in one C++ call" if self.model.cpu_decoder else "from Python",
@@ -154,9 +178,34 @@ class ModelRunner:
         else the model's (memory.py)."""
         return kv_dtype_for(self.dtype, self.compute, self.device, self.engine_config.kv_cache_dtype)
 
-    def _new_kv_pool(self, size: int) -> KVPool:
+    def _window_layers(self) -> tuple[frozenset[int], int]:
+        """The sliding-window layers whose KV goes to window slots of their own, and their widest
+        window; none where the model has none, --swa-full-tokens-ratio is 1, or a host tier (which
+        copies every layer of a token) is on."""
+        layers = self.model.attention_layers()
+        windowed = frozenset(i for i, layer in enumerate(layers) if layer.sliding_window is not None)
+        if not windowed or self.engine_config.swa_full_tokens_ratio >= 1:
+            return frozenset(), 0
+        if self.engine_config.kv_host_tokens:
+            logger.info(
+                "sliding-window layers keep every token's KV: the host KV tier stores every layer per token"
+            )
+            return frozenset(), 0
+        return windowed, max(layers[i].sliding_window or 0 for i in windowed)
+
+    def _new_kv_pool(self, size: int, window_slots: int = 0) -> KVPool:
         c = self.model.config  # this rank's KV heads under tensor parallelism
-        return KVPool(size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, self.device)
+        window_layers = self.window_layers if window_slots else frozenset()
+        return KVPool(
+            size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.kv_dtype,
+            self.device,
+            window_layers=window_layers,
+            window_size=window_slots,
+        )
 
     def _new_host_pool(self, size: int) -> KVPool | None:
         """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""

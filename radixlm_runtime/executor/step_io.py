@@ -10,18 +10,23 @@ from radixlm_runtime.sampling.sampler import accepted_draft_len
 from radixlm_runtime.step import ItemResult, SampleSpec, StepPlan, StepResult, TopLogprobs
 from radixlm_runtime.utils.transfer import host_tensor, to_device
 
-TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+# (rows, positions, slots) of request-to-token entries, and the window slots of those entries
+# (None: the pool keeps no window slots).
+TableWrites = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, TableWrites | None]:
-    """The step's ForwardBatch, and the (rows, positions, slots) of request-to-token entries the
-    plan changes: the new tokens' slots, plus a newly admitted request's cached prefix."""
+    """The step's ForwardBatch, and the request-to-token entries the plan changes: the new tokens'
+    slots, plus a newly admitted request's cached prefix (with window slots, theirs beside)."""
     input_ids: list[int] = []
     out_loc: list[int] = []
     logit_rows: list[int] = []
     w_rows: list[int] = []
     w_cols: list[int] = []
     w_slots: list[int] = []
+    windowed = bool(plan.items) and plan.items[0].window_slots is not None
+    window_loc: list[int] = []
+    w_window: list[int] = []
     offset = 0
     for it in plan.items:
         n = len(it.input_ids)
@@ -33,6 +38,10 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
             w_rows += [it.row] * (end - it.write_from)
             w_cols += range(it.write_from, end)
             w_slots += it.seq_slots[it.write_from : end]
+        if windowed:
+            assert it.window_slots is not None and len(it.window_slots) == end - it.write_from
+            w_window += it.window_slots
+            window_loc += it.window_slots[start - it.write_from :]
         offset += n
     batch = ForwardBatch.build(
         input_ids=input_ids,
@@ -46,9 +55,12 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
     )
     if not w_rows:
         return batch, None
-    packed = to_device(host_tensor([w_rows, w_cols, w_slots]), device)
-    rows, cols, slots = packed.split(len(w_rows))
-    return batch, (rows, cols, slots)
+    if not windowed:
+        rows, cols, slots = to_device(host_tensor([w_rows, w_cols, w_slots]), device).split(len(w_rows))
+        return batch, (rows, cols, slots, None)
+    packed = to_device(host_tensor([w_rows, w_cols, w_slots, w_window, window_loc]), device)
+    rows, cols, slots, window, batch.window_loc = packed.split([len(w_rows)] * 4 + [len(window_loc)])
+    return batch, (rows, cols, slots, window)
 
 
 class StepOutputs:

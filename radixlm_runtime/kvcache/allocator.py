@@ -108,3 +108,66 @@ class RowAllocator:
             raise RuntimeError(f"request row {idx} is not allocated (double free?)")
         self._in_use[idx] = False
         self._free_rows.append(idx)
+
+
+class WindowedAllocator(TokenAllocator):
+    """Token slots that each come with a window slot (the KV of the sliding-window layers of a
+    windowed pool, kvcache/pool.py), which can go back early: a token's window KV is needed only
+    while some query within the window may still run. `window_of[slot]` is the token slot's window
+    slot (0: none). Freeing a token slot frees its window slot too; available_size counts token
+    slots, and an alloc needs as many of both."""
+
+    def __init__(self, size: int, window_size: int) -> None:
+        self.windows = TokenAllocator(window_size)
+        super().__init__(size)
+
+    def clear(self) -> None:
+        super().clear()
+        self.windows.clear()
+        self.window_of = [0] * (self.size + 1)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > self.windows.available_size():
+            return None
+        slots = super().alloc(n)
+        if slots is None:
+            return None
+        windows = self.windows.alloc(n)
+        assert windows is not None
+        window_of = self.window_of
+        for s, w in zip(slots, windows):
+            window_of[s] = w
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        super().free(slots)  # validates first
+        self.drop_windows(slots)
+
+    def claim(self, slots: list[int]) -> None:
+        raise RuntimeError("a windowed KV pool has no tier to restore slots from")
+
+    def drop_windows(self, slots: list[int]) -> None:
+        """Frees the window slots of these token slots where they have one."""
+        window_of = self.window_of
+        windows = [w for s in slots if (w := window_of[s])]
+        if not windows:
+            return
+        for s in slots:
+            window_of[s] = 0
+        self.windows.free(windows)
+
+    def move_windows(self, src: list[int], dst: list[int]) -> None:
+        """Gives dst[i] the window slot of src[i] (which loses it): the same tokens' KV, computed
+        twice, kept in the tree's slots (no copy: the window layers' KV lives at the window slot)."""
+        window_of = self.window_of
+        for s, d in zip(src, dst, strict=True):
+            assert window_of[s] and not window_of[d], "moving a window onto a slot that has one"
+            window_of[d], window_of[s] = window_of[s], 0
+
+    def has_windows(self, slots: list[int]) -> bool:
+        window_of = self.window_of
+        return all(window_of[s] for s in slots)
+
+    def windows_of(self, slots: list[int]) -> list[int]:
+        window_of = self.window_of
+        return [window_of[s] for s in slots]

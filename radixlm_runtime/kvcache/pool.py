@@ -50,6 +50,12 @@ class KVPool:
     them), so tier code copies or saves a pool generically.
 
     Slot 0 is a dummy slot that padded positions write to / read from, so real slots are 1..size.
+
+    Sliding-window layers (`window_layers`) may keep their K/V in `window_size` slots of their own
+    instead: a token's KV in those layers is needed only while a query within the window can see it,
+    so they hold a window's worth per sequence (plus what the radix tree keeps) rather than every
+    token. Their slots are handed out beside the token's own (kvcache/allocator.py's
+    WindowedAllocator); the attention of those layers reads them through a second table.
     """
 
     def __init__(
@@ -61,7 +67,11 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         pin_memory: bool = False,
+        window_layers: frozenset[int] = frozenset(),
+        window_size: int = 0,
     ) -> None:
+        if window_layers and window_size <= 0:
+            raise ValueError(f"a KV pool with window layers needs window_size > 0, got {window_size}")
         if size <= 0 or num_layers <= 0 or num_kv_heads <= 0 or head_dim <= 0:
             raise ValueError(
                 f"KVPool dimensions must be positive, got size={size}, num_layers={num_layers}, "
@@ -74,22 +84,30 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.quantized = dtype == INT8
+        self.window_layers = frozenset(window_layers)
+        self.window_size = window_size if window_layers else 0
 
         # torch.empty so CPU pages are only committed when first written; slot 0 is zeroed because
         # padded positions read it and garbage (possibly NaN) there would poison masked softmax sums.
         def buffers(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             out = []
-            for _ in range(num_layers):
-                buf = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+            for layer in range(num_layers):
+                rows = (window_size if layer in self.window_layers else size) + 1
+                buf = torch.empty((rows, *shape), dtype=dtype, device=self.device, pin_memory=pin_memory)
                 buf[0].zero_()
                 out.append(buf)
             return out
 
-        self.k_buffers = buffers((size + 1, num_kv_heads, head_dim), dtype)
-        self.v_buffers = buffers((size + 1, num_kv_heads, head_dim), dtype)
+        self.k_buffers = buffers((num_kv_heads, head_dim), dtype)
+        self.v_buffers = buffers((num_kv_heads, head_dim), dtype)
         # int8: the scales of each slot's heads ([slots, Hkv] float32 per layer); empty otherwise.
-        self.k_scales = buffers((size + 1, num_kv_heads), torch.float32) if self.quantized else []
-        self.v_scales = buffers((size + 1, num_kv_heads), torch.float32) if self.quantized else []
+        self.k_scales = buffers((num_kv_heads,), torch.float32) if self.quantized else []
+        self.v_scales = buffers((num_kv_heads,), torch.float32) if self.quantized else []
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layers keep their KV in window slots of their own."""
+        return bool(self.window_layers)
 
     def layer_tensors(self, layer_id: int) -> list[torch.Tensor]:
         """Every tensor of one layer, each indexed by slot first: K, V, and (int8) their scales."""
@@ -190,17 +208,26 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * (head_dim * element_size + scales)
 
     def bytes_per_token(self) -> int:
-        return self.bytes_per_token_for(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        """Bytes of one token slot: every layer's, or with window layers, the other layers' only."""
+        layers = self.num_layers - len(self.window_layers)
+        return self.bytes_per_token_for(layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def bytes_per_window_slot(self) -> int:
+        return self.bytes_per_token_for(len(self.window_layers), self.num_kv_heads, self.head_dim, self.dtype)
 
 
 class ReqToTokenTable:
     """Maps a request's row to the KV pool slots of its tokens, on the device.
 
     Attention reads a request's KV through its row instead of a contiguous copy. Rows are handed
-    out by the scheduler's RowAllocator; the executor writes them from each step's plan.
+    out by the scheduler's RowAllocator; the executor writes them from each step's plan. With
+    `windowed`, a second table of the same shape holds each token's window slot, through which the
+    sliding-window layers of a windowed pool read (0 where a token has none: out of every window).
     """
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_reqs: int, max_context_len: int, device: torch.device | str = "cpu", windowed: bool = False
+    ) -> None:
         if max_reqs <= 0 or max_context_len <= 0:
             raise ValueError(
                 f"ReqToTokenTable dimensions must be positive, got {max_reqs=}, {max_context_len=}"
@@ -208,7 +235,14 @@ class ReqToTokenTable:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_window = torch.zeros_like(self.req_to_token) if windowed else None
 
-    def write(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
-        """One scatter for every (row, position) -> slot entry a step changes."""
+    def write(
+        self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor, window: torch.Tensor | None = None
+    ) -> None:
+        """One scatter for every (row, position) -> slot entry a step changes (and one for their
+        window slots)."""
         self.req_to_token[rows, cols] = slots
+        if window is not None:
+            assert self.req_to_window is not None, "window slots for a table without a window table"
+            self.req_to_window[rows, cols] = window

@@ -36,6 +36,13 @@ by one TokenAllocator per tier) or None.
 The size counters (`evictable_size`, `protected_size`) count device tokens; `host_size` and
 `disk_size` the slots held in the lower tiers.
 
+Windows (a windowed pool, kvcache/pool.py): with `window` W, a token's slot may come with a window
+slot holding the KV of the sliding-window layers (WindowedAllocator). A prefix can be served only
+where the W - 1 tokens before its end still have theirs, so a node keeps its window slots (`window`)
+or none, the match is cut back to the deepest end that has them (`window_match`), a running
+request locks the W - 1 tokens before its cached end (`lock_window`), and under pressure the
+windows of unlocked nodes go least recently used first (`evict_windows`) while their tokens stay.
+
 Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
 computed by a request that asked for them: a token's logprob depends only on the tokens before it,
 so a later request that wants prompt logprobs can take them from the tree instead of recomputing
@@ -50,9 +57,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Literal
 
-from radixlm_runtime.kvcache.allocator import TokenAllocator
+from radixlm_runtime.kvcache.allocator import TokenAllocator, WindowedAllocator
 from radixlm_runtime.step import DiskEntry, KVCopy, Tier, TopLogprobs
+
+# The eviction candidates a heap queues: each tier's, and the nodes whose window slots can go.
+_Heap = Tier | Literal["window"]
 
 # (access time, node id, node): heap entries of eviction candidates, least recently used first.
 _Entry = tuple[float, int, "TreeNode"]
@@ -100,6 +111,8 @@ class TreeNode:
         "top",
         "hits",
         "accessed_at",
+        "window",
+        "window_lock",
     )
 
     _ids = itertools.count()
@@ -129,6 +142,10 @@ class TreeNode:
         # clock (time.monotonic) of its last access; LRU order keeps using the logical clock.
         self.hits = 0
         self.accessed_at = time.monotonic()
+        # Windowed pools: whether its tokens' window slots are held (all or none), and how many
+        # running requests need them (RadixCache.lock_window).
+        self.window = False
+        self.window_lock = 0
 
     @property
     def on_device(self) -> bool:
@@ -172,10 +189,16 @@ class RadixCache:
         disk_allocator: TokenAllocator | None = None,
         disk_write_through: bool = False,
         disk_entry_cost: EntryCost | None = None,
+        window: int = 0,
     ) -> None:
-        """`disk_entry_cost`: the disk slots an entry file costs (None: one per token, no header)."""
+        """`disk_entry_cost`: the disk slots an entry file costs (None: one per token, no header).
+        `window`: the widest sliding window of a windowed pool, whose slots `allocator` (then a
+        WindowedAllocator) hands out beside the tokens'; 0: none."""
         if disk_allocator is not None and host_allocator is None:
             raise ValueError("a disk tier needs a host tier to load through")
+        if window and (not isinstance(allocator, WindowedAllocator) or host_allocator is not None):
+            raise ValueError("window slots need a WindowedAllocator and no host tier")
+        self.window = window
         self.allocator = allocator
         self.host_allocator = host_allocator
         self.disk_allocator = disk_allocator
@@ -193,11 +216,12 @@ class RadixCache:
         # walk would cost the scheduler time in proportion to the tree.
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
         # Per tier, its eviction candidates' heap entries (some stale: checked when popped).
-        self._heaps: dict[Tier, list[_Entry]] = {"device": [], "host": [], "disk": []}
+        self._heaps: dict[_Heap, list[_Entry]] = {"device": [], "host": [], "disk": [], "window": []}
         self._copies: list[KVCopy] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
         self._protected_size = 0
+        self._window_evictable_size = 0  # tokens of device nodes with windows and no window lock
         self._host_size = 0
         self._disk_size = 0
         # Tokens moved since start: demoted to the host tier, loaded back, dropped from it; written
@@ -334,6 +358,8 @@ class RadixCache:
                 self._nodes[leaf.id] = leaf
                 self._evictable_size += len(leaf.key)
                 self._push("device", leaf)
+                if self.window:
+                    self._take_windows(leaf)
                 if self.write_through:
                     self._back_up(leaf)
                 if self.disk_write_through:
@@ -344,6 +370,8 @@ class RadixCache:
                 child = self._split(child, n)
             if child.on_device:
                 on_device = pos + n
+                if self.window and not child.window and child.value != value[pos : pos + n]:
+                    child = self._adopt_windows(child, value[pos : pos + n])
             else:
                 self._give_device_slots(child, value[pos : pos + n])
             child.last_access_time = now
@@ -381,6 +409,8 @@ class RadixCache:
         upper = TreeNode(child.key[:n], upper_value, parent, child.last_access_time, child.lock_ref)
         # Every hit on child passed through these tokens.
         upper.hits, upper.accessed_at = child.hits, child.accessed_at
+        upper.window, upper.window_lock = child.window, child.window_lock
+        self._push("window", upper)
         if child.logprobs is not None:
             upper.logprobs, child.logprobs = child.logprobs[:n], child.logprobs[n:]
         if child.top is not None:
@@ -452,6 +482,9 @@ class RadixCache:
             freed.extend(node.value)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
+            if node.window:  # its window slots go with its slots (WindowedAllocator.free)
+                node.window = False
+                self._window_evictable_size -= len(node.key)
             parent = node.parent
             if not self._demote(node):
                 self._drop(node)
@@ -459,7 +492,7 @@ class RadixCache:
         self.allocator.free(freed)
         return num_freed
 
-    def _push(self, tier: Tier, node: TreeNode) -> None:
+    def _push(self, tier: _Heap, node: TreeNode) -> None:
         """Queues node for eviction from tier if it is a candidate there now, at its current access
         time; rebuilds the heap from the tree when stale entries outnumber the nodes."""
         is_candidate = self._is_candidate(tier)
@@ -469,7 +502,7 @@ class RadixCache:
             if len(heap) > 2 * len(self._nodes) + 64:
                 self._heaps[tier] = self._rebuilt(is_candidate)
 
-    def _pop_lru(self, tier: Tier) -> TreeNode | None:
+    def _pop_lru(self, tier: _Heap) -> TreeNode | None:
         """Takes the least recently used eviction candidate of tier off its heap (None: there is
         none): entries of nodes that are no longer candidates are dropped, those of nodes touched
         since they were queued are queued again at their new time."""
@@ -483,9 +516,11 @@ class RadixCache:
             return node
         return None
 
-    def _is_candidate(self, tier: Tier) -> Callable[[TreeNode], bool]:
+    def _is_candidate(self, tier: _Heap) -> Callable[[TreeNode], bool]:
         if tier == "device":
             return self._is_device_candidate
+        if tier == "window":
+            return self._is_window_candidate
         return self._is_host_candidate if tier == "host" else self._is_disk_candidate
 
     @staticmethod
@@ -497,6 +532,116 @@ class RadixCache:
             and node.parent is not None
             and not any(c.on_device for c in node.children.values())
         )
+
+    # -- window slots (a windowed pool) -------------------------------------------------------
+    @staticmethod
+    def _is_window_candidate(node: TreeNode) -> bool:
+        """A node in the tree holding window slots that no running request needs."""
+        return node.window and node.window_lock == 0 and node.parent is not None
+
+    def _set_window(self, node: TreeNode, held: bool) -> None:
+        """Marks node's window slots held or not (the allocator's are set by the caller)."""
+        if node.window == held:
+            return
+        node.window = held
+        if node.window_lock == 0:
+            self._window_evictable_size += len(node.key) if held else -len(node.key)
+        self._push("window", node)
+
+    def _take_windows(self, leaf: TreeNode) -> None:
+        """A new leaf keeps its tokens' window slots from the last one without on (the caller dropped
+        those before, out of its window): split there, the part above keeps none."""
+        assert leaf.value is not None and isinstance(self.allocator, WindowedAllocator)
+        window_of = self.allocator.window_of
+        start = len(leaf.value)
+        while start > 0 and window_of[leaf.value[start - 1]]:
+            start -= 1
+        self.allocator.drop_windows(leaf.value[:start])
+        if start == len(leaf.value):
+            return
+        if start > 0:
+            self._split(leaf, start)  # leaf is now the part from `start` on
+        self._set_window(leaf, True)
+
+    def _adopt_windows(self, node: TreeNode, slots: list[int]) -> TreeNode:
+        """The tree's device node without windows matched by a caller's own slots (the same tokens
+        computed again): the tree takes the caller's window slots where the caller has them to the
+        end of the node (split there), since the caller reads the tree's slots from now on and may
+        need them. Returns the node ending where `node` did."""
+        assert node.value is not None and isinstance(self.allocator, WindowedAllocator)
+        window_of = self.allocator.window_of
+        start = len(slots)
+        while start > 0 and window_of[slots[start - 1]]:
+            start -= 1
+        if start == len(slots):
+            return node
+        if start > 0:
+            self._split(node, start)
+        self.allocator.move_windows(slots[start:], node.value)
+        self._set_window(node, True)
+        return node
+
+    def window_match(self, length: int, node: TreeNode) -> tuple[int, TreeNode]:
+        """The deepest end at or above node (a prefix of `length` tokens) that the W - 1 tokens
+        before it have windows for: where a request can start computing from cached KV."""
+        need = self.window - 1
+        run = 0
+        end, end_len = node, length
+        while node is not self.root_node and run < need:
+            assert node.parent is not None
+            if node.window:
+                run += len(node.key)
+            else:
+                end, end_len, run = node.parent, length - len(node.key), 0
+            length -= len(node.key)
+            node = node.parent
+        return end_len, end
+
+    def _window_span(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes of the W - 1 tokens ending at node, split so that they are exactly those."""
+        need = self.window - 1
+        span: list[TreeNode] = []
+        while need > 0 and node is not self.root_node:
+            if len(node.key) > need:
+                self._split(node, len(node.key) - need)  # node keeps the last `need` tokens
+            span.append(node)
+            need -= len(node.key)
+            assert node.parent is not None, "a window span past a node detached from the tree"
+            node = node.parent
+        return span
+
+    def lock_window(self, node: TreeNode) -> None:
+        """Keeps the windows of the W - 1 tokens ending at node (a running request's cached end,
+        locked with inc_lock_ref too) until unlock_window."""
+        for n in self._window_span(node):
+            if n.window_lock == 0 and n.window:
+                self._window_evictable_size -= len(n.key)
+            n.window_lock += 1
+
+    def unlock_window(self, node: TreeNode) -> None:
+        for n in self._window_span(node):
+            if n.window_lock <= 0:
+                raise RuntimeError(f"unlock_window on {n!r}, whose window is not locked")
+            n.window_lock -= 1
+            if n.window_lock == 0 and n.window:
+                self._window_evictable_size += len(n.key)
+                self._push("window", n)
+
+    def evict_windows(self, num_tokens: int) -> int:
+        """Frees at least num_tokens window slots if possible, from nodes no running request needs
+        them of, least recently used first; their tokens stay cached. Returns how many it freed."""
+        assert isinstance(self.allocator, WindowedAllocator)
+        freed = 0
+        while freed < num_tokens and (node := self._pop_lru("window")) is not None:
+            assert node.value is not None
+            self.allocator.drop_windows(node.value)
+            self._set_window(node, False)
+            freed += len(node.key)
+        return freed
+
+    def window_evictable_size(self) -> int:
+        """Window slots the tree holds that evict_windows can free."""
+        return self._window_evictable_size
 
     def _give_device_slots(self, node: TreeNode, slots: list[int]) -> None:
         """Puts a host-only node back on the device in `slots` (loaded, or recomputed by a caller)."""
@@ -901,7 +1046,7 @@ class RadixCache:
         self.root_node.children = {}
         self._nodes = {self.root_node.id: self.root_node}
         self._heaps = {tier: [] for tier in self._heaps}
-        self._evictable_size = self._host_size = 0
+        self._evictable_size = self._host_size = self._window_evictable_size = 0
 
     def pretty_print(self) -> str:
         lines = [

@@ -71,17 +71,18 @@ extern "C" {
 
 // hidden [T, H]: the embeddings in, the last layer's MLP output out; residual [T, H]: the residual
 // stream out (the model's final norm adds the two). cos, sin [tables, T, D / 2]. loc [T]: the new tokens'
-// KV slots. table, requests, groups, members, kv_type (the KV pool's element type: float32, bf16, int8): as
+// KV slots. window_loc, window_table: a windowed pool's window slots of them and its window table (null: none;
+// every sliding-window layer reads them). table, requests, groups, members, kv_type (the KV pool's element type: float32, bf16, int8): as
 // ca_decode takes them. Modes: the linears' kernel (rq_linear), the fused ops' and the attention's (0
 // scalar, else SIMD: ca_decode's). layers and attention: per layer, see the top. Every op runs as the
 // Python layer (models/base.py) runs it, in its order.
 void lc_forward(const int64_t* layers, const float* attention, int64_t num_layers, int64_t hidden_size,
                 int64_t inter, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float eps, float* hidden,
                 float* residual, int64_t tokens, const float* cos, const float* sin, const int64_t* loc,
-                const int64_t* table, int64_t table_stride, const int64_t* requests, int64_t num_reqs,
-                const int64_t* groups, int64_t num_groups, const int64_t* members, int kv_type,
-                int linear_mode, int fused_mode, int attention_mode, int threads,
-                void (*reduce)(float*, int64_t)) {
+                const int64_t* table, int64_t table_stride, const int64_t* window_loc,
+                const int64_t* window_table, const int64_t* requests, int64_t num_reqs, const int64_t* groups,
+                int64_t num_groups, const int64_t* members, int kv_type, int linear_mode, int fused_mode,
+                int attention_mode, int threads, void (*reduce)(float*, int64_t)) {
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width, rope_stride = tokens * (head_dim / 2);
   static thread_local Buffers b;
@@ -112,10 +113,12 @@ void lc_forward(const int64_t* layers, const float* attention, int64_t num_layer
             head_dim, fused_mode, threads);
     void *k_buf = ptr<void>(f[7]), *v_buf = ptr<void>(f[8]);
     float *k_scale = ptr<float>(f[12]), *v_scale = ptr<float>(f[13]);
-    ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, loc, tokens, kv_heads, head_dim,
-                k_buf, v_buf, k_scale, v_scale, kv_type, threads);
-    ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, k_scale, v_scale, kv_type, q_heads, kv_heads, head_dim, table,
-              table_stride, requests, num_reqs, groups, num_groups, members, a[0], f[9], a[1], attention_mode,
+    // A windowed pool keeps every sliding-window layer's KV in window slots (window_loc, window_table).
+    const bool windowed = window_loc != nullptr && f[9] != 0;
+    ca_store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, windowed ? window_loc : loc, tokens,
+                kv_heads, head_dim, k_buf, v_buf, k_scale, v_scale, kv_type, threads);
+    ca_decode(qkv, qkv_width, attn, q_width, k_buf, v_buf, k_scale, v_scale, kv_type, q_heads, kv_heads, head_dim,
+              windowed ? window_table : table, table_stride, requests, num_reqs, groups, num_groups, members, a[0], f[9], a[1], attention_mode,
               threads);
     run_linear(o_w, attn, tokens, hidden, linear_mode, threads);
     if (reduce) reduce(hidden, tokens * hidden_size);

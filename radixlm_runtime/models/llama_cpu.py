@@ -54,8 +54,8 @@ def _library() -> ctypes.CDLL:
     lib = load_library(_SOURCE)
     i64, ptr, f32, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     # layers, attention, num_layers, hidden, inter, q_heads, kv_heads, head_dim, eps, hidden, residual,
-    # tokens, cos, sin, loc, table, table_stride, requests, num_reqs, groups, num_groups, members,
-    # the KV type, three modes, threads
+    # tokens, cos, sin, loc, table, table_stride, window_loc, window_table, requests, num_reqs, groups,
+    # num_groups, members, the KV type, three modes, threads
     lib.lc_forward.argtypes = [
         ptr,
         ptr,
@@ -66,6 +66,8 @@ def _library() -> ctypes.CDLL:
         i64,
         *[ptr] * 4,
         i64,
+        ptr,
+        ptr,
         ptr,
         i64,
         ptr,
@@ -241,6 +243,8 @@ class LlamaCpuDecoder:
             batch.out_cache_loc.data_ptr(),
             table.data_ptr(),
             table.stride(0),
+            None if batch.window_loc is None else batch.window_loc.data_ptr(),
+            None if self.attn.req_to_window is None else self.attn.req_to_window.data_ptr(),
             *batch.attn_metadata.args(),
             self.kv_type,
             kernel_mode(tokens, self.compute),

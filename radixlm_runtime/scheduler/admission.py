@@ -218,6 +218,9 @@ class Admission:
         for req in self.partial:
             reserved += _remaining(req) + int(req.remaining_new_tokens() * self.new_token_ratio)
         shorter_than = min((_remaining(r) for r in self.partial), default=0) * SHORTER_SHARE
+        # Window slots this step's tokens take, and those the requests holding KV will still take as
+        # their own windows fill up to one.
+        reserved_windows = scheduled + sum(map(self.cache.window_growth, (*self.running, *self.partial)))
         items: list[ScheduledItem] = []
         seen_prefixes: set[tuple[int, ...]] = set()
         admitted: set[int] = set()
@@ -240,6 +243,11 @@ class Admission:
                 continue
             if not self._fits(need + reserved, req, busy=bool(scheduled or self.partial or items)):
                 break
+            # Window slots: its chunk's, the window it locks before its cached end, and its own
+            # window as it decodes (older ones are freed as it goes).
+            window_need = ext + 2 * self.cache.window
+            if self.cache.window and window_need + reserved_windows > self.cache.available_windows():
+                break
             if not self.cache.admit(req):
                 break
             seen_prefixes.add(probe)
@@ -249,6 +257,7 @@ class Admission:
             items.append(ScheduledItem(req, req.kv_len, ext))
             budget.take(prefix_len, ext)
             reserved += need
+            reserved_windows += window_need
             if req.kv_len + ext < total:
                 self.partial.append(req)
                 break

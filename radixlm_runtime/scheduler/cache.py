@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
+from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator, WindowedAllocator
 from radixlm_runtime.kvcache.radix_cache import EntryCost, Mover, RadixCache, TreeNode
 from radixlm_runtime.scheduler.req import Req
 from radixlm_runtime.scheduler.session import SessionTable
@@ -35,18 +35,31 @@ class CacheManager:
         disk_entries: Sequence[DiskEntry] = (),
         disk_entry_cost: EntryCost | None = None,
         prefetch: Callable[[list[int]], int] | None = None,
+        window: int = 0,
     ) -> None:
         """`move` runs tier moves at once (Executor.move_kv): reads from the disk tier go through it.
         `disk_entries`: what the disk tier held at start, which the tree is rebuilt from;
         `disk_entry_cost`: the disk slots an entry file costs (RunnerInfo.disk_entry_slots);
-        `prefetch` starts reading disk slots ahead (Executor.prefetch_kv; None: never)."""
+        `prefetch` starts reading disk slots ahead (Executor.prefetch_kv; None: never).
+        `window`: a windowed pool's widest sliding window (RunnerInfo.sliding_window), whose window
+        slots `allocator`, a WindowedAllocator, hands out; 0: none."""
+        if window and not isinstance(allocator, WindowedAllocator):
+            raise ValueError("window slots need a WindowedAllocator")
+        self.window = window
+        self.windows = allocator if isinstance(allocator, WindowedAllocator) else None
         self.allocator = allocator
         self.rows = rows
         self.tree = (
             None
             if disable_radix_cache
             else RadixCache(
-                allocator, host_allocator, write_through, disk_allocator, disk_write_through, disk_entry_cost
+                allocator,
+                host_allocator,
+                write_through,
+                disk_allocator,
+                disk_write_through,
+                disk_entry_cost,
+                window,
             )
         )
         if disk_allocator is not None and move is None:
@@ -64,15 +77,52 @@ class CacheManager:
 
     # -- capacity -----------------------------------------------------------------------------
     def available_tokens(self) -> int:
-        """Slots that can be handed out now: free ones plus unlocked ones the tree can evict."""
+        """Slots that can be handed out now: free ones plus unlocked ones the tree can evict (window
+        slots: available_windows)."""
         evictable = self.tree.evictable_size() if self.tree is not None else 0
         return self.allocator.available_size() + evictable
 
+    def available_windows(self) -> int:
+        """Window slots that can be handed out now: free ones plus those the tree can evict (a
+        request needs a window's worth, not one per token: admission.py)."""
+        assert self.windows is not None
+        evictable = self.tree.window_evictable_size() if self.tree is not None else 0
+        return self.windows.windows.available_size() + evictable
+
+    def window_growth(self, req: Req) -> int:
+        """Window slots req will still take before its own tokens hold a window's worth (from then
+        on each new token's frees an old one's: trim_windows)."""
+        if not self.window:
+            return 0
+        own = req.kv_len - max(req.window_from, req.prefix_len)
+        return max(self.window - own, 0)
+
     def alloc_slots(self, n: int) -> list[int] | None:
-        short = n - self.allocator.available_size()
-        if short > 0 and self.tree is not None:
-            self.tree.evict(short)
+        """n token slots (each with a window slot, where there are window slots), making room by
+        evicting from the tree what is short."""
+        if self.tree is not None:
+            short = n - self.allocator.available_size()
+            if short > 0:
+                self.tree.evict(short)
+            if self.windows is not None and (short := n - self.windows.windows.available_size()) > 0:
+                self.tree.evict_windows(short)
         return self.allocator.alloc(n)
+
+    def trim_windows(self, req: Req, first_query: int) -> None:
+        """Frees the window slots of req's own tokens (not the tree's) that no query of it from
+        position first_query on can see: those before first_query - W + 1."""
+        if self.windows is None:
+            return
+        end = first_query - self.window + 1
+        start = max(req.window_from, req.prefix_len)
+        if end > start:
+            self.windows.drop_windows(req.kv_slots[start:end])
+            req.window_from = end
+
+    def window_slots(self, req: Req, start: int, end: int) -> list[int] | None:
+        """The window slots of req's tokens [start, end) for the executor's window table (0: none);
+        None without window slots."""
+        return None if self.windows is None else self.windows.windows_of(req.kv_slots[start:end])
 
     def take_copies(self) -> list[KVCopy]:
         """Tier moves the tree recorded since the last step, for the next one to run first."""
@@ -110,8 +160,12 @@ class CacheManager:
                 self.disk_hit_tokens += disk_len
                 self.host_hit_tokens += cached - device_len - disk_len
             req.load_len = req.disk_len = 0
+        if self.window and self.tree is not None and req.last_node is not None:
+            # Windows of the match may have gone since it was found (policy.py cut it at the end then).
+            req.prefix_len, req.last_node = self.tree.window_match(req.prefix_len, req.last_node)
         has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
         req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []
+        req.window_from = 0
         req.prefix_len = req.kv_len = len(req.kv_slots)
         req.table_synced = 0
         if req.cached_tokens < 0:
@@ -120,6 +174,8 @@ class CacheManager:
                 self.tree.record_hit(req.last_node)
         if self.tree is not None and req.last_node is not None:
             self.tree.inc_lock_ref(req.last_node)
+            if self.window:
+                self.tree.lock_window(req.last_node)
         return True
 
     def prefetch(self, req: Req) -> int:
@@ -165,8 +221,10 @@ class CacheManager:
         matched, new_node = self.tree.match_node(ids)
         assert matched == computed, "the tree lost tokens that were just inserted"
         self.tree.inc_lock_ref(new_node)
+        if self.window:
+            self.tree.lock_window(new_node)
         if req.last_node is not None:
-            self.tree.dec_lock_ref(req.last_node)
+            self._unlock(req.last_node)
         req.last_node = new_node
         req.prefix_len = computed
 
@@ -200,13 +258,20 @@ class CacheManager:
                 _, pinned = self.tree.match_node(ids)
                 self.tree.inc_lock_ref(pinned)
             if req.last_node is not None:
-                self.tree.dec_lock_ref(req.last_node)
+                self._unlock(req.last_node)
         self.rows.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
         req.kv_slots = []
         req.prefix_len = req.kv_len = req.table_synced = 0
         return pinned
+
+    def _unlock(self, node: TreeNode) -> None:
+        """Drops a request's locks on the path ending at node (and on its window)."""
+        assert self.tree is not None
+        if self.window:
+            self.tree.unlock_window(node)
+        self.tree.dec_lock_ref(node)
 
     def _insert(self, req: Req, ids: list[int], slots: list[int]) -> None:
         """Inserts ids -> slots. Where the tree already held some of these tokens (another request

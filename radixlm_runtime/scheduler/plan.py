@@ -12,6 +12,8 @@ from radixlm_runtime.step import ForwardItem, PromptLogprobSpec, SampleSpec, Ste
 def build_plan(
     items: list[ScheduledItem], cache: CacheManager, eos_ids: frozenset[int], vocab_size: int
 ) -> StepPlan:
+    for it in items:  # window slots no query of this step sees go first, for this step to use
+        cache.trim_windows(it.req, it.prefix_len)
     total = sum(it.extend_len for it in items)
     slots = cache.alloc_slots(total)
     if slots is None:
@@ -42,6 +44,7 @@ def build_plan(
                 prompt_logprobs=_prompt_logprob_spec(req, first, end) if wants_prompt else None,
                 draft_len=len(it.draft),
                 draft_samples=specs[1:],
+                window_slots=cache.window_slots(req, req.table_synced, end),
             )
         )
         req.table_synced = end

@@ -48,6 +48,8 @@ class Req:
     disk_len: int = 0  # of those, the trailing ones on the disk tier only
     prefetch_waits: int = 0  # steps it waited for that part to be read ahead (admission.py)
     kv_len: int = 0  # tokens whose KV is in the pool
+    # With window slots: its own tokens before this have had theirs freed (CacheManager.trim_windows).
+    window_from: int = 0
     table_synced: int = 0  # leading entries of kv_slots the executor's table row already holds
 
     # With return_logprob: each token's logprob (NaN: unknown) and its position's top alternatives

@@ -20,7 +20,7 @@ from typing import Any
 from radixlm_runtime.config import SchedulerConfig
 from radixlm_runtime.io.finish import FinishReason
 from radixlm_runtime.io.messages import GenerateReq, ReqOutput
-from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator
+from radixlm_runtime.kvcache.allocator import RowAllocator, TokenAllocator, WindowedAllocator
 from radixlm_runtime.scheduler.admission import Admission, ScheduledItem
 from radixlm_runtime.scheduler.cache import CacheManager
 from radixlm_runtime.scheduler.constraints import ConstraintQueue
@@ -56,7 +56,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         info = self.runner_info
         self.cache = CacheManager(
-            TokenAllocator(info.max_total_tokens),
+            WindowedAllocator(info.max_total_tokens, info.window_slots)
+            if info.window_slots
+            else TokenAllocator(info.max_total_tokens),
             RowAllocator(info.max_reqs),
             config.disable_radix_cache,
             config.session_timeout_s,
@@ -69,6 +71,7 @@ class Scheduler:
             info.disk_entries,
             info.disk_entry_slots,
             runner.prefetch_kv if info.disk_kv_tokens and not config.disable_kv_disk_prefetch else None,
+            info.sliding_window if info.window_slots else 0,
         )
         self.drafter = (
             Drafter(
@@ -184,6 +187,9 @@ class Scheduler:
             "num_waiting": len(a.waiting) + len(self.constraints) + len(a.partial),
             "num_sessions": len(self.cache.sessions),
             "pinned_tokens": self.cache.sessions.pinned_tokens(),
+            # Window slots of the sliding-window layers (0: they use the tokens' slots); free ones.
+            "window_slots": self.runner_info.window_slots,
+            "free_window_slots": windows.windows.available_size() if (windows := self.cache.windows) else 0,
             **self._tier_info(),
             **vars(self.stats),
         }

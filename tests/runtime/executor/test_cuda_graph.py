@@ -119,7 +119,14 @@ def test_graph_runner_captures_every_size_with_the_dummy_request(
     runner = engine.runner.capture_decode_graphs(capturer)
     assert runner.sizes == [1, 2, 4, 8, 10] and capturer.captured == [10, 8, 4, 2, 1]
     assert runner.dummy_row == engine.runner.req_to_token.max_reqs - 1
-    assert runner.inputs.tolist() == [[0] * 10, [0] * 10, [0] * 10, [runner.dummy_row] * 10, [1] * 10]
+    assert runner.inputs.tolist() == [
+        [0] * 10,
+        [0] * 10,
+        [0] * 10,
+        [runner.dummy_row] * 10,
+        [1] * 10,
+        [0] * 10,
+    ]
     assert all(runner.outputs[bs].shape == (bs, 300) for bs in runner.sizes)
 
 

@@ -67,7 +67,8 @@ def test_scratch_plans_are_new_requests_in_fresh_rows_and_slots() -> None:
     assert batch.out_cache_loc.tolist() == list(range(1, 9))
     assert batch.logits_indices.tolist() == [3, 4, 5, 7]
     assert writes is not None
-    rows, cols, slots = (t.tolist() for t in writes)
+    rows, cols, slots = (t.tolist() for t in writes[:3])
+    assert writes[3] is None and batch.window_loc is None  # no window slots
     assert rows == [0] * 5 + [1] + [2] * 2
     assert cols == [0, 1, 2, 3, 4, 0, 0, 1]
     assert slots == list(range(1, 9))

@@ -446,3 +446,25 @@ def test_copy_from_a_float32_pool_rounds_into_a_bf16_one() -> None:
     dst.copy_from(src, [1, 3], [4, 2])
     for mine, theirs in zip(dst.k_buffers + dst.v_buffers, src.k_buffers + src.v_buffers):
         assert torch.equal(mine[[4, 2]], theirs[[1, 3]].to(torch.bfloat16))
+
+
+def test_window_layers_keep_their_kv_in_window_slots() -> None:
+    """Layers 0 and 2 windowed: their buffers have window_size + 1 rows, a token slot's bytes are the
+    other layers', and a window slot's theirs."""
+    pool = KVPool(10, 3, 2, 4, torch.float32, "cpu", window_layers=frozenset({0, 2}), window_size=3)
+    assert pool.windowed
+    assert [b.shape[0] for b in pool.k_buffers] == [4, 11, 4]
+    assert [b.shape[0] for b in pool.v_buffers] == [4, 11, 4]
+    assert pool.bytes_per_token() == KVPool.bytes_per_token_for(1, 2, 4, torch.float32)
+    assert pool.bytes_per_window_slot() == KVPool.bytes_per_token_for(2, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="window_size"):
+        KVPool(10, 3, 2, 4, torch.float32, "cpu", window_layers=frozenset({0}))
+
+
+def test_table_writes_window_slots_beside_the_slots() -> None:
+    table = ReqToTokenTable(2, 4, windowed=True)
+    assert table.req_to_window is not None
+    table.write(torch.tensor([1, 1]), torch.tensor([0, 3]), torch.tensor([5, 6]), torch.tensor([2, 0]))
+    assert table.req_to_token[1].tolist() == [5, 0, 0, 6]
+    assert table.req_to_window[1].tolist() == [2, 0, 0, 0]
+    assert ReqToTokenTable(2, 4).req_to_window is None
