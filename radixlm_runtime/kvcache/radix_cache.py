@@ -63,7 +63,7 @@ from radixlm_runtime.kvcache.allocator import TokenAllocator, WindowedAllocator
 from radixlm_runtime.step import DiskEntry, KVCopy, Tier, TopLogprobs
 
 # The eviction candidates a heap queues: each tier's, and the nodes whose window slots can go.
-_Heap = Tier | Literal["window"]
+_Heap = Tier | Literal["window", "window_tail"]
 
 # (access time, node id, node): heap entries of eviction candidates, least recently used first.
 _Entry = tuple[float, int, "TreeNode"]
@@ -113,6 +113,7 @@ class TreeNode:
         "accessed_at",
         "window",
         "window_lock",
+        "window_tail",
     )
 
     _ids = itertools.count()
@@ -146,6 +147,9 @@ class TreeNode:
         # running requests need them (RadixCache.lock_window).
         self.window = False
         self.window_lock = 0
+        # Within the window before the end of a finished sequence (RadixCache.mark_tail): where a
+        # later request's match ends (a follow-up turn), so its windows go after the others.
+        self.window_tail = False
 
     @property
     def on_device(self) -> bool:
@@ -216,7 +220,13 @@ class RadixCache:
         # walk would cost the scheduler time in proportion to the tree.
         self._nodes: dict[int, TreeNode] = {self.root_node.id: self.root_node}
         # Per tier, its eviction candidates' heap entries (some stale: checked when popped).
-        self._heaps: dict[_Heap, list[_Entry]] = {"device": [], "host": [], "disk": [], "window": []}
+        self._heaps: dict[_Heap, list[_Entry]] = {
+            "device": [],
+            "host": [],
+            "disk": [],
+            "window": [],
+            "window_tail": [],
+        }
         self._copies: list[KVCopy] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
         self._evictable_size = 0
@@ -409,8 +419,13 @@ class RadixCache:
         upper = TreeNode(child.key[:n], upper_value, parent, child.last_access_time, child.lock_ref)
         # Every hit on child passed through these tokens.
         upper.hits, upper.accessed_at = child.hits, child.accessed_at
-        upper.window, upper.window_lock = child.window, child.window_lock
+        upper.window, upper.window_lock, upper.window_tail = (
+            child.window,
+            child.window_lock,
+            child.window_tail,
+        )
         self._push("window", upper)
+        self._push("window_tail", upper)
         if child.logprobs is not None:
             upper.logprobs, child.logprobs = child.logprobs[:n], child.logprobs[n:]
         if child.top is not None:
@@ -521,6 +536,8 @@ class RadixCache:
             return self._is_device_candidate
         if tier == "window":
             return self._is_window_candidate
+        if tier == "window_tail":
+            return self._is_window_tail_candidate
         return self._is_host_candidate if tier == "host" else self._is_disk_candidate
 
     @staticmethod
@@ -536,8 +553,25 @@ class RadixCache:
     # -- window slots (a windowed pool) -------------------------------------------------------
     @staticmethod
     def _is_window_candidate(node: TreeNode) -> bool:
-        """A node in the tree holding window slots that no running request needs."""
-        return node.window and node.window_lock == 0 and node.parent is not None
+        """A node in the tree holding window slots that no running request needs, and no finished
+        sequence ends within a window after."""
+        return node.window and node.window_lock == 0 and node.parent is not None and not node.window_tail
+
+    @staticmethod
+    def _is_window_tail_candidate(node: TreeNode) -> bool:
+        """As _is_window_candidate, but within a window before the end of a finished sequence."""
+        return node.window and node.window_lock == 0 and node.parent is not None and node.window_tail
+
+    def _push_window(self, node: TreeNode) -> None:
+        self._push("window_tail" if node.window_tail else "window", node)
+
+    def mark_tail(self, node: TreeNode) -> None:
+        """The W - 1 tokens ending at node end a finished sequence: a later turn's prompt matches
+        up to there, so their windows are evicted only after those inside cached sequences (a long
+        document's, whose windows no later prompt ends in)."""
+        for n in self._window_span(node):
+            n.window_tail = True
+            self._push_window(n)
 
     def _set_window(self, node: TreeNode, held: bool) -> None:
         """Marks node's window slots held or not (the allocator's are set by the caller)."""
@@ -546,7 +580,7 @@ class RadixCache:
         node.window = held
         if node.window_lock == 0:
             self._window_evictable_size += len(node.key) if held else -len(node.key)
-        self._push("window", node)
+        self._push_window(node)
 
     def _take_windows(self, leaf: TreeNode) -> None:
         """A new leaf keeps its tokens' window slots from the last one without on (the caller dropped
@@ -625,14 +659,18 @@ class RadixCache:
             n.window_lock -= 1
             if n.window_lock == 0 and n.window:
                 self._window_evictable_size += len(n.key)
-                self._push("window", n)
+                self._push_window(n)
 
     def evict_windows(self, num_tokens: int) -> int:
         """Frees at least num_tokens window slots if possible, from nodes no running request needs
-        them of, least recently used first; their tokens stay cached. Returns how many it freed."""
+        them of, least recently used first, those that end finished sequences last (mark_tail);
+        their tokens stay cached. Returns how many it freed."""
         assert isinstance(self.allocator, WindowedAllocator)
         freed = 0
-        while freed < num_tokens and (node := self._pop_lru("window")) is not None:
+        while freed < num_tokens and (
+            (node := self._pop_lru("window")) is not None
+            or (node := self._pop_lru("window_tail")) is not None
+        ):
             assert node.value is not None
             self.allocator.drop_windows(node.value)
             self._set_window(node, False)

@@ -253,6 +253,11 @@ class CacheManager:
         else:
             ids = req.token_ids[: req.kv_len]
             self._insert(req, ids, slots)
+            if self.window and ids:
+                # Where a next turn's prompt matches to: the end of this sequence, or of its prompt
+                # when the next turn quotes another answer than this one's.
+                for end in {len(ids), min(req.prompt_len, len(ids))}:
+                    self.tree.mark_tail(self.tree.match_node(ids[:end])[1])
             if pin and ids:
                 # Locked before req's own lock goes, so the path is never evictable in between.
                 _, pinned = self.tree.match_node(ids)

@@ -182,3 +182,17 @@ WindowMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_window_machine = WindowMachine.TestCase
+
+
+def test_windows_ending_finished_sequences_go_last() -> None:
+    """A long sequence's own windows go before those at the end of a finished one, however recent:
+    a follow-up turn matches up to the end, never into the middle."""
+    cache, alloc = _windowed_cache()
+    _insert(cache, alloc, [1] * 6)
+    cache.mark_tail(cache.match_node([1] * 6)[1])
+    _insert(cache, alloc, [2] * 10)  # more recent, but no sequence ends in it yet
+    # The first three of [1] * 6 (outside its end's window), then all of [2] * 10.
+    assert cache.evict_windows(5) == 13
+    assert cache.window_match(*cache.match_node([1] * 6))[0] == 6
+    assert cache.window_match(*cache.match_node([2] * 10))[0] == 0
+    assert cache.evict_windows(5) == 3  # then the tail: [1, 1, 1], the window before its end
