@@ -121,7 +121,7 @@ class ModelRunner:
         least = max_step_tokens + 2 * self.sliding_window
         self.window_slots = max(int(self.max_total_tokens * ratio), least) if self.window_layers else 0
         if self.window_slots >= self.max_total_tokens:
-            self.window_layers, self.window_slots = frozenset(), 0
+            self.window_layers, self.window_slots, self.sliding_window = frozenset(), 0, 0
         self.kv_pool = self._new_kv_pool(self.max_total_tokens, self.window_slots)
         self.host_pool = self._new_host_pool(config.kv_host_tokens)
         # What the bits of the KV depend on beside the weights: a restarted server reads the disk
@@ -152,7 +152,7 @@ class ModelRunner:
             disk_entry_header=self.tiers.disk_entry_header,
             async_launch=self.device.type == "cuda",
             window_slots=self.window_slots,
-            sliding_window=self.sliding_window if self.window_slots else 0,
+            sliding_window=self.sliding_window,
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
         self._last_sampled: torch.Tensor | None = None

@@ -55,11 +55,11 @@ def build_batch(plan: StepPlan, device: torch.device) -> tuple[ForwardBatch, Tab
     )
     if not w_rows:
         return batch, None
+    parts = [w_rows, w_cols, w_slots, *((w_window, window_loc) if windowed else ())]
+    rows, cols, slots, *windows = to_device(host_tensor(parts), device).split(list(map(len, parts)))
     if not windowed:
-        rows, cols, slots = to_device(host_tensor([w_rows, w_cols, w_slots]), device).split(len(w_rows))
         return batch, (rows, cols, slots, None)
-    packed = to_device(host_tensor([w_rows, w_cols, w_slots, w_window, window_loc]), device)
-    rows, cols, slots, window, batch.window_loc = packed.split([len(w_rows)] * 4 + [len(window_loc)])
+    window, batch.window_loc = windows
     return batch, (rows, cols, slots, window)
 
 

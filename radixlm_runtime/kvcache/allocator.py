@@ -164,9 +164,13 @@ class WindowedAllocator(TokenAllocator):
             assert window_of[s] and not window_of[d], "moving a window onto a slot that has one"
             window_of[d], window_of[s] = window_of[s], 0
 
-    def has_windows(self, slots: list[int]) -> bool:
+    def windowed_from(self, slots: list[int]) -> int:
+        """Where the run of `slots` that have window slots, to their end, begins (len: none)."""
         window_of = self.window_of
-        return all(window_of[s] for s in slots)
+        start = len(slots)
+        while start > 0 and window_of[slots[start - 1]]:
+            start -= 1
+        return start
 
     def windows_of(self, slots: list[int]) -> list[int]:
         window_of = self.window_of

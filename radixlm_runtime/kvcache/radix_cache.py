@@ -552,15 +552,19 @@ class RadixCache:
 
     # -- window slots (a windowed pool) -------------------------------------------------------
     @staticmethod
-    def _is_window_candidate(node: TreeNode) -> bool:
-        """A node in the tree holding window slots that no running request needs, and no finished
-        sequence ends within a window after."""
-        return node.window and node.window_lock == 0 and node.parent is not None and not node.window_tail
+    def _window_evictable(node: TreeNode) -> bool:
+        """A node in the tree holding window slots that no running request needs."""
+        return node.window and node.window_lock == 0 and node.parent is not None
 
-    @staticmethod
-    def _is_window_tail_candidate(node: TreeNode) -> bool:
-        """As _is_window_candidate, but within a window before the end of a finished sequence."""
-        return node.window and node.window_lock == 0 and node.parent is not None and node.window_tail
+    @classmethod
+    def _is_window_candidate(cls, node: TreeNode) -> bool:
+        """Window-evictable, and no finished sequence ends within a window after it."""
+        return cls._window_evictable(node) and not node.window_tail
+
+    @classmethod
+    def _is_window_tail_candidate(cls, node: TreeNode) -> bool:
+        """Window-evictable, within a window before the end of a finished sequence (mark_tail)."""
+        return cls._window_evictable(node) and node.window_tail
 
     def _push_window(self, node: TreeNode) -> None:
         self._push("window_tail" if node.window_tail else "window", node)
@@ -586,10 +590,7 @@ class RadixCache:
         """A new leaf keeps its tokens' window slots from the last one without on (the caller dropped
         those before, out of its window): split there, the part above keeps none."""
         assert leaf.value is not None and isinstance(self.allocator, WindowedAllocator)
-        window_of = self.allocator.window_of
-        start = len(leaf.value)
-        while start > 0 and window_of[leaf.value[start - 1]]:
-            start -= 1
+        start = self.allocator.windowed_from(leaf.value)
         self.allocator.drop_windows(leaf.value[:start])
         if start == len(leaf.value):
             return
@@ -603,10 +604,7 @@ class RadixCache:
         end of the node (split there), since the caller reads the tree's slots from now on and may
         need them. Returns the node ending where `node` did."""
         assert node.value is not None and isinstance(self.allocator, WindowedAllocator)
-        window_of = self.allocator.window_of
-        start = len(slots)
-        while start > 0 and window_of[slots[start - 1]]:
-            start -= 1
+        start = self.allocator.windowed_from(slots)
         if start == len(slots):
             return node
         if start > 0:

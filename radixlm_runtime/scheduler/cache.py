@@ -253,14 +253,16 @@ class CacheManager:
         else:
             ids = req.token_ids[: req.kv_len]
             self._insert(req, ids, slots)
-            if self.window and ids:
+            end = self.tree.match_node(ids)[1] if ids and (pin or self.window) else None
+            if self.window and end is not None:
                 # Where a next turn's prompt matches to: the end of this sequence, or of its prompt
                 # when the next turn quotes another answer than this one's.
-                for end in {len(ids), min(req.prompt_len, len(ids))}:
-                    self.tree.mark_tail(self.tree.match_node(ids[:end])[1])
-            if pin and ids:
+                self.tree.mark_tail(end)
+                if req.prompt_len < len(ids):
+                    self.tree.mark_tail(self.tree.match_node(ids[: req.prompt_len])[1])
+            if pin and end is not None:
                 # Locked before req's own lock goes, so the path is never evictable in between.
-                _, pinned = self.tree.match_node(ids)
+                pinned = end
                 self.tree.inc_lock_ref(pinned)
             if req.last_node is not None:
                 self._unlock(req.last_node)
