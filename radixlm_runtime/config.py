@@ -113,7 +113,8 @@ class EngineConfig:
         "radix cache keeps a cached prefix's window KV at its end while there is room and drops it "
         "least recently used first; a prefix without it is recomputed from the last point that "
         "has it. Lower holds more tokens in the same memory at the cost of fewer reusable prefix "
-        "ends. 1 (or a host or disk KV tier, which store every layer per token) keeps every layer "
+        "ends. The host KV tier keeps window slots in the same ratio and stores a prefix's window KV "
+        "where it had it. 1 (or a disk KV tier, which stores every layer per token) keeps every layer "
         "in the one pool. SGLang's flag of the same name.",
     )
     kv_host_tokens: int = flag(
@@ -122,7 +123,7 @@ class EngineConfig:
         "from the KV pool are copied there instead of dropped, and a later request whose prefix is "
         "there loads it back before its forward instead of recomputing it; the least recently used "
         "go when it is full. It lives in host memory (pinned on CUDA), as many bytes per token as "
-        "the pool.",
+        "the pool (with window slots, --swa-full-tokens-ratio, as many of those per token too).",
     )
     kv_disk_dir: str | None = flag(
         None,

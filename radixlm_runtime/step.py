@@ -51,6 +51,7 @@ class RunnerInfo:
     # p + window - 1 or before may still run (kvcache/pool.py).
     window_slots: int = 0
     sliding_window: int = 0
+    host_window_slots: int = 0  # the host tier's window slots (a windowed host tier); 0: none
 
     def disk_entry_slots(self, num_tokens: int, path_tokens: int) -> int:
         """Disk tier slots a disk entry of num_tokens rows under a path of path_tokens ids costs: its
@@ -146,13 +147,15 @@ class KVCopy:
     the KV so that a restarted server can rebuild the tree from the disk tier. dst_tier None: the
     tree let go of these disk slots (`src`), and the executor forgets them (an entry's file is
     deleted once none of its slots is held); one type for both keeps a step's moves in one ordered,
-    msgpack-decodable list."""
+    msgpack-decodable list. With a windowed pool (RunnerInfo.window_slots) a token slot holds the
+    other layers' KV and `window` copies are between window slots, of the sliding-window layers."""
 
     src_tier: Tier
     dst_tier: Tier | None
     src: list[int] = field(default_factory=list)
     dst: list[int] = field(default_factory=list)
     tokens: list[int] | None = None
+    window: bool = False
 
 
 @dataclass

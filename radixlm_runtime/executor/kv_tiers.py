@@ -40,6 +40,8 @@ class KVTiers:
         where they are read into."""
         if disk_dir is None:
             return cls(pool, host, None)
+        if pool.windowed:
+            raise ValueError("a disk KV tier stores every layer per token: a pool without window slots only")
         layout = layout_of(pool.named_tensors())
         Path(disk_dir).mkdir(parents=True, exist_ok=True)
         identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
@@ -86,7 +88,7 @@ class KVTiers:
                 failed.extend(bad)
                 self._tier(op.dst_tier).scatter(op.dst, rows)
             else:
-                self._tier(op.dst_tier).copy_from(self._tier(op.src_tier), op.src, op.dst)
+                self._tier(op.dst_tier).copy_from(self._tier(op.src_tier), op.src, op.dst, op.window)
         return failed
 
     def close(self) -> None:

@@ -123,7 +123,9 @@ class ModelRunner:
         if self.window_slots >= self.max_total_tokens:
             self.window_layers, self.window_slots, self.sliding_window = frozenset(), 0, 0
         self.kv_pool = self._new_kv_pool(self.max_total_tokens, self.window_slots)
-        self.host_pool = self._new_host_pool(config.kv_host_tokens)
+        # The host tier keeps window slots in the pool's ratio: a prefix's window KV at its end.
+        self.host_window_slots = int(config.kv_host_tokens * self.window_slots / self.max_total_tokens)
+        self.host_pool = self._new_host_pool(config.kv_host_tokens, self.host_window_slots)
         # What the bits of the KV depend on beside the weights: a restarted server reads the disk
         # tier's entries only under the same (its cached runs then match its uncached ones).
         numerics = {"dtype": str(self.dtype), "compute": self.compute, "kv": str(self.kv_dtype)}
@@ -153,6 +155,7 @@ class ModelRunner:
             async_launch=self.device.type == "cuda",
             window_slots=self.window_slots,
             sliding_window=self.sliding_window,
+            host_window_slots=self.host_window_slots,
         )
         # Tokens sampled by the last launched step, where the next plan's future tokens come from.
         self._last_sampled: torch.Tensor | None = None
@@ -180,15 +183,15 @@ class ModelRunner:
 
     def _window_layers(self) -> tuple[frozenset[int], int]:
         """The sliding-window layers whose KV goes to window slots of their own, and their widest
-        window; none where the model has none, --swa-full-tokens-ratio is 1, or a host tier (which
-        copies every layer of a token) is on."""
+        window; none where the model has none, --swa-full-tokens-ratio is 1, or a disk tier (whose
+        entries hold every layer of a token) is on."""
         layers = self.model.attention_layers()
         windowed = frozenset(i for i, layer in enumerate(layers) if layer.sliding_window is not None)
         if not windowed or self.engine_config.swa_full_tokens_ratio >= 1:
             return frozenset(), 0
-        if self.engine_config.kv_host_tokens:
+        if self.engine_config.kv_disk_dir is not None:
             logger.info(
-                "sliding-window layers keep every token's KV: the host KV tier stores every layer per token"
+                "sliding-window layers keep every token's KV: the disk KV tier stores every layer per token"
             )
             return frozenset(), 0
         return windowed, max(layers[i].sliding_window or 0 for i in windowed)
@@ -207,16 +210,26 @@ class ModelRunner:
             window_size=window_slots,
         )
 
-    def _new_host_pool(self, size: int) -> KVPool | None:
-        """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU."""
+    def _new_host_pool(self, size: int, window_slots: int) -> KVPool | None:
+        """The host KV tier: in host memory, pinned on CUDA for its copies to and from the GPU; its
+        window slots, if any, for the device pool's window layers."""
         if size == 0:
             return None
         c = self.model.config
         pool = KVPool(
-            size, c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype, "cpu", self.device.type == "cuda"
+            size,
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            self.kv_dtype,
+            "cpu",
+            self.device.type == "cuda",
+            window_layers=self.kv_pool.window_layers if window_slots else frozenset(),
+            window_size=window_slots,
         )
-        gib = size * pool.bytes_per_token() / 2**30
-        logger.info("host KV tier: %d tokens (%.2f GiB, %s)", size, gib, pool.dtype)
+        gib = (size * pool.bytes_per_token() + window_slots * pool.bytes_per_window_slot()) / 2**30
+        windows = f" and {window_slots} window slots" if window_slots else ""
+        logger.info("host KV tier: %d tokens%s (%.2f GiB, %s)", size, windows, gib, pool.dtype)
         return pool
 
     @torch.inference_mode()

@@ -31,6 +31,10 @@ class TokenAllocator:
     def available_size(self) -> int:
         return len(self._free) + len(self._released)
 
+    def alloc_tokens(self, n: int) -> list[int] | None:
+        """n slots and nothing beside them (a WindowedAllocator's come without window slots)."""
+        return TokenAllocator.alloc(self, n)
+
     def alloc(self, n: int) -> list[int] | None:
         """Returns n slots, or None without allocating anything when fewer than n are free."""
         if n < 0:
@@ -145,6 +149,18 @@ class WindowedAllocator(TokenAllocator):
 
     def claim(self, slots: list[int]) -> None:
         raise RuntimeError("a windowed KV pool has no tier to restore slots from")
+
+    def add_windows(self, slots: list[int]) -> bool:
+        """Gives each of these token slots (none with a window slot) a window slot: all, or none
+        and False where too few are free (a tier's copy of KV that had windows)."""
+        windows = self.windows.alloc(len(slots))
+        if windows is None:
+            return False
+        window_of = self.window_of
+        for s, w in zip(slots, windows, strict=True):
+            assert not window_of[s], "a window slot for a token slot that has one"
+            window_of[s] = w
+        return True
 
     def drop_windows(self, slots: list[int]) -> None:
         """Frees the window slots of these token slots where they have one."""

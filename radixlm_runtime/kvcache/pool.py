@@ -121,6 +121,16 @@ class KVPool:
         a tier copies for a slot is row `slot` of each."""
         return [t for layer in range(self.num_layers) for t in self.layer_tensors(layer)]
 
+    def part_tensors(self, window: bool) -> list[torch.Tensor]:
+        """The tensors indexed by window slots (`window`: the sliding-window layers') or by token
+        slots (every other layer's; every layer's in a pool without window slots)."""
+        return [
+            t
+            for layer in range(self.num_layers)
+            if (layer in self.window_layers) == window
+            for t in self.layer_tensors(layer)
+        ]
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """tensors() with names (k0, v0, [k_scale0, v_scale0,] k1, ...): what a disk tier entry lists
         it stores."""
@@ -182,20 +192,23 @@ class KVPool:
 
         return read(self.k_buffers, self.k_scales), read(self.v_buffers, self.v_scales)
 
-    def copy_from(self, other: KVPool, src: list[int], dst: list[int]) -> None:
+    def copy_from(self, other: KVPool, src: list[int], dst: list[int], window: bool = False) -> None:
         """Every tensor (K, V, and an int8 pool's scales) of other's slots `src` into this pool's slots
         `dst` (between the device pool and the host tier, either way; `dst` holds no slot twice), in this
-        pool's dtype. The tiers share one, so each is a plain copy of what the pool stores; an int8 pool
-        copies only to and from another."""
+        pool's dtype: token slots' tensors, or with `window` window slots' (part_tensors). The tiers
+        share one dtype and one set of window layers, so each is a plain copy of what the pool stores;
+        an int8 pool copies only to and from another."""
         if other.dtype != self.dtype and (self.quantized or other.quantized):
             raise ValueError(f"KV copy from a {other.dtype} pool to a {self.dtype} one: int8 only to int8")
+        if other.window_layers != self.window_layers:
+            raise ValueError("KV copy between pools with different window layers")
         src_idx = torch.tensor(src, dtype=torch.int64, device=other.device)
         dst_idx = torch.tensor(dst, dtype=torch.int64, device=self.device)
         # Into the GPU asynchronously; out of it synchronously, since the host scatter reads the data.
         # index_select / index_copy_ move whole rows: on CPU twice the speed of indexing (x[i] = y[j]
         # goes element by element), which every host-tier load and write-back pays.
         non_blocking = self.device.type == "cuda"
-        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+        for mine, theirs in zip(self.part_tensors(window), other.part_tensors(window), strict=True):
             rows = theirs.index_select(0, src_idx).to(self.device, mine.dtype, non_blocking=non_blocking)
             mine.index_copy_(0, dst_idx, rows)
 

@@ -42,6 +42,13 @@ where the W - 1 tokens before its end still have theirs, so a node keeps its win
 or none, the match is cut back to the deepest end that has them (`window_match`), a running
 request locks the W - 1 tokens before its cached end (`lock_window`), and under pressure the
 windows of unlocked nodes go least recently used first (`evict_windows`) while their tokens stay.
+The host tier stores what the pool stores: a node within a window before a sequence's end
+(`mark_tail`) that leaves the device, or whose windows are evicted from the pool (`evict_windows`: the
+tokens stay), keeps its windows in host window slots beside its host copy (all or none; the least
+recently used of those go for room); windows inside cached sequences are not kept. Matching counts
+the windows of host copies as loadable (`window_match` with `host`); admitting loads those of the
+W - 1 tokens before the match's end back into device window slots (`load_windows`), which is all a
+request reads.
 
 Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
 computed by a request that asked for them: a token's logprob depends only on the tokens before it,
@@ -63,7 +70,7 @@ from radixlm_runtime.kvcache.allocator import TokenAllocator, WindowedAllocator
 from radixlm_runtime.step import DiskEntry, KVCopy, Tier, TopLogprobs
 
 # The eviction candidates a heap queues: each tier's, and the nodes whose window slots can go.
-_Heap = Tier | Literal["window", "window_tail"]
+_Heap = Tier | Literal["window", "window_tail", "host_window"]
 
 # (access time, node id, node): heap entries of eviction candidates, least recently used first.
 _Entry = tuple[float, int, "TreeNode"]
@@ -200,8 +207,8 @@ class RadixCache:
         WindowedAllocator) hands out beside the tokens'; 0: none."""
         if disk_allocator is not None and host_allocator is None:
             raise ValueError("a disk tier needs a host tier to load through")
-        if window and (not isinstance(allocator, WindowedAllocator) or host_allocator is not None):
-            raise ValueError("window slots need a WindowedAllocator and no host tier")
+        if window and (not isinstance(allocator, WindowedAllocator) or disk_allocator is not None):
+            raise ValueError("window slots need a WindowedAllocator and no disk tier")
         self.window = window
         self.allocator = allocator
         self.host_allocator = host_allocator
@@ -226,6 +233,7 @@ class RadixCache:
             "disk": [],
             "window": [],
             "window_tail": [],
+            "host_window": [],
         }
         self._copies: list[KVCopy] = []
         self._copy_dsts: set[int] = set()  # slots the last recorded batch writes
@@ -384,6 +392,8 @@ class RadixCache:
                     child = self._adopt_windows(child, value[pos : pos + n])
             else:
                 self._give_device_slots(child, value[pos : pos + n])
+                if self.window:  # recomputed by the caller, whose window slots come with its slots
+                    self._take_windows(child)
             child.last_access_time = now
             child.accessed_at = wall
             _learn_logprobs(child, logprobs, top, pos)
@@ -433,6 +443,7 @@ class RadixCache:
         if child.host_value is not None:
             upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
             self._push("host", upper)
+            self._push("host_window", upper)
         if child.disk_value is not None:
             upper.disk_value, child.disk_value = child.disk_value[:n], child.disk_value[n:]
             self._push("disk", upper)
@@ -497,12 +508,13 @@ class RadixCache:
             freed.extend(node.value)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
-            if node.window:  # its window slots go with its slots (WindowedAllocator.free)
+            parent = node.parent
+            window = node.window
+            if not self._demote(node):  # (a copy to the host tier reads its windows first)
+                self._drop(node)
+            if window:  # its window slots go with its slots (WindowedAllocator.free)
                 node.window = False
                 self._window_evictable_size -= len(node.key)
-            parent = node.parent
-            if not self._demote(node):
-                self._drop(node)
             self._push("device", parent)
         self.allocator.free(freed)
         return num_freed
@@ -538,6 +550,8 @@ class RadixCache:
             return self._is_window_candidate
         if tier == "window_tail":
             return self._is_window_tail_candidate
+        if tier == "host_window":
+            return self._is_host_window_candidate
         return self._is_host_candidate if tier == "host" else self._is_disk_candidate
 
     @staticmethod
@@ -587,8 +601,9 @@ class RadixCache:
         self._push_window(node)
 
     def _take_windows(self, leaf: TreeNode) -> None:
-        """A new leaf keeps its tokens' window slots from the last one without on (the caller dropped
-        those before, out of its window): split there, the part above keeps none."""
+        """A node given a caller's slots (a new leaf, or a host-only node recomputed) keeps their
+        window slots from the last one without on (the caller dropped those before, out of its
+        window): split there, the part above keeps none."""
         assert leaf.value is not None and isinstance(self.allocator, WindowedAllocator)
         start = self.allocator.windowed_from(leaf.value)
         self.allocator.drop_windows(leaf.value[:start])
@@ -613,15 +628,16 @@ class RadixCache:
         self._set_window(node, True)
         return node
 
-    def window_match(self, length: int, node: TreeNode) -> tuple[int, TreeNode]:
+    def window_match(self, length: int, node: TreeNode, host: bool = False) -> tuple[int, TreeNode]:
         """The deepest end at or above node (a prefix of `length` tokens) that the W - 1 tokens
-        before it have windows for: where a request can start computing from cached KV."""
+        before it have windows for: where a request can start computing from cached KV. With `host`,
+        windows that the host tier holds count too (what a match may load: load_windows)."""
         need = self.window - 1
         run = 0
         end, end_len = node, length
         while node is not self.root_node and run < need:
             assert node.parent is not None
-            if node.window:
+            if node.window or (host and self._host_windowed(node)):
                 run += len(node.key)
             else:
                 end, end_len, run = node.parent, length - len(node.key), 0
@@ -662,7 +678,8 @@ class RadixCache:
     def evict_windows(self, num_tokens: int) -> int:
         """Frees at least num_tokens window slots if possible, from nodes no running request needs
         them of, least recently used first, those that end finished sequences last (mark_tail);
-        their tokens stay cached. Returns how many it freed."""
+        their tokens stay cached, and their windows are kept in the host tier where there is room.
+        Returns how many it freed."""
         assert isinstance(self.allocator, WindowedAllocator)
         freed = 0
         while freed < num_tokens and (
@@ -670,10 +687,45 @@ class RadixCache:
             or (node := self._pop_lru("window_tail")) is not None
         ):
             assert node.value is not None
+            self._back_up_windows(node)
             self.allocator.drop_windows(node.value)
             self._set_window(node, False)
             freed += len(node.key)
         return freed
+
+    def _host_windowed(self, node: TreeNode) -> bool:
+        """Whether node's host copy holds its windows (host window slots: all of its tokens or none)."""
+        host = self.host_allocator
+        held = isinstance(host, WindowedAllocator) and node.host_value is not None
+        return held and bool(host.window_of[node.host_value[0]])  # type: ignore[union-attr,index]
+
+    def load_windows(self, node: TreeNode) -> None:
+        """Gives the nodes of the W - 1 tokens ending at node (on the device: `load` first) that have
+        no windows there the windows their host copies hold, in fresh device window slots (others'
+        evicted for room), so that a match can end at node. None where one of them has no windows on
+        the host or no room is made: window_match then cuts the match back above them."""
+        assert isinstance(self.allocator, WindowedAllocator)
+        span = [n for n in self._window_span(node) if not n.window]
+        if not span or not all(self._host_windowed(n) for n in span):
+            return
+        need = sum(len(n.key) for n in span)
+        self.lock_window(node)  # so that making room takes none of the path's own windows
+        try:
+            short = need - self.allocator.windows.available_size()
+            if short > 0:
+                self.evict_windows(short)
+            host = self.host_allocator
+            assert isinstance(host, WindowedAllocator)
+            for n in span:
+                assert n.value is not None and n.host_value is not None
+                # (Making room may have taken host windows too, the span's among them.)
+                if not self._host_windowed(n) or not self.allocator.add_windows(n.value):
+                    return
+                src, dst = host.windows_of(n.host_value), self.allocator.windows_of(n.value)
+                self._record("host", "device", src, dst, window=True)
+                self._set_window(n, True)
+        finally:
+            self.unlock_window(node)
 
     def window_evictable_size(self) -> int:
         """Window slots the tree holds that evict_windows can free."""
@@ -705,7 +757,7 @@ class RadixCache:
             short = n - self.allocator.available_size()
             if short > 0:
                 self.evict(short)
-            slots = self.allocator.alloc(n)
+            slots = self.allocator.alloc_tokens(n)
             if slots is None:
                 return 0
             path: list[TreeNode] = []
@@ -730,7 +782,9 @@ class RadixCache:
         """Keeps node's KV in a lower tier as it leaves the device: the host tier (copied there
         unless a copy is there already), else, where no child is in memory (the tiers nest), the
         disk tier. False when neither has it nor has room for it."""
-        if node.host_value is None and not self._back_up(node):
+        if node.host_value is not None:
+            self._back_up_windows(node)
+        elif not self._back_up(node):
             if any(c.in_memory for c in node.children.values()):
                 return False
             if node.disk_value is None and not self._back_up_disk(node, "device"):
@@ -741,17 +795,47 @@ class RadixCache:
         return True
 
     def _back_up(self, node: TreeNode) -> bool:
-        """Copies a device node's KV to fresh host slots; False when the host tier has no room."""
+        """Copies a device node's KV to fresh host slots, and its windows to host window slots where
+        it has them and the host tier has as many free; False when the host tier has no room."""
         assert node.value is not None and node.host_value is None
         host = self._alloc("host", len(node.key))
         if host is None:
             return False
         self._record("device", "host", node.value, host)
         node.host_value = host
+        self._back_up_windows(node)
         self._host_size += len(host)
         self.stored_tokens += len(host)
         self._push("host", node)
         return True
+
+    def _back_up_windows(self, node: TreeNode) -> None:
+        """Keeps the windows of a device node within a window before a sequence's end (window_tail:
+        where later requests' matches end) in the host tier as they leave the device, with a copy of
+        its tokens unless one is there; others' host windows go, least recently used first, for room.
+        Windows inside cached sequences are not kept: no request ends there."""
+        host = self.host_allocator
+        if not (node.window and node.window_tail and isinstance(host, WindowedAllocator)):
+            return
+        if self._host_windowed(node):
+            return
+        if node.host_value is None:
+            self._back_up(node)  # which comes back here with the host copy
+            return
+        need = len(node.host_value) - host.windows.available_size()
+        while need > 0 and (victim := self._pop_lru("host_window")) is not None:
+            assert victim.host_value is not None
+            host.drop_windows(victim.host_value)
+            need -= len(victim.host_value)
+        if host.add_windows(node.host_value):
+            assert isinstance(self.allocator, WindowedAllocator) and node.value is not None
+            src, dst = self.allocator.windows_of(node.value), host.windows_of(node.host_value)
+            self._record("device", "host", src, dst, window=True)
+            self._push("host_window", node)
+
+    def _is_host_window_candidate(self, node: TreeNode) -> bool:
+        """A node in the tree whose host copy holds its windows."""
+        return node.parent is not None and self._host_windowed(node)
 
     def _alloc(self, tier: Tier, n: int) -> list[int] | None:
         """n fresh slots of the host or disk tier, its least recently used entries evicted for room;
@@ -763,7 +847,7 @@ class RadixCache:
             self._evict_disk(n)
         elif n > allocator.available_size():
             self._evict_host(n - allocator.available_size())
-        return allocator.alloc(n)
+        return allocator.alloc_tokens(n)
 
     def _evict_host(self, num_tokens: int) -> None:
         """Frees host slots, least recently used first: spare copies of nodes on the device, and
@@ -820,18 +904,21 @@ class RadixCache:
             n.parent = None
             stack.extend(n.children.values())
 
-    def _record(self, src_tier: Tier, dst_tier: Tier, src: list[int], dst: list[int]) -> None:
-        """Appends a copy to the pending ones; a new batch where this one would write a slot twice.
-        (A batch reads one tier and writes another, so no copy in it reads what another writes.)"""
+    def _record(
+        self, src_tier: Tier, dst_tier: Tier, src: list[int], dst: list[int], window: bool = False
+    ) -> None:
+        """Appends a copy (of token slots, or with `window` of window slots) to the pending ones; a
+        new batch where this one would write a slot twice. (A batch reads one tier and writes another,
+        so no copy in it reads what another writes.)"""
         last = self._copies[-1] if self._copies else None
         joins = (
             isinstance(last, KVCopy)
             and last.tokens is None
-            and (last.src_tier, last.dst_tier) == (src_tier, dst_tier)
+            and (last.src_tier, last.dst_tier, last.window) == (src_tier, dst_tier, window)
             and self._copy_dsts.isdisjoint(dst)
         )
         if not joins or not isinstance(last, KVCopy):
-            last = KVCopy(src_tier, dst_tier)
+            last = KVCopy(src_tier, dst_tier, window=window)
             self._copies.append(last)
             self._copy_dsts = set()
         last.src.extend(src)

@@ -161,7 +161,10 @@ class CacheManager:
                 self.host_hit_tokens += cached - device_len - disk_len
             req.load_len = req.disk_len = 0
         if self.window and self.tree is not None and req.last_node is not None:
-            # Windows of the match may have gone since it was found (policy.py cut it at the end then).
+            # Windows of the match may be on the host tier only (loaded back now), or have gone since
+            # it was found (policy.py cut it at the end then).
+            if self.tree.host_allocator is not None:
+                self.tree.load_windows(req.last_node)
             req.prefix_len, req.last_node = self.tree.window_match(req.prefix_len, req.last_node)
         has_prefix = self.tree is not None and req.last_node is not None and req.prefix_len > 0
         req.kv_slots = self.tree.path_slots(req.last_node) if has_prefix else []

@@ -84,7 +84,7 @@ class SchedulePolicy:
             if limit < matched:
                 matched, node = self.tree.match_node(key[:limit])
         if self.tree.window:
-            matched, node = self.tree.window_match(matched, node)
+            matched, node = self.tree.window_match(matched, node, host=True)
         req.prefix_len, req.last_node = matched, node
         req.load_len = self.tree.host_suffix(node)[0]
         req.disk_len = self.tree.disk_suffix(node)[0] if req.load_len else 0

@@ -56,14 +56,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         info = self.runner_info
         self.cache = CacheManager(
-            WindowedAllocator(info.max_total_tokens, info.window_slots)
-            if info.window_slots
-            else TokenAllocator(info.max_total_tokens),
+            _allocator(info.max_total_tokens, info.window_slots),
             RowAllocator(info.max_reqs),
             config.disable_radix_cache,
             config.session_timeout_s,
             config.session_pin_fraction,
-            TokenAllocator(info.host_kv_tokens) if info.host_kv_tokens else None,
+            _allocator(info.host_kv_tokens, info.host_window_slots) if info.host_kv_tokens else None,
             config.kv_host_write_policy == "write_through",
             TokenAllocator(info.disk_kv_tokens) if info.disk_kv_tokens else None,
             config.kv_disk_write_policy == "write_through",
@@ -190,6 +188,10 @@ class Scheduler:
             # Window slots of the sliding-window layers (0: they use the tokens' slots); free ones.
             "window_slots": self.runner_info.window_slots,
             "free_window_slots": windows.windows.available_size() if (windows := self.cache.windows) else 0,
+            "host_window_slots": self.runner_info.host_window_slots,
+            "free_host_window_slots": host.windows.available_size()
+            if tree is not None and isinstance(host := tree.host_allocator, WindowedAllocator)
+            else 0,
             **self._tier_info(),
             **vars(self.stats),
         }
@@ -443,3 +445,8 @@ class Scheduler:
                 a.partial.remove(req)
             self._finish(req)
         return aborted
+
+
+def _allocator(size: int, window_slots: int) -> TokenAllocator:
+    """The free list of a pool (or tier) of `size` token slots and `window_slots` window slots."""
+    return WindowedAllocator(size, window_slots) if window_slots else TokenAllocator(size)

@@ -1,7 +1,9 @@
 """Sliding-window layers in window slots of their own (--swa-full-tokens-ratio, kvcache/pool.py): on
 tiny Gemma 3 (one full layer of three) and Mistral (every layer windowed), with so few window slots
 that the tree's windows are evicted all the time, the tokens equal those of the one-pool engine, a
-cached run equals an uncached one, and every slot of both kinds is back once the cache is flushed."""
+cached run equals an uncached one, and every slot of both kinds is back once the cache is flushed;
+with a host KV tier under a pool too small for the conversations, follow-up turns load their
+earlier turns back from the host tier, windows included, and give the same tokens."""
 
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ def _prompts() -> list[list[int]]:
     return [base + [rng.randrange(10, 200) for _ in range(rng.randrange(1, 60))] for _ in range(12)]
 
 
-def _engine(model_dir: Path, backend: str, ratio: float) -> rt.Engine:
+def _engine(model_dir: Path, backend: str, ratio: float, pool: int = 4096, host: int = 0) -> rt.Engine:
     return rt.Engine(
         str(model_dir),
         device="cpu",
         dtype="float32",
         attention_backend=backend,
-        max_total_tokens=4096,
+        max_total_tokens=pool,
+        kv_host_tokens=host,
         chunked_prefill_size=64,
         swa_full_tokens_ratio=ratio,
         log_level="warning",
@@ -64,5 +67,69 @@ def test_window_slots_change_no_token(family: str, backend: str, tmp_path: Path)
         alloc = eng.scheduler.cache.allocator
         assert alloc.available_size() == info.max_total_tokens
         assert alloc.windows.available_size() == info.window_slots
+    finally:
+        eng.shutdown()
+
+
+def _two_turns(eng: rt.Engine) -> list[list[int]]:
+    """Eight conversations of ~170 tokens, one request at a time: first turns, then each follow-up
+    (the first turn, its answer and a new question); the outputs of both turns."""
+    rng = random.Random(1)
+    firsts = [[rng.randrange(10, 200) for _ in range(120)] for _ in range(8)]
+    outs = [eng.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in firsts]
+    follow = [p + o + [rng.randrange(10, 200) for _ in range(10)] for p, o in zip(firsts, outs, strict=True)]
+    return outs + [eng.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in follow]
+
+
+@pytest.mark.parametrize(("family", "backend"), [("gemma3", "cpu"), ("mistral", "torch")])
+def test_the_host_tier_brings_back_windows(family: str, backend: str, tmp_path: Path) -> None:
+    model_dir = build_family_dir(tmp_path, family)
+    one_pool = _engine(model_dir, backend, 1.0)
+    try:
+        want = _two_turns(one_pool)
+    finally:
+        one_pool.shutdown()
+
+    eng = _engine(model_dir, backend, 0.01, pool=400, host=4096)
+    try:
+        info = eng.scheduler.runner_info
+        assert info.window_slots == 64 + 2 * WINDOW
+        assert info.host_window_slots == 4096 * info.window_slots // 400
+        assert _two_turns(eng) == want
+        stats = eng.get_server_info()
+        # The follow-ups' earlier turns (~170 tokens each, 8 of them in a pool of 400) came back
+        # from the host tier, ending where the host kept their windows.
+        assert stats["host_hit_tokens"] >= 8 * 120
+        assert stats["host_loaded_tokens"] >= stats["host_hit_tokens"]
+        assert stats["host_window_slots"] == info.host_window_slots
+        assert stats["free_host_window_slots"] < info.host_window_slots
+        assert eng.flush_cache()
+        cache = eng.scheduler.cache
+        assert cache.allocator.available_size() == info.max_total_tokens
+        assert cache.allocator.windows.available_size() == info.window_slots
+        assert cache.tree.host_allocator.available_size() == info.host_kv_tokens
+        assert cache.tree.host_allocator.windows.available_size() == info.host_window_slots
+    finally:
+        eng.shutdown()
+
+
+def test_a_disk_tier_keeps_every_layer_in_the_one_pool(tmp_path: Path) -> None:
+    """Disk entries hold every layer of a token: with a disk tier the pool keeps no window slots (and
+    neither does the host tier), and serves as the one-pool engine does."""
+    model_dir = build_family_dir(tmp_path, "gemma3")
+    eng = rt.Engine(
+        str(model_dir),
+        dtype="float32",
+        max_total_tokens=400,
+        kv_host_tokens=400,
+        kv_disk_dir=str(tmp_path / "kv"),
+        swa_full_tokens_ratio=0.01,
+        log_level="warning",
+    )
+    try:
+        info = eng.scheduler.runner_info
+        assert info.window_slots == info.host_window_slots == info.sliding_window == 0
+        out = eng.generate(input_ids=_prompts()[0], sampling_params=PARAMS)
+        assert len(out["output_ids"]) == PARAMS["max_new_tokens"]
     finally:
         eng.shutdown()

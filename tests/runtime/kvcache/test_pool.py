@@ -468,3 +468,27 @@ def test_table_writes_window_slots_beside_the_slots() -> None:
     assert table.req_to_token[1].tolist() == [5, 0, 0, 6]
     assert table.req_to_window[1].tolist() == [2, 0, 0, 0]
     assert ReqToTokenTable(2, 4).req_to_window is None
+
+
+def test_copy_from_between_windowed_pools_moves_token_or_window_rows() -> None:
+    """A windowed pool and its host tier: a token copy moves the full layers' rows of token slots, a
+    window copy (window=True) the window layers' rows of window slots; neither touches the other's.
+    Pools with other window layers refuse to copy."""
+    layers = frozenset({0, 2})
+    device = KVPool(10, 3, 2, 4, torch.float32, "cpu", window_layers=layers, window_size=4)
+    host = KVPool(12, 3, 2, 4, torch.float32, "cpu", window_layers=layers, window_size=6)
+    for buf in device.tensors() + host.tensors():
+        buf.copy_(torch.randn(buf.shape))
+    before = [b.clone() for b in host.tensors()]
+    host.copy_from(device, [9, 2], [11, 5])
+    host.copy_from(device, [4, 1], [6, 3], window=True)
+    for layer in range(3):
+        rows, src = ([6, 3], [4, 1]) if layer in layers else ([11, 5], [9, 2])
+        for mine, theirs, old in zip(
+            host.layer_tensors(layer), device.layer_tensors(layer), before[2 * layer :]
+        ):
+            assert torch.equal(mine[rows], theirs[src])
+            untouched = [r for r in range(mine.shape[0]) if r not in rows]
+            assert torch.equal(mine[untouched], old[untouched])
+    with pytest.raises(ValueError, match="window layers"):
+        KVPool(4, 3, 2, 4, torch.float32, "cpu").copy_from(device, [1], [1])

@@ -1,7 +1,8 @@
 """The radix tree over a windowed pool (kvcache/radix_cache.py, "Windows"): matches cut back to an end
 whose window is held, window locks, least-recently-used window eviction that keeps the tokens, and
 a stateful property test of the accounting: every window slot is free, held by a tree node (all of
-its tokens or none) or by a caller, and the evictable count is exactly what evict_windows can free."""
+its tokens or none) or by a caller, and the evictable count is exactly what evict_windows can free.
+With a host tier: windows at sequence ends kept there and loaded back, checked on simulated KV."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixlm_runtime.kvcache import RadixCache, TreeNode
-from radixlm_runtime.kvcache.allocator import WindowedAllocator
+from radixlm_runtime.kvcache.allocator import TokenAllocator, WindowedAllocator
+from radixlm_runtime.step import KVCopy
 
 W = 4  # a query sees itself and the 3 tokens before it
 
@@ -88,13 +90,108 @@ def test_a_duplicate_insert_gives_the_tree_the_callers_windows() -> None:
     assert alloc.windows.available_size() == 64 - 3
 
 
-def test_a_windowed_tree_refuses_a_plain_allocator_or_a_host_tier() -> None:
-    from radixlm_runtime.kvcache import TokenAllocator
-
+def test_a_windowed_tree_refuses_a_plain_allocator_or_a_disk_tier() -> None:
     with pytest.raises(ValueError, match="WindowedAllocator"):
         RadixCache(TokenAllocator(8), window=W)
-    with pytest.raises(ValueError, match="host tier"):
-        RadixCache(WindowedAllocator(8, 8), TokenAllocator(8), window=W)
+    with pytest.raises(ValueError, match="disk tier"):
+        RadixCache(WindowedAllocator(8, 8), TokenAllocator(8), disk_allocator=TokenAllocator(8), window=W)
+
+
+def test_the_host_tier_keeps_windows_and_a_load_brings_back_the_ends() -> None:
+    """A windowed node demoted to the host tier takes its windows there; a match through it counts
+    them, and loading it back gives the W - 1 tokens before the end device windows, copied from the
+    host's: token copies and window copies recorded apart."""
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, 8)
+    cache = RadixCache(alloc, host, window=W)
+    slots = _insert(cache, alloc, list(range(10)), trim=6)  # windows on the last 4
+    cache.mark_tail(cache.match_node(list(range(10)))[1])  # a finished sequence's end
+    windows = alloc.windows_of(slots)
+    cache.take_copies()
+    assert cache.evict(16) == 10
+    copies = cache.take_copies()
+    # The leaf of the W - 1 tokens before the end (its tokens, then its windows), then the nodes
+    # above it (tokens only: the window of position 6 is no end's).
+    assert [(c.src_tier, c.dst_tier, c.window) for c in copies] == [
+        ("device", "host", False),
+        ("device", "host", True),
+        ("device", "host", False),
+    ]
+    assert sorted(copies[0].src + copies[2].src) == sorted(slots) and copies[1].src == windows[7:]
+    assert host.windows.available_size() == 8 - 3 and alloc.windows.available_size() == 16
+    # On the host only: a match may end at 10, since the host copy of its end has windows.
+    assert cache.window_match(*cache.match_node(list(range(10))))[0] == 0
+    length, node = cache.window_match(*cache.match_node(list(range(10))), host=True)
+    assert length == 10 and cache.host_suffix(node)[0] == 10
+    cache.inc_lock_ref(node)
+    assert cache.load(node) == 10
+    cache.load_windows(node)
+    cache.dec_lock_ref(node)
+    copies = cache.take_copies()
+    assert [(c.src_tier, c.dst_tier, c.window) for c in copies] == [
+        ("host", "device", False),
+        ("host", "device", True),
+    ]
+    assert len(copies[0].src) == 10 and len(copies[1].src) == W - 1  # only the window before the end
+    assert cache.window_match(*cache.match_node(list(range(10))))[0] == 10
+    assert alloc.windows.available_size() == 16 - (W - 1)
+
+
+def test_windows_evicted_from_the_pool_are_kept_in_the_host_tier() -> None:
+    """Window eviction keeps the tokens on the device and the windows on the host (with a host copy
+    of the tokens); a match counts them, and load_windows brings the end's back."""
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, 8)
+    cache = RadixCache(alloc, host, window=W)
+    _insert(cache, alloc, list(range(10)), trim=6)
+    cache.mark_tail(cache.match_node(list(range(10)))[1])
+    cache.take_copies()
+    assert cache.evict_windows(16) == 4
+    # The window before the end, with a host copy of its tokens; position 6's is let go.
+    copies = cache.take_copies()
+    assert [(c.src_tier, c.dst_tier, c.window, len(c.src)) for c in copies] == [
+        ("device", "host", False, W - 1),
+        ("device", "host", True, W - 1),
+    ]
+    assert alloc.windows.available_size() == 16 and host.windows.available_size() == 8 - (W - 1)
+    assert cache.window_match(*cache.match_node(list(range(10))))[0] == 0
+    length, node = cache.window_match(*cache.match_node(list(range(10))), host=True)
+    assert length == 10 and cache.host_suffix(node)[0] == 0
+    cache.load_windows(node)
+    assert [(c.src_tier, c.dst_tier, c.window, len(c.src)) for c in cache.take_copies()] == [
+        ("host", "device", True, W - 1)
+    ]
+    assert cache.window_match(*cache.match_node(list(range(10))))[0] == 10
+    assert alloc.windows.available_size() == 16 - (W - 1)
+    # A second window eviction copies nothing: the host holds those windows already.
+    assert cache.evict_windows(16) == W - 1 and cache.take_copies() == []
+
+
+def test_a_host_copy_without_room_for_windows_is_kept_without_them() -> None:
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, 2)
+    cache = RadixCache(alloc, host, window=W)
+    _insert(cache, alloc, list(range(10)), trim=6)
+    cache.mark_tail(cache.match_node(list(range(10)))[1])
+    cache.evict(16)
+    assert [c.window for c in cache.take_copies()] == [False]
+    assert host.windows.available_size() == 2
+    # Its tokens are on the host, but no end of them can be served: recomputed.
+    assert cache.match_node(list(range(10)))[0] == 10
+    assert cache.window_match(*cache.match_node(list(range(10))), host=True)[0] == 0
+
+
+def test_host_windows_go_least_recently_used_first_for_a_newer_end() -> None:
+    """Room for one end's windows on the host: the second end demoted takes the first's."""
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, W - 1)
+    cache = RadixCache(alloc, host, window=W)
+    for key in ([1] * 5, [2] * 5):
+        _insert(cache, alloc, key)
+        cache.mark_tail(cache.match_node(key)[1])
+    cache.match_node([1] * 5)  # touched: [2] * 5 is the least recent now
+    assert cache.evict(5) == 5
+    assert cache.window_match(*cache.match_node([2] * 5), host=True)[0] == 5
+    assert cache.evict(5) == 5
+    assert cache.window_match(*cache.match_node([1] * 5), host=True)[0] == 5
+    assert cache.window_match(*cache.match_node([2] * 5), host=True)[0] == 0
+    assert host.windows.available_size() == 0
 
 
 keys = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=10)
@@ -102,19 +199,36 @@ keys = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=10)
 
 class WindowMachine(RuleBasedStateMachine):
     """Requests admitted on window-cut matches with their windows locked, fresh tokens computed with
-    their front trimmed, finished into the tree; window and token eviction in between."""
+    their front trimmed, finished into the tree (the end marked as a tail, as CacheManager.release
+    does), follow-up turns on finished ones; window and token eviction in between."""
+
+    TOKENS, WINDOWS = 48, 24
 
     @initialize()
     def setup(self) -> None:
-        self.alloc = WindowedAllocator(48, 24)
-        self.cache = RadixCache(self.alloc, window=W)
+        self.alloc = WindowedAllocator(self.TOKENS, self.WINDOWS)
+        self.cache = self.new_cache()
         self.running: list[tuple[TreeNode, list[int]]] = []  # (locked end, own slots)
         self.key_of: dict[int, list[int]] = {}
+        self.finished: list[list[int]] = []
+
+    def new_cache(self) -> RadixCache:
+        return RadixCache(self.alloc, window=W)
+
+    def match(self, key: list[int]) -> tuple[int, TreeNode]:
+        """Where a request for key starts computing (admission's match)."""
+        return self.cache.window_match(*self.cache.match_node(key))
+
+    def check_prefix(self, key: list[int], length: int, node: TreeNode) -> None:
+        """Checks what a request admitted on key's first `length` tokens reads."""
+
+    def compute(self, key: list[int], length: int, slots: list[int]) -> None:
+        """A request's own tokens key[length:] computed into `slots`."""
 
     @rule(key=keys, trim=st.integers(min_value=0, max_value=10))
     def run_request(self, key: list[int], trim: int) -> None:
         """Admitted as the scheduler admits: the window-cut match locked, then room made for the rest."""
-        length, node = self.cache.window_match(*self.cache.match_node(key))
+        length, node = self.match(key)
         self.cache.inc_lock_ref(node)
         self.cache.lock_window(node)
         own = len(key) - length
@@ -122,14 +236,22 @@ class WindowMachine(RuleBasedStateMachine):
         self.cache.evict_windows(own - self.alloc.windows.available_size())
         # The locked window is held whole: the W - 1 tokens before the end have windows.
         assert self.cache.window_match(length, node) == (length, node)
+        self.check_prefix(key, length, node)
         slots = self.alloc.alloc(own)
         if slots is None:
             self.cache.unlock_window(node)
             self.cache.dec_lock_ref(node)
             return
+        self.compute(key, length, slots)
         self.alloc.drop_windows(slots[: min(trim, max(own - (W - 1), 0))])
         self.running.append((node, slots))
         self.key_of[id(slots)] = key
+
+    @precondition(lambda self: self.finished)
+    @rule(i=st.integers(min_value=0), more=keys, trim=st.integers(min_value=0, max_value=10))
+    def follow_up(self, i: int, more: list[int], trim: int) -> None:
+        """A next turn: an earlier sequence, then more tokens."""
+        self.run_request(self.finished[i % len(self.finished)] + more, trim)
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(min_value=0), cache_it=st.booleans())
@@ -141,6 +263,8 @@ class WindowMachine(RuleBasedStateMachine):
             already = self.cache.insert(key, full)
             prefix = len(full) - len(slots)
             self.alloc.free(full[prefix:already])
+            self.cache.mark_tail(self.cache.match_node(key)[1])
+            self.finished.append(key)
         else:
             self.alloc.free(slots)
         self.cache.unlock_window(node)
@@ -164,7 +288,9 @@ class WindowMachine(RuleBasedStateMachine):
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
-            assert node.value is not None
+            if node.value is None:
+                assert not node.window, "a node off the device holds device windows"
+                continue
             has = [bool(window_of[s]) for s in node.value]
             assert all(has) if node.window else not any(has), "a node holds some of its windows"
             if node.window:
@@ -172,7 +298,7 @@ class WindowMachine(RuleBasedStateMachine):
                 if node.window_lock == 0:
                     evictable += len(node.key)
         own = sum(bool(window_of[s]) for _, slots in self.running for s in slots)
-        assert held + own + self.alloc.windows.available_size() == 24
+        assert held + own + self.alloc.windows.available_size() == self.WINDOWS
         assert evictable == self.cache.window_evictable_size()
         in_use = [w for w in window_of if w]
         assert len(in_use) == len(set(in_use)), "a window slot given to two tokens"
@@ -182,6 +308,75 @@ WindowMachine.TestCase.settings = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_window_machine = WindowMachine.TestCase
+
+
+class WindowTierMachine(WindowMachine):
+    """The same requests over a device pool and a windowed host tier, with the KV itself simulated:
+    every slot and window slot of each tier holds the path it was computed for, the tree's recorded
+    copies are run before each request computes (as the executor runs them before a forward), and a
+    request admitted on a match reads, through its slots, the KV of its own prefix, and through its
+    window slots that of the W - 1 tokens before its end."""
+
+    TOKENS, WINDOWS = 20, 12
+    HOST_TOKENS, HOST_WINDOWS = 48, 12
+
+    def new_cache(self) -> RadixCache:
+        self.host = WindowedAllocator(self.HOST_TOKENS, self.HOST_WINDOWS)
+        # tier -> (token slot -> path, window slot -> path)
+        self.kv: dict[str, tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]] = {
+            "device": ({}, {}),
+            "host": ({}, {}),
+        }
+        return RadixCache(self.alloc, self.host, window=W)
+
+    def match(self, key: list[int]) -> tuple[int, TreeNode]:
+        """As CacheManager.admit: matched counting host windows, the host part loaded, the end's
+        windows loaded, the match cut to an end with windows on the device."""
+        length, node = self.cache.window_match(*self.cache.match_node(key), host=True)
+        host_len, device_node = self.cache.host_suffix(node)
+        if host_len and not self.cache.load(node):
+            length, node = length - host_len, device_node
+        self.cache.load_windows(node)
+        return self.cache.window_match(length, node)
+
+    def check_prefix(self, key: list[int], length: int, node: TreeNode) -> None:
+        for c in self.cache.take_copies():
+            assert isinstance(c, KVCopy) and c.src_tier in self.kv and c.dst_tier in self.kv
+            src = self.kv[c.src_tier][c.window]
+            reads = [src[s] for s in c.src]  # a batch reads before it writes
+            self.kv[c.dst_tier][c.window].update(zip(c.dst, reads, strict=True))
+        tokens, windows = self.kv["device"]
+        path = self.cache.path_slots(node)
+        for i, s in enumerate(path):
+            assert tokens[s] == tuple(key[: i + 1]), "a cached slot holds another prefix's KV"
+        for i in range(max(length - (W - 1), 0), length):
+            w = self.alloc.window_of[path[i]]
+            assert w and windows[w] == tuple(key[: i + 1]), "a window before the end is not that prefix's"
+
+    def compute(self, key: list[int], length: int, slots: list[int]) -> None:
+        tokens, windows = self.kv["device"]
+        for i, s in enumerate(slots):
+            tokens[s] = windows[self.alloc.window_of[s]] = tuple(key[: length + i + 1])
+
+    @invariant()
+    def host_accounted(self) -> None:
+        held = 0
+        stack = list(self.cache.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.host_value is not None:
+                has = [bool(self.host.window_of[s]) for s in node.host_value]
+                assert all(has) or not any(has), "a node holds some of its host windows"
+                held += sum(has)
+        assert held + self.host.windows.available_size() == self.HOST_WINDOWS
+        assert self.cache.host_size() + self.host.available_size() == self.HOST_TOKENS
+
+
+WindowTierMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_window_tier_machine = WindowTierMachine.TestCase
 
 
 def test_windows_ending_finished_sequences_go_last() -> None:
