@@ -113,9 +113,9 @@ class EngineConfig:
         "radix cache keeps a cached prefix's window KV at its end while there is room and drops it "
         "least recently used first; a prefix without it is recomputed from the last point that "
         "has it. Lower holds more tokens in the same memory at the cost of fewer reusable prefix "
-        "ends. The host KV tier keeps window slots in the same ratio and stores a prefix's window KV "
-        "where it had it. 1 (or a disk KV tier, which stores every layer per token) keeps every layer "
-        "in the one pool. SGLang's flag of the same name.",
+        "ends. The host KV tier keeps window slots in the same ratio, and the host and disk tiers keep "
+        "the window KV before the ends of finished sequences. 1 keeps every layer in the one pool. "
+        "SGLang's flag of the same name.",
     )
     kv_host_tokens: int = flag(
         0,

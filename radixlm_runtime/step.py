@@ -21,10 +21,12 @@ TopLogprobs = list[tuple[float, int]]
 @dataclass(frozen=True)
 class DiskEntry:
     """One file of the disk KV tier found at start: `tokens` are the ids of the path from the root of
-    the tree through the tokens stored, which are its last len(slots), in disk slots `slots`."""
+    the tree through the tokens stored, which are its last len(slots), in disk slots `slots`;
+    `windows`: it holds their window rows too (a windowed pool's)."""
 
     tokens: tuple[int, ...]
     slots: tuple[int, ...]
+    windows: bool = False
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class RunnerInfo:
     # What the disk tier held at start (a restart): the tree rebuilds itself from these.
     disk_entries: tuple[DiskEntry, ...] = ()
     kv_bytes_per_token: int = 0  # of every tier (the bytes a tier move of one token copies)
+    kv_bytes_per_window_slot: int = 0  # of a windowed pool's window slot (0: none)
     # The bytes of a disk entry file beside its KV rows: fixed, and per token id of its path.
     disk_entry_header: tuple[int, int] = (0, 0)
     # Whether `launch` returns before the device has run the step (CUDA), so the scheduler can plan
@@ -53,13 +56,19 @@ class RunnerInfo:
     sliding_window: int = 0
     host_window_slots: int = 0  # the host tier's window slots (a windowed host tier); 0: none
 
-    def disk_entry_slots(self, num_tokens: int, path_tokens: int) -> int:
-        """Disk tier slots a disk entry of num_tokens rows under a path of path_tokens ids costs: its
-        file's bytes, header included, in whole tokens' worth (DiskStore.entry_slots), so that the
-        tree holding the disk tier's slots holds its files' bytes within --kv-disk-bytes."""
+    def disk_entry_slots(self, num_tokens: int, path_tokens: int, windows: bool = False) -> int:
+        """Disk tier slots a disk entry of num_tokens rows (with their window rows, or not) under a
+        path of path_tokens ids costs: its file's bytes, header included, in whole tokens' worth
+        (DiskStore.entry_slots), so that the tree holding the disk tier's slots holds its files'
+        bytes within --kv-disk-bytes."""
         fixed, per_path_token = self.disk_entry_header
         bpt = self.kv_bytes_per_token
-        return num_tokens + (-(-(fixed + per_path_token * path_tokens) // bpt) if bpt else 0)
+        extra = (
+            fixed
+            + per_path_token * path_tokens
+            + (num_tokens * self.kv_bytes_per_window_slot if windows else 0)
+        )
+        return num_tokens + (-(-extra // bpt) if bpt else 0)
 
 
 def future_token(row: int) -> int:
@@ -148,7 +157,9 @@ class KVCopy:
     tree let go of these disk slots (`src`), and the executor forgets them (an entry's file is
     deleted once none of its slots is held); one type for both keeps a step's moves in one ordered,
     msgpack-decodable list. With a windowed pool (RunnerInfo.window_slots) a token slot holds the
-    other layers' KV and `window` copies are between window slots, of the sliding-window layers."""
+    other layers' KV and `window` copies are into window slots, of the sliding-window layers, from
+    window slots or (the disk tier's window rows are its slots') from disk slots; a copy to the disk
+    tier then carries `windows`, the source's window slots of its tokens, where the entry holds them."""
 
     src_tier: Tier
     dst_tier: Tier | None
@@ -156,6 +167,7 @@ class KVCopy:
     dst: list[int] = field(default_factory=list)
     tokens: list[int] | None = None
     window: bool = False
+    windows: list[int] | None = None
 
 
 @dataclass

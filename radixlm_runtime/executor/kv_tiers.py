@@ -40,14 +40,14 @@ class KVTiers:
         where they are read into."""
         if disk_dir is None:
             return cls(pool, host, None)
-        if pool.windowed:
-            raise ValueError("a disk KV tier stores every layer per token: a pool without window slots only")
-        layout = layout_of(pool.named_tensors())
+        layout, window_layout = layout_of(pool.named_tensors()), layout_of(pool.named_tensors(window=True))
         Path(disk_dir).mkdir(parents=True, exist_ok=True)
-        identity = model_identity(model_path, numerics, layout, Path(disk_dir) / "file-digests.json")
+        identity = model_identity(
+            model_path, numerics, [*layout, *window_layout], Path(disk_dir) / "file-digests.json"
+        )
         capacity = disk_bytes // pool.bytes_per_token()
         ahead = host.size * host.bytes_per_token() if host is not None else 0
-        store = DiskStore(Path(disk_dir), identity, layout, capacity, ahead)
+        store = DiskStore(Path(disk_dir), identity, layout, capacity, ahead, window_layout)
         logger.info("disk KV tier: %s, %d tokens (%.2f GiB)", store.dir, capacity, disk_bytes / 2**30)
         return cls(pool, host, store)
 
@@ -81,12 +81,14 @@ class KVTiers:
                 self.disk.drop(op.src)
             elif op.dst_tier == "disk":
                 assert self.disk is not None and op.tokens is not None
-                self.disk.write(op.dst, op.tokens, self._tier(op.src_tier).gather(op.src))
+                src = self._tier(op.src_tier)
+                rows = src.gather(op.src) + (src.gather(op.windows, window=True) if op.windows else [])
+                self.disk.write(op.dst, op.tokens, rows)
             elif op.src_tier == "disk":
                 assert self.disk is not None
-                rows, bad = self.disk.read(op.src)
+                rows, bad = self.disk.read(op.src, op.window)
                 failed.extend(bad)
-                self._tier(op.dst_tier).scatter(op.dst, rows)
+                self._tier(op.dst_tier).scatter(op.dst, rows, op.window)
             else:
                 self._tier(op.dst_tier).copy_from(self._tier(op.src_tier), op.src, op.dst, op.window)
         return failed

@@ -151,6 +151,7 @@ class ModelRunner:
             disk_kv_tokens=self.tiers.disk_tokens,
             disk_entries=self.tiers.disk_entries,
             kv_bytes_per_token=self.kv_pool.bytes_per_token(),
+            kv_bytes_per_window_slot=self.kv_pool.bytes_per_window_slot() if self.window_slots else 0,
             disk_entry_header=self.tiers.disk_entry_header,
             async_launch=self.device.type == "cuda",
             window_slots=self.window_slots,
@@ -183,16 +184,10 @@ class ModelRunner:
 
     def _window_layers(self) -> tuple[frozenset[int], int]:
         """The sliding-window layers whose KV goes to window slots of their own, and their widest
-        window; none where the model has none, --swa-full-tokens-ratio is 1, or a disk tier (whose
-        entries hold every layer of a token) is on."""
+        window; none where the model has none or --swa-full-tokens-ratio is 1."""
         layers = self.model.attention_layers()
         windowed = frozenset(i for i, layer in enumerate(layers) if layer.sliding_window is not None)
         if not windowed or self.engine_config.swa_full_tokens_ratio >= 1:
-            return frozenset(), 0
-        if self.engine_config.kv_disk_dir is not None:
-            logger.info(
-                "sliding-window layers keep every token's KV: the disk KV tier stores every layer per token"
-            )
             return frozenset(), 0
         return windowed, max(layers[i].sliding_window or 0 for i in windowed)
 

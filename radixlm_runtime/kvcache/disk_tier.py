@@ -4,10 +4,12 @@ directory serves the prefixes it finds there.
 
 An entry file is `MAGIC`, the JSON header's length (4 bytes, little-endian), a JSON header naming the
 identity (the model's weights and config, the KV dtype and layout) and the tensors' names, dtypes
-and per-token shapes, then three little-endian uint32s (the tokens stored, the tokens of their path,
-the payload's CRC-32), the path's token ids (int32 each; the stored tokens are its last
-`num_tokens`) and the raw bytes of every tensor the pool holds per token, tensor after tensor (no
-pickle). So a file's size is a function of its token counts alone (`entry_bytes`), which the radix
+and per-token shapes, then four little-endian uint32s (the tokens stored, the tokens of their path,
+the payload's CRC-32, whether it holds windows), the path's token ids (int32 each; the stored tokens
+are its last `num_tokens`) and the raw bytes of every tensor the pool holds per token slot, tensor
+after tensor (no pickle); with a windowed pool (kvcache/pool.py) an entry may hold its tokens' window
+rows too (`window_layout`, after the others): the sliding-window layers' KV of a prefix's end. So a
+file's size is a function of its token counts and that flag alone (`entry_bytes`), which the radix
 tree charges its disk capacity in whole files with (RunnerInfo.disk_entry_slots). The CRC is
 zlib's: a few times faster than a cryptographic digest, and the writer thread's time is taken from
 the CPU kernels; it detects corruption, not tampering. A file is written to a
@@ -49,8 +51,8 @@ from radixlm_runtime.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MAGIC = b"RLMKV2\n"
-_COUNTS = struct.Struct("<III")  # tokens stored, tokens of the path, CRC-32
+MAGIC = b"RLMKV3\n"
+_COUNTS = struct.Struct("<IIII")  # tokens stored, tokens of the path, CRC-32, windows held (0/1)
 TOKEN_ID_BYTES = 4  # a path token id in the header (int32)
 LOCK = ".lock"
 # A read ahead that no prefetch call asked for again in this many calls is let go when another one
@@ -136,13 +138,15 @@ class _Entry:
     path: Path
     num_tokens: int
     live: int  # slots of this entry the tree holds
+    windows: bool = False  # whether it holds its tokens' window rows too
     rows: list[torch.Tensor] | None = None  # while its write is queued: the data, per tensor
     prefetch: _Prefetch | None = None  # its file read ahead (or being read)
 
 
 class DiskStore:
     """Entry files under `root/<identity>`, slot-addressed, of at most `capacity_tokens` tokens' worth
-    of bytes; up to `prefetch_bytes` of them read ahead into memory at a time."""
+    of bytes; up to `prefetch_bytes` of them read ahead into memory at a time. `window_layout`: the
+    window slots' tensors of a windowed pool, which an entry may hold beside its tokens'."""
 
     def __init__(
         self,
@@ -151,6 +155,7 @@ class DiskStore:
         layout: list[TensorSpec],
         capacity_tokens: int,
         prefetch_bytes: int = 0,
+        window_layout: list[TensorSpec] | None = None,
     ) -> None:
         self.dir = Path(root) / identity[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -165,8 +170,10 @@ class DiskStore:
             ) from None
         self.identity = identity
         self.layout = layout
+        self.window_layout = window_layout or []
         self.capacity_tokens = capacity_tokens
         self.token_bytes = sum(s.row_bytes for s in layout)
+        self.window_bytes = sum(s.row_bytes for s in self.window_layout)
         self._header_json = json.dumps({"identity": identity, "tensors": self._layout_json()}).encode()
         # An entry file's bytes before its path's token ids: the same for every entry of this store.
         self.header_bytes = len(MAGIC) + 4 + len(self._header_json) + _COUNTS.size
@@ -209,17 +216,17 @@ class DiskStore:
         entries: list[DiskEntry] = []
         total = cost = 0
         for _, path, header in found:
-            n = header["num_tokens"]
+            n, windows = header["num_tokens"], header["windows"]
             # Kept while the files' bytes, in whole tokens' worth each as the tree counts them, fit.
-            entry_cost = self.entry_slots(n, len(header["tokens"]))
+            entry_cost = self.entry_slots(n, len(header["tokens"]), windows)
             if cost + entry_cost > self.capacity_tokens:
                 path.unlink(missing_ok=True)
                 continue
-            entry = _Entry(path, n, n)
+            entry = _Entry(path, n, n, windows)
             slots = tuple(range(total + 1, total + n + 1))
             for row, slot in enumerate(slots):
                 self._slots[slot] = (entry, row)
-            entries.append(DiskEntry(tuple(header["tokens"]), slots))
+            entries.append(DiskEntry(tuple(header["tokens"]), slots, windows))
             total += n
             cost += entry_cost
         if entries:
@@ -236,19 +243,24 @@ class DiskStore:
             return None
         if header.get("identity") != self.identity or header.get("tensors") != self._layout_json():
             return None
-        n, tokens = header["num_tokens"], header["tokens"]
-        if not 0 < n <= len(tokens):
+        n, tokens, windows = header["num_tokens"], header["tokens"], header["windows"]
+        if not 0 < n <= len(tokens) or (windows and not self.window_layout):
             return None
-        return header if size == payload_at + n * self.token_bytes else None
+        return header if size == payload_at + n * self._row_bytes(windows) else None
 
-    def entry_bytes(self, num_tokens: int, path_tokens: int) -> int:
-        """The size of an entry file of num_tokens rows under a path of path_tokens token ids."""
-        return self.header_bytes + TOKEN_ID_BYTES * path_tokens + num_tokens * self.token_bytes
+    def _row_bytes(self, windows: bool) -> int:
+        """The payload bytes of one token of an entry (with its window rows, or not)."""
+        return self.token_bytes + (self.window_bytes if windows else 0)
 
-    def entry_slots(self, num_tokens: int, path_tokens: int) -> int:
+    def entry_bytes(self, num_tokens: int, path_tokens: int, windows: bool = False) -> int:
+        """The size of an entry file of num_tokens rows (with their window rows, or not) under a path
+        of path_tokens token ids."""
+        return self.header_bytes + TOKEN_ID_BYTES * path_tokens + num_tokens * self._row_bytes(windows)
+
+    def entry_slots(self, num_tokens: int, path_tokens: int, windows: bool = False) -> int:
         """An entry file's bytes in whole tokens' worth: the disk slots the tree charges for it
         (RunnerInfo.disk_entry_slots, from `header_bytes`, computes the same)."""
-        return -(-self.entry_bytes(num_tokens, path_tokens) // self.token_bytes)
+        return -(-self.entry_bytes(num_tokens, path_tokens, windows) // self.token_bytes)
 
     @staticmethod
     def _read_header(f: Any) -> tuple[dict[str, Any], int]:
@@ -264,33 +276,39 @@ class DiskStore:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
-        num_tokens, path_tokens, crc = _COUNTS.unpack(counts)
+        num_tokens, path_tokens, crc, windows = _COUNTS.unpack(counts)
         ids = f.read(TOKEN_ID_BYTES * path_tokens)
-        if len(ids) != TOKEN_ID_BYTES * path_tokens:
+        if len(ids) != TOKEN_ID_BYTES * path_tokens or windows > 1:
             raise ValueError("truncated header")
-        header.update(num_tokens=num_tokens, tokens=list(struct.unpack(f"<{path_tokens}i", ids)), crc32=crc)
+        tokens = list(struct.unpack(f"<{path_tokens}i", ids))
+        header.update(num_tokens=num_tokens, tokens=tokens, crc32=crc, windows=bool(windows))
         return header, len(MAGIC) + 4 + length + _COUNTS.size + len(ids)
 
     def _layout_json(self) -> list[list[Any]]:
-        return [[s.name, s.dtype, list(s.row_shape)] for s in self.layout]
+        return [[s.name, s.dtype, list(s.row_shape)] for s in (*self.layout, *self.window_layout)]
 
     # -- moves ---------------------------------------------------------------------------------
     def write(self, slots: list[int], tokens: list[int], rows: list[torch.Tensor]) -> None:
         """Stores one entry: `rows[i]` holds tensor i's rows of the tokens in `slots` (on the CPU,
-        owned by the store from now on), `tokens` the path through them. Returns at once; the file
-        is written on the writer thread."""
-        entry = _Entry(self.dir / f"{next(self._names)}{SUFFIX}", len(slots), len(slots), rows)
+        owned by the store from now on), of `layout`, then of `window_layout` for an entry holding
+        windows; `tokens` the path through them. Returns at once; the file is written on the writer
+        thread."""
+        windows = len(rows) > len(self.layout)
+        assert len(rows) == len(self.layout) + (len(self.window_layout) if windows else 0)
+        entry = _Entry(self.dir / f"{next(self._names)}{SUFFIX}", len(slots), len(slots), windows, rows)
         for row, slot in enumerate(slots):
             if slot in self._slots:
                 raise RuntimeError(f"disk slot {slot} written while held")
             self._slots[slot] = (entry, row)
         self._jobs.put(("write", entry, tokens))
 
-    def read(self, slots: list[int]) -> tuple[list[torch.Tensor], list[int]]:
-        """The rows of these slots, per tensor ([len(slots), *row_shape] each; rows of failed slots
-        are left zero), and the slots whose entry failed its checksum: that entry is deleted and
-        none of its rows is returned."""
-        out = [torch.zeros((len(slots), *s.row_shape), dtype=_DTYPES[s.dtype]) for s in self.layout]
+    def read(self, slots: list[int], window: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+        """The rows of these slots, per tensor of `layout`, or with `window` of `window_layout` (their
+        entries hold windows) ([len(slots), *row_shape] each; rows of failed slots are left zero),
+        and the slots whose entry failed its checksum: that entry is deleted and none of its rows is
+        returned."""
+        layout = self.window_layout if window else self.layout
+        out = [torch.zeros((len(slots), *s.row_shape), dtype=_DTYPES[s.dtype]) for s in layout]
         by_entry: dict[int, tuple[_Entry, list[int], list[int]]] = {}
         for i, slot in enumerate(slots):
             entry, row = self._slots[slot]
@@ -302,9 +320,11 @@ class DiskStore:
             if data is None:
                 failed.extend(slots[i] for i in positions)
                 continue
+            assert entry.windows or not window, "window rows read from an entry without them"
+            part = data[len(self.layout) :] if window else data[: len(self.layout)]
             pos = torch.tensor(positions, dtype=torch.int64)
             idx = torch.tensor(rows, dtype=torch.int64)
-            for dst, src in zip(out, data, strict=True):
+            for dst, src in zip(out, part, strict=True):
                 dst[pos] = src[idx]
         return out, failed
 
@@ -333,13 +353,13 @@ class DiskStore:
             )
             entry.path.unlink(missing_ok=True)
             return None
-        self.bytes_read += entry.num_tokens * self.token_bytes
+        self.bytes_read += entry.num_tokens * self._row_bytes(entry.windows)
         return rows
 
     def _load(self, entry: _Entry) -> list[torch.Tensor] | None:
         """An entry's rows per tensor from its file; None where the file is gone, short or fails its
         checksum. No side effect: the reader thread runs it too."""
-        expected = entry.num_tokens * self.token_bytes
+        expected = entry.num_tokens * self._row_bytes(entry.windows)
         buf = bytearray(expected)
         try:
             with entry.path.open("rb") as f:
@@ -352,7 +372,7 @@ class DiskStore:
             return None
         out: list[torch.Tensor] = []
         offset = 0
-        for spec in self.layout:
+        for spec in (*self.layout, *(self.window_layout if entry.windows else ())):
             size = entry.num_tokens * spec.row_bytes
             flat = torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=offset)
             out.append(flat.view(_DTYPES[spec.dtype]).reshape(entry.num_tokens, *spec.row_shape))
@@ -382,7 +402,7 @@ class DiskStore:
                 continue
             ahead = entry.prefetch
             if ahead is None:
-                size = entry.num_tokens * self.token_bytes
+                size = entry.num_tokens * self._row_bytes(entry.windows)
                 if not self._room_ahead(size):
                     continue
                 ahead = entry.prefetch = _Prefetch(self._prefetch_calls)
@@ -412,7 +432,7 @@ class DiskStore:
         if entry.prefetch is None:
             return
         del self._prefetched[id(entry)]
-        self._prefetched_size -= entry.num_tokens * self.token_bytes
+        self._prefetched_size -= entry.num_tokens * self._row_bytes(entry.windows)
         entry.prefetch = None
 
     def prefetched_bytes(self) -> int:
@@ -459,7 +479,7 @@ class DiskStore:
         for part in parts:
             crc = zlib.crc32(part, crc)
         raw = self._header_json
-        counts = _COUNTS.pack(entry.num_tokens, len(tokens), crc)
+        counts = _COUNTS.pack(entry.num_tokens, len(tokens), crc, int(entry.windows))
         tmp = entry.path.with_suffix(".tmp")
         try:
             with tmp.open("wb") as f:

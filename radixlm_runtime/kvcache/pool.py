@@ -47,7 +47,8 @@ class KVPool:
     kv head) for K and for V (k_scales / v_scales, [slots, Hkv]), or float8_e4m3fn.
 
     Every tensor the pool holds is in `tensors()` (per layer: K, V, then K's and V's scales where it has
-    them), so tier code copies or saves a pool generically.
+    them), and those of token slots or of window slots in `part_tensors`, so tier code copies or saves
+    a pool generically.
 
     Slot 0 is a dummy slot that padded positions write to / read from, so real slots are 1..size.
 
@@ -124,33 +125,29 @@ class KVPool:
     def part_tensors(self, window: bool) -> list[torch.Tensor]:
         """The tensors indexed by window slots (`window`: the sliding-window layers') or by token
         slots (every other layer's; every layer's in a pool without window slots)."""
-        return [
-            t
-            for layer in range(self.num_layers)
-            if (layer in self.window_layers) == window
-            for t in self.layer_tensors(layer)
-        ]
+        return [t for _, t in self.named_tensors(window)]
 
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """tensors() with names (k0, v0, [k_scale0, v_scale0,] k1, ...): what a disk tier entry lists
-        it stores."""
+    def named_tensors(self, window: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """part_tensors(window) with names (k0, v0, [k_scale0, v_scale0,] k1, ...): what a disk tier
+        entry lists it stores."""
         names = ("k", "v", "k_scale", "v_scale")
         return [
             (f"{names[i]}{layer}", t)
             for layer in range(self.num_layers)
+            if (layer in self.window_layers) == window
             for i, t in enumerate(self.layer_tensors(layer))
         ]
 
-    def gather(self, slots: list[int]) -> list[torch.Tensor]:
-        """Copies of every tensor's rows at `slots`, on the CPU, in tensors() order."""
+    def gather(self, slots: list[int], window: bool = False) -> list[torch.Tensor]:
+        """Copies of the rows at `slots` of every tensor of part_tensors(window), on the CPU."""
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        return [t.index_select(0, idx).cpu() for t in self.tensors()]
+        return [t.index_select(0, idx).cpu() for t in self.part_tensors(window)]
 
-    def scatter(self, slots: list[int], rows: list[torch.Tensor]) -> None:
-        """Writes rows (tensors() order, as `gather` returns them) into `slots` (none twice)."""
+    def scatter(self, slots: list[int], rows: list[torch.Tensor], window: bool = False) -> None:
+        """Writes rows (as `gather` returns them) into `slots` (none twice) of part_tensors(window)."""
         idx = torch.tensor(slots, dtype=torch.int64, device=self.device)
         non_blocking = self.device.type == "cuda"
-        for mine, r in zip(self.tensors(), rows, strict=True):
+        for mine, r in zip(self.part_tensors(window), rows, strict=True):
             mine.index_copy_(0, idx, r.to(self.device, mine.dtype, non_blocking=non_blocking))
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -45,10 +45,12 @@ windows of unlocked nodes go least recently used first (`evict_windows`) while t
 The host tier stores what the pool stores: a node within a window before a sequence's end
 (`mark_tail`) that leaves the device, or whose windows are evicted from the pool (`evict_windows`: the
 tokens stay), keeps its windows in host window slots beside its host copy (all or none; the least
-recently used of those go for room); windows inside cached sequences are not kept. Matching counts
-the windows of host copies as loadable (`window_match` with `host`); admitting loads those of the
-W - 1 tokens before the match's end back into device window slots (`load_windows`), which is all a
-request reads.
+recently used of those go for room); windows inside cached sequences are not kept. So does the disk
+tier: such a node's entry holds its windows (written again with them where it was written through
+before it ended a sequence), and reading it back gives its host copy host windows. Matching counts
+the windows of lower tiers' copies as loadable (`window_match` with `host`); admitting loads those of
+the W - 1 tokens before the match's end back into device window slots (`load_windows`), which is all
+a request reads.
 
 Beside its KV a token may keep its logprob (and the most likely alternatives at its position), as
 computed by a request that asked for them: a token's logprob depends only on the tokens before it,
@@ -76,19 +78,22 @@ _Heap = Tier | Literal["window", "window_tail", "host_window"]
 _Entry = tuple[float, int, "TreeNode"]
 # Runs tier moves at once; returns the disk slots whose data failed its checksum (Executor.move_kv).
 Mover = Callable[[list[KVCopy]], list[int]]
-# Disk slots an entry file of n tokens under a path of p tokens costs (RunnerInfo.disk_entry_slots).
-EntryCost = Callable[[int, int], int]
+# Disk slots an entry file of n tokens under a path of p tokens, with their windows or not, costs
+# (RunnerInfo.disk_entry_slots).
+EntryCost = Callable[[int, int, bool], int]
 
 
 class _DiskFile:
-    """One entry file of the disk tier: its tokens still held by nodes, and every disk slot it
-    costs (its tokens' and its header's), freed together once none of its tokens is held."""
+    """One entry file of the disk tier: its tokens still held by nodes, every disk slot it costs
+    (its tokens', its header's and its window rows'), freed together once none of its tokens is
+    held, and whether it holds its tokens' windows."""
 
-    __slots__ = ("live", "slots")
+    __slots__ = ("live", "slots", "windows")
 
-    def __init__(self, live: int, slots: list[int]) -> None:
+    def __init__(self, live: int, slots: list[int], windows: bool) -> None:
         self.live = live
         self.slots = slots
+        self.windows = windows
 
 
 def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
@@ -207,8 +212,8 @@ class RadixCache:
         WindowedAllocator) hands out beside the tokens'; 0: none."""
         if disk_allocator is not None and host_allocator is None:
             raise ValueError("a disk tier needs a host tier to load through")
-        if window and (not isinstance(allocator, WindowedAllocator) or disk_allocator is not None):
-            raise ValueError("window slots need a WindowedAllocator and no disk tier")
+        if window and not isinstance(allocator, WindowedAllocator):
+            raise ValueError("window slots need a WindowedAllocator")
         self.window = window
         self.allocator = allocator
         self.host_allocator = host_allocator
@@ -217,7 +222,7 @@ class RadixCache:
         self.write_through = write_through and host_allocator is not None
         # Write a node's KV to the disk tier when it is cached, not when it leaves the host tier.
         self.disk_write_through = disk_write_through and disk_allocator is not None
-        self._disk_cost: EntryCost = disk_entry_cost or (lambda n, _path: n)
+        self._disk_cost: EntryCost = disk_entry_cost or (lambda n, _path, _windows: n)
         # The entry file of every disk slot a node holds.
         self._disk_files: dict[int, _DiskFile] = {}
         # A logical clock rather than wall time: strictly increasing, so LRU order is deterministic.
@@ -590,6 +595,10 @@ class RadixCache:
         for n in self._window_span(node):
             n.window_tail = True
             self._push_window(n)
+            if n.window and n.disk_value is not None and not self._disk_windowed(n):
+                # Written through before it ended a sequence: written again, with its windows.
+                self._free_disk(n)
+                self._back_up_disk(n, "device")
 
     def _set_window(self, node: TreeNode, held: bool) -> None:
         """Marks node's window slots held or not (the allocator's are set by the caller)."""
@@ -631,13 +640,14 @@ class RadixCache:
     def window_match(self, length: int, node: TreeNode, host: bool = False) -> tuple[int, TreeNode]:
         """The deepest end at or above node (a prefix of `length` tokens) that the W - 1 tokens
         before it have windows for: where a request can start computing from cached KV. With `host`,
-        windows that the host tier holds count too (what a match may load: load_windows)."""
+        windows that a lower tier holds count too (what admitting may load: `load_windows` from the
+        host tier, `fetch` from disk for a node on disk only)."""
         need = self.window - 1
         run = 0
         end, end_len = node, length
         while node is not self.root_node and run < need:
             assert node.parent is not None
-            if node.window or (host and self._host_windowed(node)):
+            if node.window or (host and self._lower_windowed(node)):
                 run += len(node.key)
             else:
                 end, end_len, run = node.parent, length - len(node.key), 0
@@ -692,6 +702,15 @@ class RadixCache:
             self._set_window(node, False)
             freed += len(node.key)
         return freed
+
+    def _lower_windowed(self, node: TreeNode) -> bool:
+        """Whether the copy that a load would bring onto the device (the host tier's where the node
+        is in memory, else the disk tier's) holds the node's windows."""
+        return self._host_windowed(node) if node.in_memory else self._disk_windowed(node)
+
+    def _disk_windowed(self, node: TreeNode) -> bool:
+        """Whether node's disk copy holds its windows (its entry file does)."""
+        return node.disk_value is not None and self._disk_files[node.disk_value[0]].windows
 
     def _host_windowed(self, node: TreeNode) -> bool:
         """Whether node's host copy holds its windows (host window slots: all of its tokens or none)."""
@@ -822,16 +841,25 @@ class RadixCache:
         if node.host_value is None:
             self._back_up(node)  # which comes back here with the host copy
             return
+        if self._add_host_windows(node):
+            assert isinstance(self.allocator, WindowedAllocator) and node.value is not None
+            src, dst = self.allocator.windows_of(node.value), host.windows_of(node.host_value)
+            self._record("device", "host", src, dst, window=True)
+
+    def _add_host_windows(self, node: TreeNode) -> bool:
+        """Gives node's host copy host window slots, the least recently used other host windows let
+        go for room; False where there is not enough room."""
+        host = self.host_allocator
+        assert isinstance(host, WindowedAllocator) and node.host_value is not None
         need = len(node.host_value) - host.windows.available_size()
         while need > 0 and (victim := self._pop_lru("host_window")) is not None:
             assert victim.host_value is not None
             host.drop_windows(victim.host_value)
             need -= len(victim.host_value)
-        if host.add_windows(node.host_value):
-            assert isinstance(self.allocator, WindowedAllocator) and node.value is not None
-            src, dst = self.allocator.windows_of(node.value), host.windows_of(node.host_value)
-            self._record("device", "host", src, dst, window=True)
-            self._push("host_window", node)
+        if not host.add_windows(node.host_value):
+            return False
+        self._push("host_window", node)
+        return True
 
     def _is_host_window_candidate(self, node: TreeNode) -> bool:
         """A node in the tree whose host copy holds its windows."""
@@ -980,6 +1008,14 @@ class RadixCache:
                 self._record("disk", "host", disk_node.disk_value, host)
                 disk_node.host_value = host
                 self._host_size += len(host)
+                host_windows = self.host_allocator
+                if (
+                    isinstance(host_windows, WindowedAllocator)
+                    and self._disk_windowed(disk_node)
+                    and self._add_host_windows(disk_node)
+                ):
+                    windows = host_windows.windows_of(host)
+                    self._record("disk", "host", disk_node.disk_value, windows, window=True)
                 fetched.append((disk_node, disk_node.disk_value))
         finally:
             self.dec_lock_ref(node)
@@ -1006,28 +1042,53 @@ class RadixCache:
     def restore(self, entries: Iterable[DiskEntry]) -> None:
         """Rebuilds the disk tier of a fresh tree from the entries the executor found on disk at
         start: each becomes a disk-only node under the path its tokens name. An entry whose path
-        above it is in no entry is dropped (unreachable), and so are tokens another entry holds."""
+        above it is in no entry is dropped (unreachable), and so are tokens another entry holds,
+        except that an entry with windows takes its tokens over from one without (the end of a
+        sequence written again with its windows, mark_tail: the earlier entry's rows are dead)."""
         assert self.disk_allocator is not None and self.num_nodes() == 1, "restore into a fresh tree"
-        entries = sorted(entries, key=lambda e: len(e.tokens))
+        entries = sorted(entries, key=lambda e: (len(e.tokens), e.windows))
         self.disk_allocator.claim([s for e in entries for s in e.slots])
         for entry in entries:
             slots, tokens = list(entry.slots), list(entry.tokens)
             # The slots its header costs: the executor kept only the entries whose whole cost fits.
-            header = self.disk_allocator.alloc(self._disk_cost(len(slots), len(tokens)) - len(slots))
+            windows = entry.windows and self.window > 0
+            header = self.disk_allocator.alloc(self._disk_cost(len(slots), len(tokens), windows) - len(slots))
             assert header is not None, "restored entries cost more than the disk tier holds"
-            self._hold_disk_file(slots, header)
+            self._hold_disk_file(slots, header, windows)
             start = len(tokens) - len(slots)
             length, node = self.match_node(tokens)
             if length < start:
                 self._release_disk(slots)
                 continue
-            self._release_disk(slots[: length - start])
+            if windows and length > start:
+                self._take_over_disk(tokens, start, length, slots)
+            else:
+                self._release_disk(slots[: length - start])
             if length < len(tokens):
                 leaf = TreeNode(tokens[length:], None, node, self._tick())
                 leaf.disk_value = slots[length - start :]
+                leaf.window_tail = windows  # (only the ends of sequences are written with windows)
                 node.children[tokens[length]] = leaf
                 self._nodes[leaf.id] = leaf
                 self._push("disk", leaf)
+
+    def _take_over_disk(self, tokens: list[int], start: int, length: int, slots: list[int]) -> None:
+        """Restoring an entry with windows whose tokens [start, length) of `tokens` are held already:
+        the nodes holding them without windows take its disk slots (and theirs are let go)."""
+        _, top = self.match_node(tokens[:start])  # a node ends at `start`
+        walk = self.match_node(tokens[:length])[1]
+        end = length
+        while walk is not top:
+            assert walk.parent is not None and walk.disk_value is not None
+            mine = slots[end - len(walk.key) - start : end - start]
+            end -= len(walk.key)
+            if self._disk_windowed(walk):
+                self._release_disk(mine)
+            else:
+                self._release_disk(walk.disk_value)
+                walk.disk_value = mine
+                walk.window_tail = True
+            walk = walk.parent
 
     def persist(self) -> int:
         """Writes every node held only in memory to the disk tier, parents first, as far as its free
@@ -1041,7 +1102,8 @@ class RadixCache:
         while queue:
             node, path_len = queue.popleft()
             if node.disk_value is None:
-                if self._disk_cost(len(node.key), path_len) > self.disk_allocator.available_size():
+                windows = self._src_windows(node, "device" if node.on_device else "host") is not None
+                if self._disk_cost(len(node.key), path_len, windows) > self.disk_allocator.available_size():
                     continue
                 self._back_up_disk(node, "device" if node.on_device else "host")
                 written += len(node.key)
@@ -1050,21 +1112,36 @@ class RadixCache:
 
     def _back_up_disk(self, node: TreeNode, src_tier: Tier) -> bool:
         """Writes a node's KV from the device or the host tier to fresh disk slots (one entry, with
-        its path's tokens); False when there is no disk tier or no room in it."""
+        its path's tokens, and its windows where it ends a sequence and that tier holds them); False
+        when there is no disk tier or no room in it."""
         src = node.value if src_tier == "device" else node.host_value
         assert src is not None and node.disk_value is None
         path = self.path_key(node)
         n = len(node.key)
-        slots = self._alloc("disk", self._disk_cost(n, len(path)))
+        windows = self._src_windows(node, src_tier)
+        slots = self._alloc("disk", self._disk_cost(n, len(path), windows is not None))
         if slots is None:
             return False
         disk = slots[:n]
-        self._hold_disk_file(disk, slots[n:])
-        self._copies.append(KVCopy(src_tier, "disk", list(src), disk, path))
+        self._hold_disk_file(disk, slots[n:], windows is not None)
+        self._copies.append(KVCopy(src_tier, "disk", list(src), disk, path, windows=windows))
         node.disk_value = disk
         self.disk_stored_tokens += len(disk)
         self._push("disk", node)
         return True
+
+    def _src_windows(self, node: TreeNode, src_tier: Tier) -> list[int] | None:
+        """The window slots in src_tier of a node within a window before a sequence's end, which its
+        disk entry stores beside its tokens; None where it has none there or is no such node."""
+        if not node.window_tail:
+            return None
+        if src_tier == "device":
+            held, allocator, slots = node.window, self.allocator, node.value
+        else:
+            held, allocator, slots = self._host_windowed(node), self.host_allocator, node.host_value
+        if not held or not isinstance(allocator, WindowedAllocator) or slots is None:
+            return None
+        return allocator.windows_of(slots)
 
     def _evict_disk(self, num_slots: int) -> None:
         """Lets go of disk copies, least recently used first (spare copies of nodes in memory, and
@@ -1096,9 +1173,10 @@ class RadixCache:
         self._release_disk(node.disk_value)
         node.disk_value = None
 
-    def _hold_disk_file(self, slots: list[int], header: list[int]) -> None:
-        """Counts disk slots as held by nodes, in one entry file that also costs `header` slots."""
-        file = _DiskFile(len(slots), slots + header)
+    def _hold_disk_file(self, slots: list[int], header: list[int], windows: bool = False) -> None:
+        """Counts disk slots as held by nodes, in one entry file that also costs `header` slots (its
+        header's bytes, and its window rows' where it holds windows)."""
+        file = _DiskFile(len(slots), slots + header, windows)
         for s in slots:
             self._disk_files[s] = file
         self._disk_size += len(slots)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -71,14 +72,23 @@ def test_window_slots_change_no_token(family: str, backend: str, tmp_path: Path)
         eng.shutdown()
 
 
-def _two_turns(eng: rt.Engine) -> list[list[int]]:
-    """Eight conversations of ~170 tokens, one request at a time: first turns, then each follow-up
-    (the first turn, its answer and a new question); the outputs of both turns."""
+def _answers(eng: rt.Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return [eng.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in prompts]
+
+
+def _two_turns(eng: rt.Engine, restart: Callable[[], rt.Engine] | None = None) -> list[list[int]]:
+    """Eight conversations of ~170 tokens, one request at a time: first turns, then (on an engine
+    started again by `restart` where given, once `eng` is shut down) each follow-up (the first turn,
+    its answer and a new question); the outputs of both turns."""
     rng = random.Random(1)
     firsts = [[rng.randrange(10, 200) for _ in range(120)] for _ in range(8)]
-    outs = [eng.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in firsts]
-    follow = [p + o + [rng.randrange(10, 200) for _ in range(10)] for p, o in zip(firsts, outs, strict=True)]
-    return outs + [eng.generate(input_ids=p, sampling_params=PARAMS)["output_ids"] for p in follow]
+    questions = [[rng.randrange(10, 200) for _ in range(10)] for _ in range(8)]
+    outs = _answers(eng, firsts)
+    if restart is not None:
+        eng.shutdown()  # written out whole to its disk tier
+        eng = restart()
+    follow = [p + o + q for p, o, q in zip(firsts, outs, questions, strict=True)]
+    return outs + _answers(eng, follow)
 
 
 @pytest.mark.parametrize(("family", "backend"), [("gemma3", "cpu"), ("mistral", "torch")])
@@ -113,23 +123,41 @@ def test_the_host_tier_brings_back_windows(family: str, backend: str, tmp_path: 
         eng.shutdown()
 
 
-def test_a_disk_tier_keeps_every_layer_in_the_one_pool(tmp_path: Path) -> None:
-    """Disk entries hold every layer of a token: with a disk tier the pool keeps no window slots (and
-    neither does the host tier), and serves as the one-pool engine does."""
+def test_a_restart_serves_follow_ups_with_their_windows_from_disk(tmp_path: Path) -> None:
+    """Window slots under a host and a disk tier: the first turns are written to disk with the windows
+    before their ends, and a server started again on the directory serves every follow-up's earlier
+    turn from disk, windows included, with the one-pool engine's tokens."""
     model_dir = build_family_dir(tmp_path, "gemma3")
-    eng = rt.Engine(
-        str(model_dir),
-        dtype="float32",
-        max_total_tokens=400,
-        kv_host_tokens=400,
-        kv_disk_dir=str(tmp_path / "kv"),
-        swa_full_tokens_ratio=0.01,
-        log_level="warning",
-    )
+    one_pool = _engine(model_dir, "cpu", 1.0)
     try:
-        info = eng.scheduler.runner_info
-        assert info.window_slots == info.host_window_slots == info.sliding_window == 0
-        out = eng.generate(input_ids=_prompts()[0], sampling_params=PARAMS)
-        assert len(out["output_ids"]) == PARAMS["max_new_tokens"]
+        want = _two_turns(one_pool)
     finally:
-        eng.shutdown()
+        one_pool.shutdown()
+
+    def tiered() -> rt.Engine:
+        return rt.Engine(
+            str(model_dir),
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=400,
+            kv_host_tokens=400,
+            kv_disk_dir=str(tmp_path / "kv"),
+            chunked_prefill_size=64,
+            swa_full_tokens_ratio=0.01,
+            log_level="warning",
+        )
+
+    first = tiered()
+    assert first.scheduler.runner_info.window_slots == 64 + 2 * WINDOW
+    started: list[rt.Engine] = []
+    try:
+        assert _two_turns(first, lambda: started.append(tiered()) or started[0]) == want
+        (again,) = started
+        stats = again.get_server_info()
+        assert stats["disk_hit_tokens"] >= 8 * 120
+        assert again.flush_cache()
+        tree = again.scheduler.cache.tree
+        assert tree.host_allocator.windows.available_size() == again.scheduler.runner_info.host_window_slots
+    finally:
+        for eng in (first, *started):
+            eng.shutdown()

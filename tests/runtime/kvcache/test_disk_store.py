@@ -138,3 +138,37 @@ def test_a_slot_written_twice_is_a_bug(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="disk slot 1"):
         store.write([1], [2], _rows(1, 1))
     store.close()
+
+
+WINDOW_LAYOUT = [TensorSpec("k1", "torch.float32", (2, 4)), TensorSpec("v1", "torch.float32", (2, 4))]
+
+
+def test_an_entry_with_windows_keeps_them_beside_its_tokens_across_a_restart(tmp_path: Path) -> None:
+    """A windowed pool's store: an entry written with its tokens' window rows gives them back apart
+    (read(..., window=True)), before and after a restart, whose scan says it holds windows; an entry
+    without them beside it holds only its tokens; each file's size is entry_bytes of its kind."""
+    store = DiskStore(tmp_path, "a" * 40, LAYOUT, 64, window_layout=WINDOW_LAYOUT)
+    rows = _rows(3, 0)
+    windows = [torch.randn(3, 2, 4), torch.randn(3, 2, 4)]
+    store.write([1, 2, 3], [5, 6, 7], rows + windows)
+    store.write([4, 5], [5, 6, 7, 8, 9], _rows(2, 1))
+    got, failed = store.read([3, 1], window=True)
+    assert not failed and _same(got, [w[[2, 0]] for w in windows])
+    store.flush()
+    sizes = sorted(p.stat().st_size for p in store.dir.glob("*.kv"))
+    assert sizes == sorted([store.entry_bytes(3, 3, windows=True), store.entry_bytes(2, 5)])
+    assert store.entry_slots(3, 3, windows=True) > store.entry_slots(3, 3)
+    store.close()
+    again = DiskStore(tmp_path, "a" * 40, LAYOUT, 64, window_layout=WINDOW_LAYOUT)
+    by_tokens = {e.tokens: e for e in again.scan()}
+    with_windows, without = by_tokens[(5, 6, 7)], by_tokens[(5, 6, 7, 8, 9)]
+    assert with_windows.windows and not without.windows
+    got, failed = again.read(list(with_windows.slots), window=True)
+    assert not failed and _same(got, windows)
+    got, failed = again.read(list(with_windows.slots) + list(without.slots))
+    assert not failed and _same(got, [torch.cat([a, b]) for a, b in zip(rows, _rows(2, 1))])
+    again.close()
+    # A store of another window layout (or none) finds neither entry its own.
+    other = DiskStore(tmp_path, "a" * 40, LAYOUT, 64)
+    assert other.scan() == []
+    other.close()

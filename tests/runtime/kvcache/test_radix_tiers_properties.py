@@ -106,7 +106,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
             self.policies[0],
             self.disk_alloc,
             self.policies[1],
-            lambda n, path: n + -(-(fixed + per_path_token * path) // TOKEN_BYTES),
+            lambda n, path, _windows: n + -(-(fixed + per_path_token * path) // TOKEN_BYTES),
         )
         self.device: list[Prefix | None] = [None] * (size + 1)
         self.host: list[Prefix | None] = [None] * (host + 1)

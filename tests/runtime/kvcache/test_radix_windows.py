@@ -90,11 +90,9 @@ def test_a_duplicate_insert_gives_the_tree_the_callers_windows() -> None:
     assert alloc.windows.available_size() == 64 - 3
 
 
-def test_a_windowed_tree_refuses_a_plain_allocator_or_a_disk_tier() -> None:
+def test_a_windowed_tree_refuses_a_plain_allocator() -> None:
     with pytest.raises(ValueError, match="WindowedAllocator"):
         RadixCache(TokenAllocator(8), window=W)
-    with pytest.raises(ValueError, match="disk tier"):
-        RadixCache(WindowedAllocator(8, 8), TokenAllocator(8), disk_allocator=TokenAllocator(8), window=W)
 
 
 def test_the_host_tier_keeps_windows_and_a_load_brings_back_the_ends() -> None:
@@ -322,12 +320,25 @@ class WindowTierMachine(WindowMachine):
 
     def new_cache(self) -> RadixCache:
         self.host = WindowedAllocator(self.HOST_TOKENS, self.HOST_WINDOWS)
-        # tier -> (token slot -> path, window slot -> path)
+        # tier -> (token slot -> path, window slot -> path); the disk's window rows are its slots'.
         self.kv: dict[str, tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]] = {
             "device": ({}, {}),
             "host": ({}, {}),
+            "disk": ({}, {}),
         }
         return RadixCache(self.alloc, self.host, window=W)
+
+    def move(self, copies: list[KVCopy]) -> list[int]:
+        """Runs recorded moves on the simulated KV, in order (the executor's KVTiers.run)."""
+        for c in copies:
+            if c.dst_tier is None:
+                continue  # disk slots let go
+            src = self.kv[c.src_tier]
+            reads = [src[c.window][s] for s in c.src]  # a batch reads before it writes
+            self.kv[c.dst_tier][c.window].update(zip(c.dst, reads, strict=True))
+            if c.windows is not None:  # a disk entry's window rows
+                self.kv["disk"][True].update(zip(c.dst, [src[True][w] for w in c.windows], strict=True))
+        return []
 
     def match(self, key: list[int]) -> tuple[int, TreeNode]:
         """As CacheManager.admit: matched counting host windows, the host part loaded, the end's
@@ -340,11 +351,7 @@ class WindowTierMachine(WindowMachine):
         return self.cache.window_match(length, node)
 
     def check_prefix(self, key: list[int], length: int, node: TreeNode) -> None:
-        for c in self.cache.take_copies():
-            assert isinstance(c, KVCopy) and c.src_tier in self.kv and c.dst_tier in self.kv
-            src = self.kv[c.src_tier][c.window]
-            reads = [src[s] for s in c.src]  # a batch reads before it writes
-            self.kv[c.dst_tier][c.window].update(zip(c.dst, reads, strict=True))
+        self.move(self.cache.take_copies())
         tokens, windows = self.kv["device"]
         path = self.cache.path_slots(node)
         for i, s in enumerate(path):
@@ -377,6 +384,48 @@ WindowTierMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_window_tier_machine = WindowTierMachine.TestCase
+
+
+class WindowDiskMachine(WindowTierMachine):
+    """WindowTierMachine with a disk tier under the host tier, written through: the simulated disk
+    holds, per disk slot, a token's KV and (in entries with windows) its window KV; admission reads
+    the disk-only end of a match back as CacheManager.admit does, through a mover that runs the
+    recorded moves at once."""
+
+    HOST_TOKENS, HOST_WINDOWS = 10, 6
+    DISK_SLOTS = 64
+
+    def new_cache(self) -> RadixCache:
+        super().new_cache()
+        return RadixCache(
+            self.alloc,
+            self.host,
+            disk_allocator=TokenAllocator(self.DISK_SLOTS),
+            disk_write_through=True,
+            disk_entry_cost=lambda n, _path, windows: n + (n if windows else 0),
+            window=W,
+        )
+
+    def match(self, key: list[int]) -> tuple[int, TreeNode]:
+        cache = self.cache
+        length, node = cache.window_match(*cache.match_node(key), host=True)
+        if cache.disk_suffix(node)[0]:
+            cache.fetch(node, self.move)
+            length, node = cache.match_node(key[:length])
+            disk_len, memory_node = cache.disk_suffix(node)
+            if disk_len:
+                length, node = length - disk_len, memory_node
+        host_len, device_node = cache.host_suffix(node)
+        if host_len and not cache.load(node):
+            length, node = length - host_len, device_node
+        cache.load_windows(node)
+        return cache.window_match(length, node)
+
+
+WindowDiskMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_window_disk_machine = WindowDiskMachine.TestCase
 
 
 def test_windows_ending_finished_sequences_go_last() -> None:
