@@ -11,6 +11,7 @@ after the restart >= 5x lower for a 1,000-token prefix.
     python benchmarks/bench_kv_restart.py
     python benchmarks/bench_kv_restart.py --prefix-tokens 4000
     python benchmarks/bench_kv_restart.py --tiny
+    python benchmarks/bench_kv_restart.py --model-path gemma3-270m   # window slots on disk too
 
 --prefetch-ab N: after the cold run, N times each (alternating which goes first), a server restarted
 on a copy of its directory (the copy's pages dropped from the page cache, so it is read from the
@@ -35,11 +36,21 @@ from typing import Any
 
 import httpx
 from bench_serving import NATIVE, Outcome, Request, long_documents, send
-from common import Size, Table, bench_parser, fmt, parse_sizes, pyplot, save_figure, save_result
+from common import (
+    BenchModel,
+    Size,
+    Table,
+    add_model_flag,
+    bench_parser,
+    fmt,
+    parse_sizes,
+    pyplot,
+    save_figure,
+    save_result,
+)
 from local_server import running_server
 
 from radixlm_runtime.io.tokenizer import load_tokenizer
-from radixlm_runtime.models.loader import resolve_model_path
 
 NAME = "kv_restart"
 SIZES = {
@@ -50,17 +61,17 @@ SIZES = {
 TARGET = 5.0
 
 
-def documents(prompts: int, prefix_tokens: int) -> list[Request]:
+def documents(prompts: int, prefix_tokens: int, model: BenchModel) -> list[Request]:
     """Each prompt: a document of exactly prefix_tokens tokens of its own (bench_serving's long
     prompts), then a question about it, as token ids (so the prefix is exact)."""
-    tokenizer = load_tokenizer(resolve_model_path(None))
+    tokenizer = load_tokenizer(model.hf_dir())
     return [
         Request(
             "document",
             "",
             doc + tokenizer.encode(f"\n\nQuestion {i}: which is the hardest, and why?\nAnswer:"),
         )
-        for i, doc in enumerate(long_documents(prompts, prefix_tokens))
+        for i, doc in enumerate(long_documents(prompts, prefix_tokens, tokenizer))
     ]
 
 
@@ -199,12 +210,16 @@ def plot(path: Path, cold: dict[str, Any], warm: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     ap.add_argument("--prefetch-ab", type=int, default=0, metavar="N", help="see the module docstring")
+    add_model_flag(ap)
     args, sizes = parse_sizes(ap, argv, SIZES)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
-    reqs = documents(sizes["prompts"], sizes["prefix_tokens"])
+    model = BenchModel(args.model_path)
+    reqs = documents(sizes["prompts"], sizes["prefix_tokens"], model)
     longest = max(len(r.input_ids or ()) for r in reqs)
     with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--kv-host-tokens", str(2 * longest), "--kv-disk-dir", str(Path(tmp) / "kv")]
+        flags = ["--model-path", model.path] if model.path is not None else []
+        # (--kv-disk-dir last: the read-ahead A/B replaces its value.)
+        flags += ["--kv-host-tokens", str(2 * longest), "--kv-disk-dir", str(Path(tmp) / "kv")]
         cold = run_server(flags, Path(tmp) / "cold.log", reqs, sizes["max_new_tokens"])
         ab = {}
         if args.prefetch_ab:
@@ -240,18 +255,20 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(identical)} prompts",
     ]
     tables = [table, prefetch_table(ab)] if ab else [table]
-    figure = f"{NAME}.png"
+    name = model.result_name(NAME)
+    figure = f"{name}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, cold, warm)
     save_result(
         args.out_dir,
-        NAME,
+        name,
         {"cold": cold, "restarted": warm, "identical": identical, "ttft_speedup": speedup}
         | ({"prefetch_ab": ab} if ab else {}),
         tables,
         notes,
         [figure],
         sizes,
+        model,
     )
 
 

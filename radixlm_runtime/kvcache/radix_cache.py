@@ -382,11 +382,13 @@ class RadixCache:
                 self._evictable_size += len(leaf.key)
                 self._push("device", leaf)
                 if self.window:
-                    self._take_windows(leaf)
-                if self.write_through:
-                    self._back_up(leaf)
-                if self.disk_write_through:
-                    self._back_up_disk(leaf, "device")
+                    self._take_windows(leaf)  # (which may split it: the part above has none)
+                new = [leaf] if leaf.parent is node else [leaf.parent, leaf]
+                for n in new:
+                    if self.write_through:
+                        self._back_up(n)
+                    if self.disk_write_through:
+                        self._back_up_disk(n, "device")
                 return on_device
             n = _common_prefix_len(child.key, key, pos)
             if n < len(child.key):
@@ -589,10 +591,11 @@ class RadixCache:
         self._push("window_tail" if node.window_tail else "window", node)
 
     def mark_tail(self, node: TreeNode) -> None:
-        """The W - 1 tokens ending at node end a finished sequence: a later turn's prompt matches
-        up to there, so their windows are evicted only after those inside cached sequences (a long
-        document's, whose windows no later prompt ends in)."""
-        for n in self._window_span(node):
+        """The W tokens ending at node end a finished sequence: a later turn's prompt matches up to
+        there (and the same prompt sent again up to one before), so their windows are evicted only
+        after those inside cached sequences (a long document's, whose windows no later prompt ends
+        in), and kept in the lower tiers."""
+        for n in self._window_span(node, self.window):
             n.window_tail = True
             self._push_window(n)
             if n.window and n.disk_value is not None and not self._disk_windowed(n):
@@ -655,9 +658,10 @@ class RadixCache:
             node = node.parent
         return end_len, end
 
-    def _window_span(self, node: TreeNode) -> list[TreeNode]:
-        """The nodes of the W - 1 tokens ending at node, split so that they are exactly those."""
-        need = self.window - 1
+    def _window_span(self, node: TreeNode, tokens: int = 0) -> list[TreeNode]:
+        """The nodes of the W - 1 tokens (or `tokens`) ending at node, split so that they are exactly
+        those."""
+        need = tokens or self.window - 1
         span: list[TreeNode] = []
         while need > 0 and node is not self.root_node:
             if len(node.key) > need:
@@ -1046,7 +1050,9 @@ class RadixCache:
         except that an entry with windows takes its tokens over from one without (the end of a
         sequence written again with its windows, mark_tail: the earlier entry's rows are dead)."""
         assert self.disk_allocator is not None and self.num_nodes() == 1, "restore into a fresh tree"
-        entries = sorted(entries, key=lambda e: (len(e.tokens), e.windows))
+        # By where their tokens start (an entry's path above it is in entries that start before it),
+        # those with windows after those without at one start.
+        entries = sorted(entries, key=lambda e: (len(e.tokens) - len(e.slots), e.windows))
         self.disk_allocator.claim([s for e in entries for s in e.slots])
         for entry in entries:
             slots, tokens = list(entry.slots), list(entry.tokens)

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixlm_runtime.kvcache import RadixCache, TreeNode
 from radixlm_runtime.kvcache.allocator import TokenAllocator, WindowedAllocator
-from radixlm_runtime.step import KVCopy
+from radixlm_runtime.step import DiskEntry, KVCopy
 
 W = 4  # a query sees itself and the 3 tokens before it
 
@@ -107,15 +107,15 @@ def test_the_host_tier_keeps_windows_and_a_load_brings_back_the_ends() -> None:
     cache.take_copies()
     assert cache.evict(16) == 10
     copies = cache.take_copies()
-    # The leaf of the W - 1 tokens before the end (its tokens, then its windows), then the nodes
-    # above it (tokens only: the window of position 6 is no end's).
+    # The leaf of the W tokens before the end (its tokens, then its windows), then the node above it
+    # (tokens only).
     assert [(c.src_tier, c.dst_tier, c.window) for c in copies] == [
         ("device", "host", False),
         ("device", "host", True),
         ("device", "host", False),
     ]
-    assert sorted(copies[0].src + copies[2].src) == sorted(slots) and copies[1].src == windows[7:]
-    assert host.windows.available_size() == 8 - 3 and alloc.windows.available_size() == 16
+    assert sorted(copies[0].src + copies[2].src) == sorted(slots) and copies[1].src == windows[6:]
+    assert host.windows.available_size() == 8 - W and alloc.windows.available_size() == 16
     # On the host only: a match may end at 10, since the host copy of its end has windows.
     assert cache.window_match(*cache.match_node(list(range(10))))[0] == 0
     length, node = cache.window_match(*cache.match_node(list(range(10))), host=True)
@@ -143,13 +143,13 @@ def test_windows_evicted_from_the_pool_are_kept_in_the_host_tier() -> None:
     cache.mark_tail(cache.match_node(list(range(10)))[1])
     cache.take_copies()
     assert cache.evict_windows(16) == 4
-    # The window before the end, with a host copy of its tokens; position 6's is let go.
+    # The W tokens before the end, with a host copy of their tokens.
     copies = cache.take_copies()
     assert [(c.src_tier, c.dst_tier, c.window, len(c.src)) for c in copies] == [
-        ("device", "host", False, W - 1),
-        ("device", "host", True, W - 1),
+        ("device", "host", False, W),
+        ("device", "host", True, W),
     ]
-    assert alloc.windows.available_size() == 16 and host.windows.available_size() == 8 - (W - 1)
+    assert alloc.windows.available_size() == 16 and host.windows.available_size() == 8 - W
     assert cache.window_match(*cache.match_node(list(range(10))))[0] == 0
     length, node = cache.window_match(*cache.match_node(list(range(10))), host=True)
     assert length == 10 and cache.host_suffix(node)[0] == 0
@@ -178,7 +178,7 @@ def test_a_host_copy_without_room_for_windows_is_kept_without_them() -> None:
 
 def test_host_windows_go_least_recently_used_first_for_a_newer_end() -> None:
     """Room for one end's windows on the host: the second end demoted takes the first's."""
-    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, W - 1)
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, W)
     cache = RadixCache(alloc, host, window=W)
     for key in ([1] * 5, [2] * 5):
         _insert(cache, alloc, key)
@@ -190,6 +190,41 @@ def test_host_windows_go_least_recently_used_first_for_a_newer_end() -> None:
     assert cache.window_match(*cache.match_node([1] * 5), host=True)[0] == 5
     assert cache.window_match(*cache.match_node([2] * 5), host=True)[0] == 0
     assert host.windows.available_size() == 0
+
+
+def test_a_restart_restores_an_end_written_again_with_its_windows() -> None:
+    """A prompt's end inside a sequence written through without windows, then again with them once
+    the sequence finished: both files are on disk at a restart (the first still holds the tokens
+    around the end). Restored in either order, the end's nodes hold the second file's windows, and a
+    match can end there."""
+    alloc, host = WindowedAllocator(16, 16), WindowedAllocator(32, 8)
+
+    def tiered() -> RadixCache:
+        return RadixCache(
+            alloc,
+            host,
+            disk_allocator=TokenAllocator(64),
+            disk_write_through=True,
+            disk_entry_cost=lambda n, _path, windows: n + (n if windows else 0),
+            window=W,
+        )
+
+    cache = tiered()
+    _insert(cache, alloc, list(range(10)), trim=3)  # windows on the last 7
+    cache.mark_tail(cache.match_node(list(range(8)))[1])  # the prompt's end
+    writes = [c for c in cache.take_copies() if c.dst_tier == "disk"]
+    # The 3 tokens without windows and the 7 with (written through apart), then the W before the end.
+    assert [(len(c.dst), c.windows is not None) for c in writes] == [(3, False), (7, False), (W, True)]
+    entries = [DiskEntry(tuple(c.tokens or ()), tuple(c.dst), c.windows is not None) for c in writes]
+    for order in (entries, entries[::-1]):
+        alloc.clear()
+        host.clear()
+        fresh = tiered()
+        fresh.restore(order)
+        length, node = fresh.window_match(*fresh.match_node(list(range(8))), host=True)
+        assert length == 8 and fresh.disk_suffix(node)[0] == 8
+        assert fresh.match_node(list(range(10)))[0] == 10
+        assert fresh.disk_size() == 10  # of the 7-token file, the W tokens the other holds let go
 
 
 keys = st.lists(st.integers(min_value=0, max_value=2), min_size=1, max_size=10)
@@ -435,8 +470,9 @@ def test_windows_ending_finished_sequences_go_last() -> None:
     _insert(cache, alloc, [1] * 6)
     cache.mark_tail(cache.match_node([1] * 6)[1])
     _insert(cache, alloc, [2] * 10)  # more recent, but no sequence ends in it yet
-    # The first three of [1] * 6 (outside its end's window), then all of [2] * 10.
-    assert cache.evict_windows(5) == 13
+    # The first two of [1] * 6 (before its end's W), then all of [2] * 10.
+    assert cache.evict_windows(5) == 12
     assert cache.window_match(*cache.match_node([1] * 6))[0] == 6
+    assert cache.window_match(*cache.match_node([1] * 5))[0] == 5  # the same prompt sent again
     assert cache.window_match(*cache.match_node([2] * 10))[0] == 0
-    assert cache.evict_windows(5) == 3  # then the tail: [1, 1, 1], the window before its end
+    assert cache.evict_windows(5) == W  # then the tail: the W tokens before its end
