@@ -78,6 +78,12 @@ BENCHMARKS = [
         ("--model-path", "gemma3-270m", "--conversations", "2", "--turns", "4"),
     ),
     Bench(
+        "kv_restart_gemma3-270m",
+        "bench_kv_restart.py",
+        "Gemma 3 270M: prefixes served from disk after a restart, window slots included",
+        ("--model-path", "gemma3-270m"),
+    ),
+    Bench(
         "linear_cpu",
         "bench_linear_cpu.py",
         "CPU linears: float32 panels vs oneDNN, every kernel against the measured peak",
