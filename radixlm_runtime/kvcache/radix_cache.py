@@ -251,6 +251,8 @@ class RadixCache:
         # to the disk tier, read back, dropped from it, and dropped for a failed checksum.
         self.stored_tokens = self.loaded_tokens = self.host_evicted_tokens = 0
         self.disk_stored_tokens = self.disk_loaded_tokens = self.disk_evicted_tokens = 0
+        # Window slots' rows moved likewise (a windowed pool): stored to and loaded from each tier.
+        self.stored_windows = self.loaded_windows = self.disk_stored_windows = self.disk_loaded_windows = 0
         self.disk_failed_tokens = 0
 
     def _tick(self) -> float:
@@ -747,6 +749,7 @@ class RadixCache:
                 src, dst = host.windows_of(n.host_value), self.allocator.windows_of(n.value)
                 self._record("host", "device", src, dst, window=True)
                 self._set_window(n, True)
+                self.loaded_windows += len(dst)
         finally:
             self.unlock_window(node)
 
@@ -849,6 +852,7 @@ class RadixCache:
             assert isinstance(self.allocator, WindowedAllocator) and node.value is not None
             src, dst = self.allocator.windows_of(node.value), host.windows_of(node.host_value)
             self._record("device", "host", src, dst, window=True)
+            self.stored_windows += len(dst)
 
     def _add_host_windows(self, node: TreeNode) -> bool:
         """Gives node's host copy host window slots, the least recently used other host windows let
@@ -1032,6 +1036,8 @@ class RadixCache:
                 continue  # left the tree below a node that failed
             if failed.isdisjoint(read_from):
                 got += len(disk_node.key)
+                if self._host_windowed(disk_node):
+                    self.disk_loaded_windows += len(disk_node.key)
                 self._push("host", disk_node)
                 self._push("disk", disk_node)
                 continue
@@ -1133,6 +1139,7 @@ class RadixCache:
         self._copies.append(KVCopy(src_tier, "disk", list(src), disk, path, windows=windows))
         node.disk_value = disk
         self.disk_stored_tokens += len(disk)
+        self.disk_stored_windows += len(windows or ())
         self._push("disk", node)
         return True
 

@@ -206,7 +206,14 @@ class Scheduler:
             "disk_stored": tree.disk_stored_tokens if tree is not None else 0,
             "disk_loaded": tree.disk_loaded_tokens if tree is not None else 0,
         }
-        per_token = self.runner_info.kv_bytes_per_token
+        # A windowed pool's window slots' rows beside the tokens' (bytes only: tokens count tokens).
+        windows = {
+            "host_stored": tree.stored_windows if tree is not None else 0,
+            "host_loaded": tree.loaded_windows if tree is not None else 0,
+            "disk_stored": tree.disk_stored_windows if tree is not None else 0,
+            "disk_loaded": tree.disk_loaded_windows if tree is not None else 0,
+        }
+        per_token, per_window = self.runner_info.kv_bytes_per_token, self.runner_info.kv_bytes_per_window_slot
         return {
             "host_tier_tokens": self.runner_info.host_kv_tokens,
             "cached_tokens_on_host": tree.host_size() if tree is not None else 0,
@@ -217,7 +224,7 @@ class Scheduler:
             "host_hit_tokens": self.cache.host_hit_tokens,
             "disk_hit_tokens": self.cache.disk_hit_tokens,
             **{f"{k}_tokens": v for k, v in moved.items()},
-            **{f"{k}_bytes": v * per_token for k, v in moved.items()},
+            **{f"{k}_bytes": v * per_token + windows[k] * per_window for k, v in moved.items()},
             "host_evicted_tokens": tree.host_evicted_tokens if tree is not None else 0,
             "disk_evicted_tokens": tree.disk_evicted_tokens if tree is not None else 0,
             "disk_failed_tokens": tree.disk_failed_tokens if tree is not None else 0,

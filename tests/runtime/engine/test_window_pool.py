@@ -111,6 +111,8 @@ def test_the_host_tier_brings_back_windows(family: str, backend: str, tmp_path: 
         # from the host tier, ending where the host kept their windows.
         assert stats["host_hit_tokens"] >= 8 * 120
         assert stats["host_loaded_tokens"] >= stats["host_hit_tokens"]
+        # Bytes moved count the windows' rows beside the tokens'.
+        assert stats["host_loaded_bytes"] > stats["host_loaded_tokens"] * stats["kv_bytes_per_token"]
         assert stats["host_window_slots"] == info.host_window_slots
         assert stats["free_host_window_slots"] < info.host_window_slots
         assert eng.flush_cache()
@@ -155,6 +157,7 @@ def test_a_restart_serves_follow_ups_with_their_windows_from_disk(tmp_path: Path
         (again,) = started
         stats = again.get_server_info()
         assert stats["disk_hit_tokens"] >= 8 * 120
+        assert stats["disk_loaded_bytes"] > stats["disk_loaded_tokens"] * stats["kv_bytes_per_token"]
         assert again.flush_cache()
         tree = again.scheduler.cache.tree
         assert tree.host_allocator.windows.available_size() == again.scheduler.runner_info.host_window_slots
