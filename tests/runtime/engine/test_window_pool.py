@@ -29,7 +29,9 @@ def _prompts() -> list[list[int]]:
     return [base + [rng.randrange(10, 200) for _ in range(rng.randrange(1, 60))] for _ in range(12)]
 
 
-def _engine(model_dir: Path, backend: str, ratio: float, pool: int = 4096, host: int = 0) -> rt.Engine:
+def _engine(
+    model_dir: Path, backend: str, ratio: float, pool: int = 4096, host: int = 0, disk: Path | None = None
+) -> rt.Engine:
     return rt.Engine(
         str(model_dir),
         device="cpu",
@@ -37,10 +39,21 @@ def _engine(model_dir: Path, backend: str, ratio: float, pool: int = 4096, host:
         attention_backend=backend,
         max_total_tokens=pool,
         kv_host_tokens=host,
+        kv_disk_dir=str(disk) if disk is not None else None,
         chunked_prefill_size=64,
         swa_full_tokens_ratio=ratio,
         log_level="warning",
     )
+
+
+def _every_slot_back(eng: rt.Engine) -> None:
+    """Flushed, every token slot and window slot of the pool and the host tier is free."""
+    assert eng.flush_cache()
+    info, cache = eng.scheduler.runner_info, eng.scheduler.cache
+    assert cache.allocator.available_size() == info.max_total_tokens
+    assert cache.allocator.windows.available_size() == info.window_slots
+    assert cache.tree.host_allocator.available_size() == info.host_kv_tokens
+    assert cache.tree.host_allocator.windows.available_size() == info.host_window_slots
 
 
 @pytest.mark.parametrize(("family", "backend"), [("gemma3", "cpu"), ("mistral", "torch")])
@@ -115,12 +128,7 @@ def test_the_host_tier_brings_back_windows(family: str, backend: str, tmp_path: 
         assert stats["host_loaded_bytes"] > stats["host_loaded_tokens"] * stats["kv_bytes_per_token"]
         assert stats["host_window_slots"] == info.host_window_slots
         assert stats["free_host_window_slots"] < info.host_window_slots
-        assert eng.flush_cache()
-        cache = eng.scheduler.cache
-        assert cache.allocator.available_size() == info.max_total_tokens
-        assert cache.allocator.windows.available_size() == info.window_slots
-        assert cache.tree.host_allocator.available_size() == info.host_kv_tokens
-        assert cache.tree.host_allocator.windows.available_size() == info.host_window_slots
+        _every_slot_back(eng)
     finally:
         eng.shutdown()
 
@@ -137,17 +145,7 @@ def test_a_restart_serves_follow_ups_with_their_windows_from_disk(tmp_path: Path
         one_pool.shutdown()
 
     def tiered() -> rt.Engine:
-        return rt.Engine(
-            str(model_dir),
-            device="cpu",
-            dtype="float32",
-            max_total_tokens=400,
-            kv_host_tokens=400,
-            kv_disk_dir=str(tmp_path / "kv"),
-            chunked_prefill_size=64,
-            swa_full_tokens_ratio=0.01,
-            log_level="warning",
-        )
+        return _engine(model_dir, "cpu", 0.01, pool=400, host=400, disk=tmp_path / "kv")
 
     first = tiered()
     assert first.scheduler.runner_info.window_slots == 64 + 2 * WINDOW
@@ -158,9 +156,39 @@ def test_a_restart_serves_follow_ups_with_their_windows_from_disk(tmp_path: Path
         stats = again.get_server_info()
         assert stats["disk_hit_tokens"] >= 8 * 120
         assert stats["disk_loaded_bytes"] > stats["disk_loaded_tokens"] * stats["kv_bytes_per_token"]
-        assert again.flush_cache()
-        tree = again.scheduler.cache.tree
-        assert tree.host_allocator.windows.available_size() == again.scheduler.runner_info.host_window_slots
+        _every_slot_back(again)
     finally:
         for eng in (first, *started):
             eng.shutdown()
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_batched_turns_over_the_tiers_change_no_token(disk: bool, tmp_path: Path) -> None:
+    """Twelve conversations submitted at once, turn after turn (the follow-ups twice), over a 600-token
+    pool with window slots and a host tier (and a disk tier): the one-pool engine's tokens, prefixes
+    served from the lower tiers, and every slot and window slot of each tier back once flushed."""
+    model_dir = build_family_dir(tmp_path, "gemma3")
+    rng = random.Random(2)
+    firsts = [[rng.randrange(10, 200) for _ in range(rng.randrange(60, 140))] for _ in range(12)]
+    questions = [[rng.randrange(10, 200) for _ in range(10)] for _ in range(12)]
+
+    def turns(eng: rt.Engine) -> list[list[int]]:
+        outs = [o["output_ids"] for o in eng.generate(input_ids=firsts, sampling_params=PARAMS)]
+        follow = [p + o + q for p, o, q in zip(firsts, outs, questions, strict=True)]
+        for _ in range(2):
+            outs += [o["output_ids"] for o in eng.generate(input_ids=follow, sampling_params=PARAMS)]
+        return outs
+
+    one_pool = _engine(model_dir, "cpu", 1.0)
+    try:
+        want = turns(one_pool)
+    finally:
+        one_pool.shutdown()
+    eng = _engine(model_dir, "cpu", 0.01, pool=600, host=800, disk=tmp_path / "kv" if disk else None)
+    try:
+        assert turns(eng) == want
+        stats = eng.get_server_info()
+        assert stats["host_hit_tokens"] + stats["disk_hit_tokens"] > 0
+        _every_slot_back(eng)
+    finally:
+        eng.shutdown()
