@@ -6,7 +6,7 @@ earlier questions and answers kept in the prompt. Conversations take turns one r
 when a conversation comes back, the others' documents have been through a KV pool sized to hold
 about half of them (--pool-fraction of documents x conversations): its document is no longer in the
 pool. radixlm without a host tier recomputes it; with one it copies it back; vLLM-CPU (prefix caching
-on, the same number of KV bytes, --max-model-len the model's context) recomputes what its block pool
+on, the same number of KV bytes, --max-model-len the longest turn) recomputes what its block pool
 evicted. On a model with sliding-window layers (Gemma 3), "windows" keeps those layers' KV in window
 slots (--swa-full-tokens-ratio WINDOW_RATIO), so the same bytes hold about 4x the tokens, and
 "windows_host" adds the host tier, which then stores window slots too. Per server and turn: TTFT
@@ -205,7 +205,15 @@ def main(argv: list[str] | None = None) -> None:
         for name in names:
             try:
                 with serving(
-                    name, model, pool, 2 * working_set, pool_bytes, config.max_position_embeddings, Path(logs)
+                    # vLLM's context: the longest turn, which its KV bytes must hold (the model's
+                    # whole context may not fit a small pool's bytes).
+                    name,
+                    model,
+                    pool,
+                    2 * working_set,
+                    pool_bytes,
+                    longest,
+                    Path(logs),
                 ) as (url, api):
                     results[name] = per_turn(
                         asyncio.run(run_conversations(url, api, prompts, sizes["max_new_tokens"]))
