@@ -841,16 +841,14 @@ class RadixCache:
         its tokens unless one is there; others' host windows go, least recently used first, for room.
         Windows inside cached sequences are not kept: no request ends there."""
         host = self.host_allocator
-        if not (node.window and node.window_tail and isinstance(host, WindowedAllocator)):
-            return
-        if self._host_windowed(node):
+        src = self._src_windows(node, "device")
+        if src is None or not isinstance(host, WindowedAllocator) or self._host_windowed(node):
             return
         if node.host_value is None:
             self._back_up(node)  # which comes back here with the host copy
             return
         if self._add_host_windows(node):
-            assert isinstance(self.allocator, WindowedAllocator) and node.value is not None
-            src, dst = self.allocator.windows_of(node.value), host.windows_of(node.host_value)
+            dst = host.windows_of(node.host_value)
             self._record("device", "host", src, dst, window=True)
             self.stored_windows += len(dst)
 

@@ -200,19 +200,17 @@ class Scheduler:
         """The host and disk KV tiers: their size and use, the prompt tokens served from each, and
         the tokens and bytes moved through them since start; the disk tier's reads and their time."""
         tree = self.cache.tree
-        moved = {
-            "host_stored": tree.stored_tokens if tree is not None else 0,
-            "host_loaded": tree.loaded_tokens if tree is not None else 0,
-            "disk_stored": tree.disk_stored_tokens if tree is not None else 0,
-            "disk_loaded": tree.disk_loaded_tokens if tree is not None else 0,
-        }
-        # A windowed pool's window slots' rows beside the tokens' (bytes only: tokens count tokens).
-        windows = {
-            "host_stored": tree.stored_windows if tree is not None else 0,
-            "host_loaded": tree.loaded_windows if tree is not None else 0,
-            "disk_stored": tree.disk_stored_windows if tree is not None else 0,
-            "disk_loaded": tree.disk_loaded_windows if tree is not None else 0,
-        }
+        # (tokens, a windowed pool's window slots' rows beside them) moved each way.
+        moved = (
+            {
+                "host_stored": (tree.stored_tokens, tree.stored_windows),
+                "host_loaded": (tree.loaded_tokens, tree.loaded_windows),
+                "disk_stored": (tree.disk_stored_tokens, tree.disk_stored_windows),
+                "disk_loaded": (tree.disk_loaded_tokens, tree.disk_loaded_windows),
+            }
+            if tree is not None
+            else dict.fromkeys(("host_stored", "host_loaded", "disk_stored", "disk_loaded"), (0, 0))
+        )
         per_token, per_window = self.runner_info.kv_bytes_per_token, self.runner_info.kv_bytes_per_window_slot
         return {
             "host_tier_tokens": self.runner_info.host_kv_tokens,
@@ -223,8 +221,8 @@ class Scheduler:
             "device_hit_tokens": self.cache.device_hit_tokens,
             "host_hit_tokens": self.cache.host_hit_tokens,
             "disk_hit_tokens": self.cache.disk_hit_tokens,
-            **{f"{k}_tokens": v for k, v in moved.items()},
-            **{f"{k}_bytes": v * per_token + windows[k] * per_window for k, v in moved.items()},
+            **{f"{k}_tokens": tokens for k, (tokens, _) in moved.items()},
+            **{f"{k}_bytes": t * per_token + w * per_window for k, (t, w) in moved.items()},
             "host_evicted_tokens": tree.host_evicted_tokens if tree is not None else 0,
             "disk_evicted_tokens": tree.disk_evicted_tokens if tree is not None else 0,
             "disk_failed_tokens": tree.disk_failed_tokens if tree is not None else 0,
