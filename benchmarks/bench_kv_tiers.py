@@ -19,12 +19,20 @@ and the share of prompt tokens served from the pool, the host tier and the disk 
     python benchmarks/bench_kv_tiers.py
     python benchmarks/bench_kv_tiers.py --tenants 16 --pool-fraction 0.125
     python benchmarks/bench_kv_tiers.py --tiny
+    python benchmarks/bench_kv_tiers.py --throughput
+
+The servers run at the default step sizing: while a streamed request decodes, a step carrying prefill
+takes at most 2.5x its decode step alone (--prefill-step-decode-ratio), which keeps streams' gaps even
+and, in this closed loop where one request usually decodes while the next ones prefill, runs prompts
+in chunks of ~8 tokens. --throughput adds --prefill-step-decode-ratio 0, which sizes those steps by
+--prefill-step-target-ms instead (250 ms): the setting for throughput (saved as kv_tiers_throughput).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -67,6 +75,7 @@ SERVERS = {
     "write_through": "radixlm, host tier, write-through",
     "host_disk": "radixlm, small host tier + disk tier",
 }
+THROUGHPUT_FLAGS = ("--prefill-step-decode-ratio", "0")
 
 
 def tenant_requests(tokenizer: Any, tenants: int, rounds: int, num_shots: int) -> list[Request]:
@@ -187,7 +196,19 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="Runs per server, each on a fresh server; the tables show the run of median throughput.",
     )
+    ap.add_argument(
+        "--throughput",
+        action="store_true",
+        help=f"Run every server with {' '.join(THROUGHPUT_FLAGS)}: steps beside decoding streams sized "
+        "by --prefill-step-target-ms (saved as kv_tiers_throughput).",
+    )
+    ap.add_argument(
+        "--server-flags",
+        default="",
+        help="Extra flags for every server started, one string (e.g. '--prefill-step-decode-ratio 0').",
+    )
     args, sizes = parse_sizes(ap, argv, SIZES)
+    server_flags = [*THROUGHPUT_FLAGS] * args.throughput + shlex.split(args.server_flags)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
     tokenizer = load_tokenizer(resolve_model_path(None))
     reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])
@@ -215,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
             for run in range(args.repeats):
                 if name == "host_disk":
                     shutil.rmtree(Path(logs) / "kv", ignore_errors=True)  # each run starts cold
-                with running_server(extra, Path(logs) / f"{name}-{run}.log") as url:
+                with running_server(extra + server_flags, Path(logs) / f"{name}-{run}.log") as url:
                     asyncio.run(closed_loop(url, [Request("warm", "Hello")], 1, 2))
                     before = server_info(url)
                     t0 = time.perf_counter()
@@ -231,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(
         f"Multi-tenant: {sizes['tenants']} tenants x {sizes['rounds']} requests, {working_set} distinct "
         f"prompt tokens, KV pool {pool} tokens ({working_set / pool:.1f}x smaller), "
-        f"concurrency {sizes['concurrency']}",
+        f"concurrency {sizes['concurrency']}"
+        + (f", server flags `{shlex.join(server_flags)}`" if server_flags else ""),
         [
             "server",
             "req/s",
@@ -269,13 +291,19 @@ def main(argv: list[str] | None = None) -> None:
             f"{k} " + " / ".join(f"{v:.2f}" for v in r["runs_req_s"]) for k, r in results.items()
         )
         notes.append(f"each server the median of {args.repeats} runs, req/s: {spread}")
-    figure = f"{NAME}.png"
+    result_name = f"{NAME}_throughput" if args.throughput else NAME
+    figure = f"{result_name}.png"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(args.out_dir / figure, results)
     save_result(
         args.out_dir,
-        NAME,
-        {"working_set_tokens": working_set, "pool_tokens": pool, "servers": results},
+        result_name,
+        {
+            "working_set_tokens": working_set,
+            "pool_tokens": pool,
+            "server_flags": server_flags,
+            "servers": results,
+        },
         [table],
         notes,
         [figure],

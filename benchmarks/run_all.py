@@ -50,6 +50,12 @@ BENCHMARKS = [
     Bench("jump_forward", "bench_jump_forward.py", "Constrained decoding: jump-forward"),
     Bench("host_overhead", "bench_host_overhead.py", "Host overhead of a decode step"),
     Bench("kv_tiers", "bench_kv_tiers.py", "KV tiers: multi-tenant prefixes beyond the KV pool"),
+    Bench(
+        "kv_tiers_throughput",
+        "bench_kv_tiers.py",
+        "KV tiers: multi-tenant prefixes beyond the KV pool, steps sized for throughput",
+        ("--throughput",),
+    ),
     Bench("kv_restart", "bench_kv_restart.py", "KV tiers: prefixes served from disk after a restart"),
     Bench("long_context", "bench_long_context.py", "Long context: follow-up turns on a reused document"),
     Bench("kv_quant", "bench_kv_quant.py", "int8 KV cache: memory, few-shot accuracy, long-context decode"),

@@ -291,8 +291,11 @@ def test_dashboard(out_dir: Path) -> None:
 
 def test_kv_tiers(out_dir: Path) -> None:
     """Every server gets every request; only those with a host tier load prefixes back from it, and
-    the hit rates are shares of the prompt tokens."""
-    result = run_tiny("bench_kv_tiers.py", out_dir, "kv_tiers")
+    the hit rates are shares of the prompt tokens. --throughput runs every server with the steps beside
+    decoding streams sized by time, and names the result apart."""
+    result = run_tiny("bench_kv_tiers.py", out_dir, "kv_tiers_throughput", "--throughput")
+    assert result["server_flags"] == ["--prefill-step-decode-ratio", "0"]
+    assert "--prefill-step-decode-ratio 0" in result["tables"][0]["title"]
     servers = result["servers"]
     off = servers["host_off"]
     assert list(servers) == ["host_off", "write_back", "write_through", "host_disk"]
