@@ -49,7 +49,7 @@ class EngineConfig:
         "auto",
         "Weight and activation dtype. 'auto' is float32 on CPU and bfloat16 on CUDA. On CPU, 'bfloat16' "
         "runs the linear layers in bf16 (float weights stored as bf16, bf16 dot products with float32 "
-        "accumulation; quantized weights multiplied in bf16 from 12 rows on) on CPUs with AVX512-BF16, "
+        "accumulation; quantized weights multiplied in bf16 from 9 rows on) on CPUs with AVX512-BF16, "
         "the tensors between them staying float32, and holds the KV cache in bf16 (twice the tokens in the "
         "same memory); a CPU without bf16 dot products runs float32 (logged).",
         ("auto", "float32", "bfloat16", "float16"),

@@ -19,7 +19,7 @@ from radixlm_runtime.layers.linear_kernels import (
     FloatPanels,
     cpu_linear,
 )
-from radixlm_runtime.layers.quantization import QuantizedWeight, quantize_int4
+from radixlm_runtime.layers.quantization import QuantizedWeight, pack_int4, quantize_int4
 from radixlm_runtime.utils import cpu
 
 # Every mode: the scalar loop, AVX2 (1; 2 also picks the widest path), AVX-512 (AVX2 on a CPU without it).
@@ -150,3 +150,40 @@ def test_linear_serves_every_row_count_from_row_panels() -> None:
     with_mins.set_quantized(quantize_int4(torch.randn(300, 640)))
     with_mins.pack_row_panels()
     assert with_mins.row_panels is None
+
+
+def _fma_dequantized(weight: QuantizedWeight) -> torch.Tensor:
+    """The weight as fma(code, scale, min) in float32: the product of a code (at most 8 bits) and a
+    scale is exact in float64, and scales and mins of like size keep the float64 sum exact, so one
+    rounding to float32 is the fused multiply-add's."""
+    shape = (weight.out_features, weight.in_features // weight.group_size, weight.group_size)
+    exact = weight.codes().double().view(shape) * weight.scales.double().unsqueeze(-1)
+    if weight.mins is not None:
+        exact = exact + weight.mins.double().unsqueeze(-1)
+    return exact.view(weight.out_features, weight.in_features).float()
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "out_features", "rows"),
+    [(4, 32, 960, 12), (4, 64, 37, 13), (4, 16, 21, 40), (8, 32, 5, 16), (8, 16, 50, 12)],
+)
+def test_quantized_panel_gemm_multiplies_the_fma_dequantized_weight_to_the_bit(
+    bits: int, group: int, out_features: int, rows: int
+) -> None:
+    """The panel GEMM dequantises 16 output rows at a time into a float32 panel (every value
+    fma(code, scale, min)) and runs the float32 panels' micro-kernel on it: its output is the float32
+    panels' on that weight, bit for bit, with N cut short of a panel (rows past it read zero), groups of
+    16 (a scale per half chunk), of 32 and wider, and int8 without mins."""
+    gen = torch.Generator().manual_seed(bits * 100 + group + out_features)
+    k = 576
+    scales = 0.01 + 0.01 * torch.rand(out_features, k // group, generator=gen)
+    if bits == 4:
+        codes = torch.randint(0, 16, (out_features, k), generator=gen)
+        mins = -8 * scales * (0.5 + torch.rand(out_features, k // group, generator=gen))
+        weight = QuantizedWeight(4, pack_int4(codes), scales, mins, group)
+    else:
+        codes = torch.randint(-128, 128, (out_features, k), generator=gen, dtype=torch.int8)
+        weight = QuantizedWeight(8, codes, scales, None, group)
+    x = torch.randn(rows, k, generator=gen)
+    expected = cpu_linear(x, FloatPanels.pack(_fma_dequantized(weight)))
+    assert torch.equal(cpu_linear(x, weight, mode=PANEL_GEMM), expected)
