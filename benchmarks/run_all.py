@@ -81,7 +81,16 @@ BENCHMARKS = [
         "long_context_gemma3-270m",
         "bench_long_context.py",
         "Gemma 3 270M: long context at 32k, follow-up turns on a reused document",
-        ("--model-path", "gemma3-270m", "--conversations", "2", "--turns", "4"),
+        (
+            "--model-path",
+            "gemma3-270m",
+            "--conversations",
+            "2",
+            "--turns",
+            "6",
+            "--servers",
+            "windows,vllm_cpu",
+        ),
     ),
     Bench(
         "kv_restart_gemma3-270m",
