@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         help="Extra flags for every server started, one string (e.g. '--prefill-step-decode-ratio 0').",
     )
     args, sizes = parse_sizes(ap, argv, SIZES)
-    server_flags = [*THROUGHPUT_FLAGS] * args.throughput + shlex.split(args.server_flags)
+    server_flags = (list(THROUGHPUT_FLAGS) if args.throughput else []) + shlex.split(args.server_flags)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the `finally` that stops a server runs
     tokenizer = load_tokenizer(resolve_model_path(None))
     reqs = tenant_requests(tokenizer, sizes["tenants"], sizes["rounds"], sizes["num_shots"])

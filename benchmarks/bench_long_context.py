@@ -204,17 +204,10 @@ def main(argv: list[str] | None = None) -> None:
                 names.remove(name)
         for name in names:
             try:
-                with serving(
-                    # vLLM's context: the longest turn, which its KV bytes must hold (the model's
-                    # whole context may not fit a small pool's bytes).
-                    name,
-                    model,
-                    pool,
-                    2 * working_set,
-                    pool_bytes,
-                    longest,
-                    Path(logs),
-                ) as (url, api):
+                # vLLM's context is the longest turn, which its KV bytes must hold (the model's whole
+                # context may not fit a small pool's bytes).
+                server = serving(name, model, pool, 2 * working_set, pool_bytes, longest, Path(logs))
+                with server as (url, api):
                     results[name] = per_turn(
                         asyncio.run(run_conversations(url, api, prompts, sizes["max_new_tokens"]))
                     )

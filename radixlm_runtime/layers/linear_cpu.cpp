@@ -350,18 +350,18 @@ SIMD_AVX2 void pack_rows8_avx2(const Weights& w, int64_t n0, int64_t rows, const
 }
 
 SIMD_AVX2 void pack_panel_avx2(const Weights& w, int64_t n0, int64_t valid, float* panel) {
-  // Rows past N (the last panel only) read a row of zero codes, scales and mins; symmetric weights
-  // (no mins) read zero mins.
-  std::vector<uint8_t> zero_codes(valid < kPanel ? w.row_bytes() : 0, 0);
-  std::vector<float> zero_groups(valid < kPanel || !w.mins ? w.groups() + 1 : 0, 0.0f);
+  // Rows past N (the last panel only) read a row of zero codes, scales and mins, and symmetric weights
+  // (no mins) zero mins: one zero buffer per thread, grown to the widest row seen.
+  static thread_local std::vector<float> zeros;
+  const size_t need = static_cast<size_t>(std::max(w.row_bytes(), w.groups() + 1));
+  if (zeros.size() < need) zeros.assign(need, 0.0f);
+  const uint8_t* zero_codes = reinterpret_cast<const uint8_t*>(zeros.data());
   const bool half = w.group == kChunk / 2;
+  const auto pack = w.bits == 4 ? (half ? pack_rows8_avx2<4, true> : pack_rows8_avx2<4, false>)
+                                : (half ? pack_rows8_avx2<8, true> : pack_rows8_avx2<8, false>);
   for (int64_t h = 0; h < kPanel; h += 8) {
     const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(8, valid - h));
-    float* dst = panel + h;
-    if (w.bits == 4 && half) pack_rows8_avx2<4, true>(w, n0 + h, rows, zero_codes.data(), zero_groups.data(), dst);
-    else if (w.bits == 4) pack_rows8_avx2<4, false>(w, n0 + h, rows, zero_codes.data(), zero_groups.data(), dst);
-    else if (half) pack_rows8_avx2<8, true>(w, n0 + h, rows, zero_codes.data(), zero_groups.data(), dst);
-    else pack_rows8_avx2<8, false>(w, n0 + h, rows, zero_codes.data(), zero_groups.data(), dst);
+    pack(w, n0 + h, rows, zero_codes, zeros.data(), panel + h);
   }
 }
 
