@@ -18,9 +18,10 @@ the lm_head, the weights streamed as in a decode step) and prefill rows (512 and
 `--prefill-layers` layers, no lm_head): fp32 panels (PANEL_GEMM), bf16 panels (BF16_GEMM: AMX-BF16
 where the CPU has it, then also on AVX512-BF16 with AMX off, side by side),
 int4 (GGUF Q4_1's numbers: quantize_int4) and int8 (Q8_0's: quantize_int8, groups of 32) weights with
-float32 activations (row-dot kernels below PANEL_GEMM_MIN_ROWS rows, the panel GEMM from there), in
-bf16 (from that many rows on) and with int8 activations (Act8Panels, VNNI or AVX2; skipped where this
-radixlm or CPU lacks them). Rates count 2 x M x N x K operations (GFLOP/s; GOP/s for int8 activations,
+float32 activations (QuantPanels, as the engine serves them: dequantized in registers below 20 rows,
+into float32 panels from there), in bf16 (the GGUF layout's panel GEMM from PANEL_GEMM_MIN_ROWS rows
+on) and with int8 activations (Act8Panels, VNNI or AVX2; skipped where this radixlm or CPU lacks
+them). Rates count 2 x M x N x K operations (GFLOP/s; GOP/s for int8 activations,
 against the int8 peak); a kernel in fp32 arithmetic is held against the widest fp32 FMA peak, bf16
 against vdpbf16ps' (tdpbf16ps' on AMX tiles), int8 activations against vpdpbusd's. Each kernel's
 output is checked against the float32 product with the weight it holds (relative error under 1e-4 in
@@ -68,6 +69,7 @@ from radixlm_runtime.layers.linear_kernels import (
     ROW_DOT_512,
     BF16Panels,
     FloatPanels,
+    QuantPanels,
     bf16_available,
     cpu_linear,
     kernel_mode,
@@ -195,10 +197,10 @@ KERNELS = {
         Kernel(
             "bf16_panels_vdp", "bf16 panels, AVX512-BF16 (AMX off)", _same, BF16Panels.pack, BF16, no_amx=True
         ),
-        Kernel("int4", "int4 weights, fp32 activations", quantize_int4, _same, FP32),
+        Kernel("int4", "int4 weights, fp32 activations", quantize_int4, QuantPanels.pack, FP32),
         Kernel("int4_bf16", "int4 weights, bf16 arithmetic", quantize_int4, _same, BF16),
         Kernel("int4_a8", "int4 weights, int8 activations", quantize_int4, _act8, FP32, act8=True),
-        Kernel("int8", "int8 weights, fp32 activations", _int8, _same, FP32),
+        Kernel("int8", "int8 weights, fp32 activations", _int8, QuantPanels.pack, FP32),
         Kernel("int8_bf16", "int8 weights, bf16 arithmetic", _int8, _same, BF16),
         Kernel("int8_a8", "int8 weights, int8 activations", _int8, _act8, FP32, act8=True),
     )

@@ -25,6 +25,7 @@ from radixlm_runtime.layers.linear_kernels import (
     BF16Panels,
     FloatPanels,
     Int8Panels,
+    QuantPanels,
     bf16_path,
     cpu_linear,
     int8_panel_linear,
@@ -57,6 +58,9 @@ class Linear(nn.Linear):
     row_panels: Int8Panels | None = None
     # The quantized weight repacked for int8 activations (--cpu-act-quant int8): then it serves every row.
     act8: Act8Panels | None = None
+    # The quantized weight repacked k-major for float32 activations (prepack): one kernel's bits at every
+    # row count, and faster than the GGUF layout's kernels at every count but one row (QuantPanels).
+    quant_panels: QuantPanels | None = None
     # A quantized weight on float activations served by this one CPU kernel at every row count, not the
     # row-dot kernels below PANEL_GEMM_MIN_ROWS and a panel GEMM from there: batch-invariant outputs.
     pinned_mode: int | None = None
@@ -79,7 +83,7 @@ class Linear(nn.Linear):
                 f"the layer {self.out_features}x{self.in_features}"
             )
         self.quantized = weight
-        self._packed = self.panels = self.row_panels = self.act8 = None
+        self._packed = self.panels = self.row_panels = self.act8 = self.quant_panels = None
         self._drop_weight()
 
     def quantize_activations(self) -> bool:
@@ -108,6 +112,8 @@ class Linear(nn.Linear):
         the kernels directly, leaves such a model's layers to Python)."""
         if self.act8 is not None:
             return self.act8
+        if self.quant_panels is not None:
+            return self.quant_panels
         if self.quantized is not None:
             return self.quantized if self.quantized.input_order is None else None
         return self.panels
@@ -117,11 +123,15 @@ class Linear(nn.Linear):
         """Whether a row's output never depends on the rows beside it (the panel kernels' FMA chains, the
         int8-activation kernel's exact integer sums)."""
         one_kernel = self.row_panels is not None or self.pinned_mode is not None
-        return self.panels is not None or self.act8 is not None or one_kernel
+        packed = self.panels is not None or self.quant_panels is not None or self.act8 is not None
+        return packed or one_kernel
 
     def prepack(self) -> None:
         """Call after the weights are loaded; later weight edits are not seen by the packed copy."""
-        if self.quantized is not None or not onednn_available(self.weight):
+        if self.quantized is not None:
+            self._pack_quant_panels()
+            return
+        if not onednn_available(self.weight):
             return
         if panels_available():
             bf16 = self.compute == BF16 and self.in_features % 2 == 0
@@ -129,6 +139,21 @@ class Linear(nn.Linear):
         else:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
         self._drop_weight()
+
+    def _pack_quant_panels(self) -> None:
+        """Serves a quantized weight on float32 arithmetic from QuantPanels, where nothing else serves it
+        (int8 activations, the lm_head's row panels) and its columns are in order."""
+        w = self.quantized
+        if (
+            w is None
+            or self.compute != FP32
+            or self.act8 is not None
+            or self.row_panels is not None
+            or not QuantPanels.fits(w)
+            or not panels_available()
+        ):
+            return
+        self.quant_panels = QuantPanels.pack(w)
 
     def _drop_weight(self) -> None:
         if not self.keep_weight:
@@ -170,14 +195,16 @@ class Linear(nn.Linear):
 
 
 def prepack_linears(module: nn.Module, compute: str = FP32) -> str:
-    """Prepacks every float Linear in module for `compute` arithmetic (which quantized ones take too);
-    returns what serves them (for the start-up log)."""
+    """Prepacks every Linear in module for `compute` arithmetic: float ones in panels, quantized ones on
+    float32 arithmetic in QuantPanels; returns what serves them (for the start-up log)."""
     kinds = set()
     for sub in module.modules():
         if isinstance(sub, Linear):
             sub.compute = compute
-            if sub.quantized is None:
-                sub.prepack()
+            sub.prepack()
+            if sub.quant_panels is not None:
+                kinds.add("quantized panels")
+            elif sub.quantized is None:
                 onednn = "oneDNN" if sub._packed is not None else "torch"
                 kind = "panel kernels"
                 if isinstance(sub.panels, BF16Panels):

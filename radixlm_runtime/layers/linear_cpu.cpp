@@ -25,7 +25,10 @@
 //
 // Small M (decode) reads each quantized weight once and dots it with every row of x, summing each
 // 32-chunk before scaling it; larger M dequantises 16 output rows at a time into a k-major fp32 panel
-// (the float32 layout) that a 6x16 register-blocked micro-kernel reuses across all rows of x.
+// (the float32 layout) that a 6x16 register-blocked micro-kernel reuses across all rows of x. The
+// engine serves float32 arithmetic from the same numbers repacked k-major ("quantized panels" below),
+// faster and with one kernel's bits at every row count; this layout serves bf16 arithmetic and weights
+// whose columns are in another order.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -34,6 +37,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -527,6 +531,29 @@ SIMD_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, floa
   });
 }
 
+// An MR x NP tile of 16-float accumulators (MR rows of x, NP panels): zeroed, and stored row by row, the
+// last panel's first `last_valid` columns only.
+template <int MR, int NP>
+SIMD_AVX512 inline void zero_tile512(__m512 (&acc)[MR][NP]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+}
+
+template <int MR, int NP>
+SIMD_AVX512 inline void store_tile512(const __m512 (&acc)[MR][NP], float* c, int64_t ldc, int64_t last_valid) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
+      _mm512_mask_storeu_ps(c + i * ldc + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), acc[i][j]);
+    }
+  }
+}
+
 // MR rows of x times NP consecutive panels: MR x NP accumulators (at most 24 of the 32 registers),
 // per k NP panel loads and MR broadcasts. `last_valid`: real columns of the last panel.
 template <int MR, int NP>
@@ -534,11 +561,7 @@ SIMD_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int6
                                int64_t last_valid) {
   static_assert(MR * NP <= 24, "accumulators must stay in registers");
   __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
+  zero_tile512(acc);
   const int64_t stride = k * kPanel;
   for (int64_t p = 0; p < k; ++p) {
     __m512 bv[NP];
@@ -551,14 +574,7 @@ SIMD_AVX512 void micro_f32_512(const float* a, int64_t lda, const float* b, int6
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
-      _mm512_mask_storeu_ps(c + i * ldc + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), acc[i][j]);
-    }
-  }
+  store_tile512(acc, c, ldc, last_valid);
 }
 
 template <int NP>
@@ -581,26 +597,333 @@ SIMD_AVX512 void micro_f32_rows(int64_t rows, const float* a, int64_t lda, const
   }
 }
 
+// Every row of x, mr at a time, times the `count` (1..4) panels from p: tile(np, rows, a, c, last_valid)
+// per block of rows, np a std::integral_constant of count, a and c the block's rows of x and y.
+template <typename Tile>
+void panel_rows(const Weights& w, int64_t p, int64_t count, const float* x, int64_t m, int64_t mr, float* y,
+                Tile tile) {
+  const int64_t last_valid = valid_columns(w, p + count - 1);
+  for (int64_t r = 0; r < m; r += mr) {
+    const int64_t rows = std::min(mr, m - r);
+    const float* a = x + r * w.k;
+    float* c = y + r * w.n + p * kPanel;
+    switch (count) {
+      case 1: tile(std::integral_constant<int, 1>{}, rows, a, c, last_valid); break;
+      case 2: tile(std::integral_constant<int, 2>{}, rows, a, c, last_valid); break;
+      case 3: tile(std::integral_constant<int, 3>{}, rows, a, c, last_valid); break;
+      default: tile(std::integral_constant<int, 4>{}, rows, a, c, last_valid); break;
+    }
+  }
+}
+
+// Every row of x times the `count` float32 panels at b (output panels p ...).
+SIMD_AVX512 void f32_panel_rows(const Weights& w, const float* b, int64_t p, int64_t count, const float* x, int64_t m,
+                                int64_t mr, float* y) {
+  panel_rows(w, p, count, x, m, mr, y, [&](auto np, int64_t rows, const float* a, float* c, int64_t last_valid) {
+    micro_f32_rows<decltype(np)::value>(rows, a, w.k, b, w.k, c, w.n, last_valid);
+  });
+}
+
 // Up to 4 rows: 4 panels at a time (enough independent FMA chains to stream the weights at memory
 // speed); more: blocks of 8 rows x 3 panels, the blocking that measured best from 5 rows to 2048.
 SIMD_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   const int64_t np = m <= 4 ? 4 : 3;
-  const int64_t mr = m <= 4 ? m : 8;
   for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
-    const float* b = panels_of(w) + p * w.k * kPanel;
-    const int64_t last_valid = valid_columns(w, p + count - 1);
-    for (int64_t r = 0; r < m; r += mr) {
-      const int64_t rows = std::min(mr, m - r);
-      const float* a = x + r * w.k;
-      float* c = y + r * w.n + p * kPanel;
-      switch (count) {
-        case 1: micro_f32_rows<1>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
-        case 2: micro_f32_rows<2>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
-        case 3: micro_f32_rows<3>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
-        default: micro_f32_rows<4>(rows, a, w.k, b, w.k, c, w.n, last_valid); break;
+    f32_panel_rows(w, panels_of(w) + p * w.k * kPanel, p, count, x, m, m <= 4 ? m : 8, y);
+  });
+}
+
+// ---------------------------------------------------------------- quantized panels (float activations)
+//
+// An int4/int8 weight repacked for float activations (bits | kQuantPanels), k-major as the float32
+// panels: per 16 output rows, the codes of each input column side by side. int4: [ceil(N / 16)][K / 2]
+// [16] bytes, byte j holding row j's code of column 2i in its low nibble and of column 2i + 1 in its
+// high one; int8: [ceil(N / 16)][K][16] signed bytes; scales and mins float32 [ceil(N / 16)][K / group]
+// [16] (rows past N zero, mins null for symmetric weights; any even group dividing K).
+//
+// The kernel widens a column's 16 codes and dequantizes them in registers, fma(code, scale, min), then
+// multiplies them into each of the up to 8 rows of x it holds: the dequantizing is shared by those
+// rows, where the GGUF layout's row-dot kernels convert every code once per 4 rows and its panel GEMM
+// writes a dequantized panel and reads it back. At the default model's shapes (30 layers, Zen 4, two
+// threads) 1.4-1.6x the GGUF layout's kernels at 4-12 rows. From kQuantPanelGemmRows rows on, where
+// the dequantizing is amortized over enough rows anyway, panels are dequantized into a float32 buffer
+// for the float32 panel kernels. Every output is one FMA chain over k in order of x times
+// fma(code, scale, min), the float32 panels' arithmetic on the dequantized weight: every row count,
+// SIMD width and blocking gives the same bits, and the same as the GGUF layout's panel GEMM.
+
+constexpr int kQuantPanels = 0x200;
+constexpr int64_t kQuantPanelGemmRows = 20;
+
+// Bytes of codes per panel and input column pair, and per panel.
+inline int64_t qp_pair_bytes(const Weights& w) { return (w.bits & 0xFF) == 4 ? kPanel : 2 * kPanel; }
+inline int64_t qp_panel_bytes(const Weights& w) { return w.k / 2 * qp_pair_bytes(w); }
+
+// Row j's code of column c in panel p.
+inline int32_t qp_code(const Weights& w, int64_t p, int64_t c, int64_t j) {
+  const uint8_t* pair = w.q + p * qp_panel_bytes(w) + c / 2 * qp_pair_bytes(w);
+  if ((w.bits & 0xFF) == 4) return c % 2 ? pair[j] >> 4 : pair[j] & 15;
+  return static_cast<int8_t>(pair[(c % 2) * kPanel + j]);
+}
+
+// Row j's weight of column c in panel p: fma(code, scale, min), as every path computes it.
+inline float qp_weight(const Weights& w, int64_t p, int64_t c, int64_t j) {
+  const int64_t f = (p * (w.k / w.group) + c / w.group) * kPanel + j;
+  return std::fma(static_cast<float>(qp_code(w, p, c, j)), w.scales[f], w.mins ? w.mins[f] : 0.0f);
+}
+
+void qp_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+    for (int64_t j = 0; j < valid_columns(w, p); ++j) {
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < w.k; ++c) acc = std::fma(x[r * w.k + c], qp_weight(w, p, c, j), acc);
+        y[r * w.n + p * kPanel + j] = acc;
       }
     }
   });
+}
+
+// The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b) as int32 vectors.
+template <int BITS>
+SIMD_AVX512 inline void qp_codes16(const uint8_t* b, __m512i& even, __m512i& odd) {
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    even = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    odd = _mm512_srli_epi32(v, 4);
+  } else {
+    even = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    odd = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kPanel)));
+  }
+}
+
+// MR rows of x times NP consecutive panels, dequantizing each column pair of the NP panels once.
+template <int MR, int NP, int BITS>
+SIMD_AVX512 void qp_micro_512(const Weights& w, const float* a, int64_t p0, float* c, int64_t last_valid) {
+  static_assert(MR * NP <= 16, "accumulators, weights, scales and mins must stay in registers");
+  const int64_t groups = w.k / w.group, panel_bytes = qp_panel_bytes(w), pair_bytes = qp_pair_bytes(w);
+  const uint8_t* b = w.q + p0 * panel_bytes;
+  __m512 acc[MR][NP];
+  zero_tile512(acc);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 sc[NP], mn[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t f = ((p0 + j) * groups + g) * kPanel;
+      sc[j] = _mm512_loadu_ps(w.scales + f);
+      mn[j] = w.mins ? _mm512_loadu_ps(w.mins + f) : _mm512_setzero_ps();
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
+      __m512 w0[NP], w1[NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        __m512i even, odd;
+        qp_codes16<BITS>(b + j * panel_bytes + k / 2 * pair_bytes, even, odd);
+        w0[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(even), sc[j], mn[j]);
+        w1[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(odd), sc[j], mn[j]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512 x0 = _mm512_set1_ps(a[i * w.k + k]), x1 = _mm512_set1_ps(a[i * w.k + k + 1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          acc[i][j] = _mm512_fmadd_ps(x0, w0[j], acc[i][j]);
+          acc[i][j] = _mm512_fmadd_ps(x1, w1[j], acc[i][j]);
+        }
+      }
+    }
+  }
+  store_tile512(acc, c, w.n, last_valid);
+}
+
+template <int NP, int BITS>
+SIMD_AVX512 void qp_rows_512(int64_t rows, const Weights& w, const float* a, int64_t p0, float* c,
+                             int64_t last_valid) {
+  switch (rows) {
+#define RQ_ROWS(R) \
+  case R: qp_micro_512<R, NP, BITS>(w, a, p0, c, last_valid); break;
+    RQ_ROWS(1) RQ_ROWS(2) RQ_ROWS(3) RQ_ROWS(4)
+#undef RQ_ROWS
+    default:
+      if constexpr (NP <= 2) {
+        switch (rows) {
+          case 5: qp_micro_512<5, NP, BITS>(w, a, p0, c, last_valid); break;
+          case 6: qp_micro_512<6, NP, BITS>(w, a, p0, c, last_valid); break;
+          case 7: qp_micro_512<7, NP, BITS>(w, a, p0, c, last_valid); break;
+          default: qp_micro_512<8, NP, BITS>(w, a, p0, c, last_valid); break;
+        }
+      }
+  }
+}
+
+// Panel p's weights dequantized into the float32 panel layout (out[c * 16 + j]).
+SIMD_AVX2 void qp_dequantize_avx2(const Weights& w, int64_t p, float* out) {
+  const int64_t groups = w.k / w.group, pair_bytes = qp_pair_bytes(w);
+  const bool nibbles = (w.bits & 0xFF) == 4;
+  const uint8_t* b = w.q + p * qp_panel_bytes(w);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t f = (p * groups + g) * kPanel;
+    __m256 sc[2], mn[2];
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = _mm256_loadu_ps(w.scales + f + 8 * h);
+      mn[h] = w.mins ? _mm256_loadu_ps(w.mins + f + 8 * h) : _mm256_setzero_ps();
+    }
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
+      const uint8_t* pair = b + k / 2 * pair_bytes;
+      for (int h = 0; h < 2; ++h) {
+        __m256i even, odd;
+        if (nibbles) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
+          even = _mm256_and_si256(v, _mm256_set1_epi32(15));
+          odd = _mm256_srli_epi32(v, 4);
+        } else {
+          even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
+          odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + kPanel + 8 * h)));
+        }
+        _mm256_storeu_ps(out + k * kPanel + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), sc[h], mn[h]));
+        _mm256_storeu_ps(out + (k + 1) * kPanel + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), sc[h], mn[h]));
+      }
+    }
+  }
+}
+
+// A thread's buffer of `floats` dequantized weights (grown, never shrunk).
+inline float* qp_buffer(int64_t floats) {
+  static thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// Up to 4 rows: 4 panels at a time (enough independent chains to stream the codes); 5 to
+// kQuantPanelGemmRows - 1: blocks of up to 8 rows x 2 panels; more: 3 panels at a time dequantized for
+// the float32 panel kernel's 8 x 3 blocks.
+template <int BITS>
+SIMD_AVX512 void qp_linear_avx512(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  if (m >= kQuantPanelGemmRows) {
+    for_panel_share(w, threads, 3, [&](int64_t p, int64_t count) {
+      float* panels = qp_buffer(3 * w.k * kPanel);
+      for (int64_t j = 0; j < count; ++j) qp_dequantize_avx2(w, p + j, panels + j * w.k * kPanel);
+      f32_panel_rows(w, panels, p, count, x, m, 8, y);
+    });
+    return;
+  }
+  const int64_t np = m <= 4 ? 4 : 2;
+  // Blocks of equal size: 12 rows run as 6 + 6, not 8 + 4.
+  const int64_t blocks = (m + 7) / 8, mr = (m + blocks - 1) / blocks;
+  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
+    panel_rows(w, p, count, x, m, mr, y, [&](auto np, int64_t rows, const float* a, float* c, int64_t last_valid) {
+      qp_rows_512<decltype(np)::value, BITS>(rows, w, a, p, c, last_valid);
+    });
+  });
+}
+
+// MR rows of x times NP panels on 256-bit vectors (two per panel), a column at a time: MR x NP x 2
+// accumulators, 8 chains (one row needs 4 panels, or the chains wait on their own latency).
+template <int MR, int NP, int BITS>
+SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float* c, int64_t last_valid) {
+  static_assert(MR * NP <= 4, "8 accumulators");
+  const int64_t groups = w.k / w.group, panel_bytes = qp_panel_bytes(w), pair_bytes = qp_pair_bytes(w);
+  const uint8_t* b = w.q + p0 * panel_bytes;
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* sc = w.scales + (p0 * groups + g) * kPanel;
+    const float* mn = w.mins ? w.mins + (p0 * groups + g) * kPanel : nullptr;
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      __m256 wv[NP][2];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* pair = b + j * panel_bytes + k / 2 * pair_bytes;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256i code;
+          if constexpr (BITS == 4) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
+            code = k % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+          } else {
+            const uint8_t* col = pair + (k % 2) * kPanel + 8 * h;
+            code = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col)));
+          }
+          const int64_t f = j * groups * kPanel + 8 * h;
+          const __m256 min = mn ? _mm256_loadu_ps(mn + f) : _mm256_setzero_ps();
+          wv[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(sc + f), min);
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(a + i * w.k + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          acc[i][j][0] = _mm256_fmadd_ps(xv, wv[j][0], acc[i][j][0]);
+          acc[i][j][1] = _mm256_fmadd_ps(xv, wv[j][1], acc[i][j][1]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      store_row(c + i * w.n + j * kPanel, acc[i][j][0], acc[i][j][1], j == NP - 1 ? last_valid : kPanel);
+    }
+  }
+}
+
+// The 256-bit path (CPUs without AVX-512, and mode 1): below kQuantPanelGemmRows rows 4 rows x 1
+// panel, 2 x 2 or 1 x 4 at a time, dequantizing in registers; from there each panel dequantized once for
+// the 6 x 16 float32 micro-kernel.
+template <int BITS>
+SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
+  if (m >= kQuantPanelGemmRows) {
+    for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
+      float* panel = qp_buffer(w.k * kPanel);
+      qp_dequantize_avx2(w, p, panel);
+      for (int64_t r = 0; r < m; r += kMr) {
+        micro_dispatch(std::min(kMr, m - r), x + r * w.k, w.k, panel, w.k, y + r * w.n + p * kPanel, w.n,
+                       valid_columns(w, p));
+      }
+    });
+    return;
+  }
+  const int64_t np = m == 1 ? 4 : m == 2 ? 2 : 1;
+  for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
+    float* c = y + p * kPanel;
+    const int64_t last_valid = valid_columns(w, p + count - 1);
+    if (count < np) {  // the share's last panels, one at a time
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t r = 0; r < m; ++r) {
+          qp_micro_avx2<1, 1, BITS>(w, x + r * w.k, p + j, c + r * w.n + j * kPanel, valid_columns(w, p + j));
+        }
+      }
+      return;
+    }
+    if (np == 4) return qp_micro_avx2<1, 4, BITS>(w, x, p, c, last_valid);
+    if (np == 2) return qp_micro_avx2<2, 2, BITS>(w, x, p, c, last_valid);
+    for (int64_t r = 0; r < m; r += 4) {
+      switch (std::min<int64_t>(4, m - r)) {
+        case 1: qp_micro_avx2<1, 1, BITS>(w, x + r * w.k, p, c + r * w.n, last_valid); break;
+        case 2: qp_micro_avx2<2, 1, BITS>(w, x + r * w.k, p, c + r * w.n, last_valid); break;
+        case 3: qp_micro_avx2<3, 1, BITS>(w, x + r * w.k, p, c + r * w.n, last_valid); break;
+        default: qp_micro_avx2<4, 1, BITS>(w, x + r * w.k, p, c + r * w.n, last_valid); break;
+      }
+    }
+  });
+}
+
+// mode 0: the portable loop; 1: the 256-bit kernels; other modes the widest this CPU has.
+void qp_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
+  static const bool avx2 = simd::cpu_has_avx2_fma(), wide = simd::cpu_has_avx512();
+  const bool nibbles = (w.bits & 0xFF) == 4;
+  if (mode == 0 || !avx2) {
+    qp_linear_scalar(w, x, m, y, threads);
+  } else if (mode != 1 && wide) {
+    nibbles ? qp_linear_avx512<4>(w, x, m, y, threads) : qp_linear_avx512<8>(w, x, m, y, threads);
+  } else {
+    nibbles ? qp_linear_avx2<4>(w, x, m, y, threads) : qp_linear_avx2<8>(w, x, m, y, threads);
+  }
 }
 
 // ---------------------------------------------------------------- int8 row panels (AVX-512 VNNI)
@@ -824,11 +1147,7 @@ SIMD_BF16 void micro_bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int
                           int64_t ldc, int64_t last_valid) {
   static_assert(MR * NP <= 24, "accumulators must stay in registers");
   __m512 acc[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
+  zero_tile512(acc);
   for (int64_t p = 0; p < k / 2; ++p) {
     __m512bh bv[NP];
 #pragma GCC unroll 4
@@ -845,14 +1164,7 @@ SIMD_BF16 void micro_bf16(const uint16_t* a, int64_t lda, const uint16_t* b, int
       for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<const __m512bh&>(av), bv[j]);
     }
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
-      _mm512_mask_storeu_ps(c + i * ldc + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), acc[i][j]);
-    }
-  }
+  store_tile512(acc, c, ldc, last_valid);
 }
 
 template <int NP>
@@ -1277,11 +1589,7 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
   const int32_t* bias = qx.bias.data() + s0;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 out[MR][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) out[i][j] = _mm512_setzero_ps();
-  }
+  zero_tile512(out);
   for (int64_t ch = 0; ch < chunks; ++ch) {
     // The MR rows' codes of a chunk 4 ahead (kRows x 32 bytes apart: a stride the hardware misses).
     const int8_t* ahead = xq + 4 * QuantX::kRows * kChunk;
@@ -1339,14 +1647,7 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
     dxs += QuantX::kRows;
     bias += QuantX::kRows;
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const int64_t valid = j == NP - 1 ? last_valid : kPanel;
-      _mm512_mask_storeu_ps(c + i * w.n + j * kPanel, static_cast<__mmask16>((1u << valid) - 1), out[i][j]);
-    }
-  }
+  store_tile512(out, c, w.n, last_valid);
 }
 
 // Rows and panels per micro-kernel call: 4 x 2 keeps 8 sums and 8 float accumulators in registers,
@@ -1730,7 +2031,8 @@ void rq_panel8_linear(const float* x, int64_t m, int64_t k, const int8_t* panels
 // every path on one machine; a CPU without AVX2+FMA always runs 0, one without AVX-512 runs 1 for 3, one
 // without AVX512-BF16 runs 2 for 4. float32 panels (bits 32) have one kernel per SIMD width: 0 scalar,
 // 1 AVX2, 2 or more the widest this CPU has; bf16 pair panels (bits 16) and u8 panels for int8
-// activations (bits 4 or 8 | kAct8) one kernel for every mode but 0.
+// activations (bits 4 or 8 | kAct8) one kernel for every mode but 0; quantized panels (bits 4 or 8 |
+// kQuantPanels) 0 scalar, 1 256-bit, others the widest, all of them the same bits.
 void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const float* scales, const float* mins,
                int64_t n, int64_t group, int bits, float* y, int mode, int threads) {
   const Weights w{q, scales, mins, n, k, group, bits};
@@ -1739,6 +2041,10 @@ void rq_linear(const float* x, int64_t m, int64_t k, const uint8_t* q, const flo
   static const bool bf16 = cpu_has_avx512_bf16();
   if (bits & kAct8) {
     act8_linear(w, x, m, y, mode & ~kModeNoAmx, threads);
+    return;
+  }
+  if (bits & kQuantPanels) {
+    qp_linear(w, x, m, y, mode & ~kModeNoAmx, threads);
     return;
   }
   const unsigned bf16_feat = bf16_features() & (mode & kModeNoAmx ? ~kFeatAmxBf16 : ~0u);

@@ -201,7 +201,7 @@ def kernel_mode(rows: int, compute: str = FP32) -> int:
 
 def cpu_linear(
     x: torch.Tensor,
-    weight: QuantizedWeight | FloatPanels | BF16Panels | Act8Panels,
+    weight: QuantizedWeight | FloatPanels | BF16Panels | Act8Panels | QuantPanels,
     bias: torch.Tensor | None = None,
     mode: int | None = None,
     compute: str = FP32,
@@ -272,6 +272,59 @@ class Int8Panels:
     @property
     def in_features(self) -> int:
         return self.codes.shape[1] * 2
+
+
+# rq_linear's bits flag of QuantPanels (linear_cpu.cpp's kQuantPanels).
+QUANT_PANELS_BITS = 0x200
+
+
+@dataclass
+class QuantPanels:
+    """An int4/int8 weight repacked k-major for float activations (linear_cpu.cpp, "quantized panels"):
+    codes per 16 output rows side by side per input column, int4 [ceil(N / 16), K / 2, 16] (a byte: the
+    row's code of column 2i in its low nibble, of 2i + 1 in its high one), int8 [ceil(N / 16), K, 16];
+    float32 scales and mins [ceil(N / 16), K / group, 16] (mins None for symmetric weights; rows past N
+    zero). The kernel dequantizes in registers for up to 8 rows at once, and every row count gets the
+    same bits: the float32 panels' arithmetic on the dequantized weight."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bits: int
+    group_size: int
+    out_features: int
+
+    @staticmethod
+    def fits(weight: QuantizedWeight) -> bool:
+        """Whether weight has this layout's numbers: columns in order (any of QuantizedWeight's groups)."""
+        return weight.input_order is None
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> QuantPanels:
+        if not cls.fits(weight):
+            raise ValueError("quantized panels hold weights in column order")
+        codes = weight.codes()
+        if weight.bits == 4:
+            codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        return cls(
+            _panels(codes, torch.uint8 if weight.bits == 4 else torch.int8),
+            _panels(weight.scales, torch.float32),
+            None if weight.mins is None else _panels(weight.mins, torch.float32),
+            weight.bits,
+            weight.group_size,
+            weight.out_features,
+        )
+
+    @property
+    def in_features(self) -> int:
+        return self.scales.shape[1] * self.group_size
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int | None, ...]:
+        """rq_linear's weight arguments: codes, scales, mins, N, group, bits | QUANT_PANELS_BITS."""
+        mins = None if self.mins is None else self.mins.data_ptr()
+        ptrs = (self.codes.data_ptr(), self.scales.data_ptr(), mins)
+        return (*ptrs, self.out_features, self.group_size, self.bits | QUANT_PANELS_BITS)
 
 
 # rq_linear's bits flag of Act8Panels (linear_cpu.cpp's kAct8).

@@ -86,7 +86,7 @@ def build_model(
         _quantize(model, mode, source)
         if engine_config.cpu_act_quant == "int8":
             _quantize_activations(model, compute)
-    logger.info("float linears: %s", prepack_linears(model, compute))
+    logger.info("CPU linears: %s", prepack_linears(model, compute))
     if engine_config.deterministic:
         _make_linears_batch_invariant(model)
     return model

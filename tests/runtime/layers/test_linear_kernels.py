@@ -17,6 +17,7 @@ from radixlm_runtime.layers.linear_kernels import (
     ROW_DOT_512,
     SCALAR,
     FloatPanels,
+    QuantPanels,
     cpu_linear,
 )
 from radixlm_runtime.layers.quantization import QuantizedWeight, pack_int4, quantize_int4
@@ -187,3 +188,99 @@ def test_quantized_panel_gemm_multiplies_the_fma_dequantized_weight_to_the_bit(
     x = torch.randn(rows, k, generator=gen)
     expected = cpu_linear(x, FloatPanels.pack(_fma_dequantized(weight)))
     assert torch.equal(cpu_linear(x, weight, mode=PANEL_GEMM), expected)
+
+
+def _quantized(bits: int, group: int, n: int, k: int, symmetric: bool, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    scales = 0.01 + 0.01 * torch.rand(n, k // group, generator=gen)
+    if bits == 4:
+        codes = pack_int4(torch.randint(0, 16, (n, k), generator=gen))
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    mins = None if symmetric else -8 * scales * (0.5 + torch.rand(n, k // group, generator=gen))
+    return QuantizedWeight(bits, codes, scales, mins, group)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric", "out_features", "in_features"),
+    [
+        (4, 32, False, 960, 576),  # the default model's Q4_1 qkv
+        (4, 64, False, 37, 128),  # N cut short of a panel
+        (4, 16, False, 21, 96),  # Q6_K's half-chunk groups
+        (8, 32, True, 50, 64),  # Q8_0
+        (8, 16, False, 70, 64),
+        (4, 32, True, 16, 32),
+    ],
+)
+def test_quantized_panels_multiply_the_fma_dequantized_weight_at_every_row_count(
+    bits: int, group: int, symmetric: bool, out_features: int, in_features: int
+) -> None:
+    """QuantPanels (the k-major layout float32 arithmetic serves quantized weights from) dequantize in
+    registers, fma(code, scale, min), and run one FMA chain per output: the float32 panels' bits on the
+    fma-dequantized weight, on every path (scalar, 256-bit, AVX-512) and at every row count, across
+    the blockings (1-4 rows x 4 panels, blocks of up to 8 rows, and from 20 rows the dequantized panels
+    the float32 kernels read), and the same as the GGUF layout's panel GEMM."""
+    weight = _quantized(bits, group, out_features, in_features, symmetric, bits + group + out_features)
+    panels = QuantPanels.pack(weight)
+    assert (panels.out_features, panels.in_features) == (out_features, in_features)
+    dense = FloatPanels.pack(_fma_dequantized(weight))
+    x = torch.randn(41, in_features, generator=torch.Generator().manual_seed(3))
+    for rows in (1, 2, 3, 4, 5, 12, 19, 20, 41):
+        expected = cpu_linear(x[:rows], dense)
+        for mode in MODES:
+            assert torch.equal(cpu_linear(x[:rows], panels, mode=mode), expected), (rows, mode)
+        assert torch.equal(cpu_linear(x[:rows], weight, mode=PANEL_GEMM), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_panels_are_batch_invariant(mode: int) -> None:
+    panels = QuantPanels.pack(_quantized(4, 32, 200, 576, False, 5))
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(4))
+    assert_batch_invariant(lambda rows: cpu_linear(rows, panels, mode=mode), x)
+
+
+def test_quantized_panels_propagate_nan_and_infinity_to_their_row() -> None:
+    panels = QuantPanels.pack(_quantized(4, 32, 40, 64, False, 6))
+    x = torch.randn(30, 64)
+    x[2, 5], x[25, 60] = float("nan"), float("inf")
+    for mode in MODES:
+        out = cpu_linear(x, panels, mode=mode)
+        assert out[2].isnan().all() and not out[25].isfinite().any()
+        assert out[[i for i in range(30) if i not in (2, 25)]].isfinite().all()
+
+
+def test_linear_serves_quantized_weights_on_float32_arithmetic_from_quantized_panels() -> None:
+    """prepack gives a quantized Linear QuantPanels for float32 arithmetic: its kernel weight, batch-
+    invariant at every row count; a weight with its columns in another order, bf16 arithmetic, and a CPU
+    without the SIMD kernels keep the GGUF layout's kernels."""
+    weight = _quantized(4, 32, 48, 64, False, 7)
+    linear = Linear(64, 48, bias=False)
+    linear.set_quantized(weight)
+    linear.prepack()
+    assert linear.quant_panels is not None and linear.kernel_weight is linear.quant_panels
+    assert linear.batch_invariant
+    x = torch.randn(9, 64)
+    assert torch.equal(linear(x), cpu_linear(x, FloatPanels.pack(_fma_dequantized(weight))))
+    assert torch.equal(linear(x[:1]), linear(x)[:1])
+
+    bf16 = Linear(64, 48, bias=False)
+    bf16.set_quantized(weight)
+    bf16.compute = linear_kernels.BF16
+    bf16.prepack()
+    assert bf16.quant_panels is None and bf16.kernel_weight is weight
+
+    ordered = _quantized(4, 32, 48, 64, False, 7)
+    ordered.input_order = torch.arange(64).flip(0)
+    gathered = Linear(64, 48, bias=False)
+    gathered.set_quantized(ordered)
+    gathered.prepack()
+    assert gathered.quant_panels is None
+    torch.testing.assert_close(gathered(x), x @ ordered.dequantize().T, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_panels_stay_off_without_a_simd_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "detect", lambda: cpu.CpuInfo("fake CPU", frozenset({"sse4_2"}), 2))
+    linear = Linear(64, 48, bias=False)
+    linear.set_quantized(_quantized(4, 32, 48, 64, False, 8))
+    linear.prepack()
+    assert linear.quant_panels is None and linear.kernel_weight is linear.quantized
