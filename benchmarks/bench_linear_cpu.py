@@ -19,10 +19,12 @@ the lm_head, the weights streamed as in a decode step) and prefill rows (512 and
 where the CPU has it, then also on AVX512-BF16 with AMX off, side by side),
 int4 (GGUF Q4_1's numbers: quantize_int4) and int8 (Q8_0's: quantize_int8, groups of 32) weights with
 float32 activations (QuantPanels, as the engine serves them: dequantized in registers below 20 rows,
-into float32 panels from there), in bf16 (the GGUF layout's panel GEMM from PANEL_GEMM_MIN_ROWS rows
-on) and with int8 activations (Act8Panels, VNNI or AVX2; skipped where this radixlm or CPU lacks
-them). Rates count 2 x M x N x K operations (GFLOP/s; GOP/s for int8 activations,
-against the int8 peak); a kernel in fp32 arithmetic is held against the widest fp32 FMA peak, bf16
+into float32 panels from there; `int4_gguf`/`int8_gguf` beside them: the GGUF layout's row dots below
+PANEL_GEMM_MIN_ROWS rows and its panel GEMM from there, what served them before), in bf16 (the GGUF
+layout's panel GEMM from PANEL_GEMM_MIN_ROWS rows on) and with int8 activations (Act8Panels, VNNI or
+AVX2; skipped where this radixlm or CPU lacks them). Rates count 2 x M x N x K operations (GFLOP/s;
+GOP/s for int8 activations, against the int8 peak); a kernel in fp32 arithmetic is held against the
+widest fp32 FMA peak, bf16
 against vdpbf16ps' (tdpbf16ps' on AMX tiles), int8 activations against vpdpbusd's. Each kernel's
 output is checked against the float32 product with the weight it holds (relative error under 1e-4 in
 fp32, 3e-2 in bf16 or int8).
@@ -198,9 +200,11 @@ KERNELS = {
             "bf16_panels_vdp", "bf16 panels, AVX512-BF16 (AMX off)", _same, BF16Panels.pack, BF16, no_amx=True
         ),
         Kernel("int4", "int4 weights, fp32 activations", quantize_int4, QuantPanels.pack, FP32),
+        Kernel("int4_gguf", "int4 weights (GGUF layout), fp32 activations", quantize_int4, _same, FP32),
         Kernel("int4_bf16", "int4 weights, bf16 arithmetic", quantize_int4, _same, BF16),
         Kernel("int4_a8", "int4 weights, int8 activations", quantize_int4, _act8, FP32, act8=True),
         Kernel("int8", "int8 weights, fp32 activations", _int8, QuantPanels.pack, FP32),
+        Kernel("int8_gguf", "int8 weights (GGUF layout), fp32 activations", _int8, _same, FP32),
         Kernel("int8_bf16", "int8 weights, bf16 arithmetic", _int8, _same, BF16),
         Kernel("int8_a8", "int8 weights, int8 activations", _int8, _act8, FP32, act8=True),
     )

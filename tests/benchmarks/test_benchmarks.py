@@ -452,9 +452,11 @@ def test_linear_cpu_against_peak(linear_cpu: dict[str, Any]) -> None:
         "bf16_panels",
         "bf16_panels_vdp",  # beside AMX-BF16; skipped where the CPU has no AMX
         "int4",
+        "int4_gguf",  # the GGUF layout the quantized panels replaced, beside them
         "int4_bf16",
         "int4_a8",
         "int8",
+        "int8_gguf",
         "int8_bf16",
         "int8_a8",
     }
