@@ -130,6 +130,8 @@ class Linear(nn.Linear):
         """Call after the weights are loaded; later weight edits are not seen by the packed copy."""
         if self.quantized is not None:
             self._pack_quant_panels()
+            if self.quant_panels is not None or self.act8 is not None:
+                self.quantized = self.quantized.without_codes()  # served by the repacked copy alone
             return
         if not onednn_available(self.weight):
             return

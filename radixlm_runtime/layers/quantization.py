@@ -73,10 +73,24 @@ class QuantizedWeight:
             if tensor is not None and (tuple(tensor.shape) != groups or tensor.dtype != torch.float32):
                 raise ValueError(f"{name} must be float32 {groups}, got {tensor.dtype} {tuple(tensor.shape)}")
 
+    def without_codes(self) -> QuantizedWeight:
+        """This weight's format (bits, shape, group, input order) without its codes, scales and mins (meta
+        tensors): what a layer keeps once a repacked copy (QuantPanels, Act8Panels) serves it, so the
+        weights are not held twice."""
+        if self.qweight.is_meta:
+            return self
+        meta = [None if t is None else t.to("meta") for t in (self.qweight, self.scales, self.mins)]
+        return QuantizedWeight(self.bits, meta[0], meta[1], meta[2], self.group_size, self.input_order)
+
+    def _check_held(self) -> None:
+        if self.qweight.is_meta:
+            raise ValueError("this quantized weight's codes were dropped: its layer serves a repacked copy")
+
     @functools.cached_property
     def kernel_args(self) -> tuple[int | None, ...]:
         """rq_linear's weight arguments (qweight, scales, mins pointers, N, group, bits), built once:
         decode calls the kernel 121 times a step. The tensors are never replaced after construction."""
+        self._check_held()
         mins = None if self.mins is None else self.mins.data_ptr()
         return (
             self.qweight.data_ptr(),
@@ -97,6 +111,7 @@ class QuantizedWeight:
 
     def codes(self) -> torch.Tensor:
         """The integer codes as int16 [N, K] in stored column order (int4: 0..15, int8: -128..127)."""
+        self._check_held()
         if self.bits == 8:
             return self.qweight.to(torch.int16)
         chunks = self.qweight.view(self.out_features, -1, CHUNK // 2).to(torch.int16)

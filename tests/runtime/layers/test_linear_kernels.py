@@ -259,6 +259,11 @@ def test_linear_serves_quantized_weights_on_float32_arithmetic_from_quantized_pa
     linear.prepack()
     assert linear.quant_panels is not None and linear.kernel_weight is linear.quant_panels
     assert linear.batch_invariant
+    # The GGUF-layout codes are dropped (not held twice); the format stays readable.
+    kept = linear.quantized
+    assert kept is not None and kept.qweight.is_meta and (kept.bits, kept.out_features) == (4, 48)
+    with pytest.raises(ValueError, match="dropped"):
+        cpu_linear(torch.randn(1, 64), kept)
     x = torch.randn(9, 64)
     assert torch.equal(linear(x), cpu_linear(x, FloatPanels.pack(_fma_dequantized(weight))))
     assert torch.equal(linear(x[:1]), linear(x)[:1])
@@ -267,7 +272,7 @@ def test_linear_serves_quantized_weights_on_float32_arithmetic_from_quantized_pa
     bf16.set_quantized(weight)
     bf16.compute = linear_kernels.BF16
     bf16.prepack()
-    assert bf16.quant_panels is None and bf16.kernel_weight is weight
+    assert bf16.quant_panels is None and bf16.kernel_weight is weight and not weight.qweight.is_meta
 
     ordered = _quantized(4, 32, 48, 64, False, 7)
     ordered.input_order = torch.arange(64).flip(0)
