@@ -816,11 +816,25 @@ SIMD_AVX512 void qp_linear_avx512(const Weights& w, const float* x, int64_t m, f
   });
 }
 
-// MR rows of x times NP panels on 256-bit vectors (two per panel), a column at a time: MR x NP x 2
-// accumulators, 8 chains (one row needs 4 panels, or the chains wait on their own latency).
+// The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b), half h (rows 8h .. 8h + 7), as int32.
+template <int BITS>
+SIMD_AVX2 inline void qp_codes8(const uint8_t* b, int h, __m256i& even, __m256i& odd) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
+    even = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    odd = _mm256_srli_epi32(v, 4);
+  } else {
+    even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
+    odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kPanel + 8 * h)));
+  }
+}
+
+// MR rows of x times NP panels on 256-bit vectors (two per panel), a column pair at a time (one load
+// of an int4 pair's bytes serves both columns); scales and mins are read from L1 where they do not fit
+// the 16 registers. One row takes 4 panels (8 chains), more rows one panel.
 template <int MR, int NP, int BITS>
 SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float* c, int64_t last_valid) {
-  static_assert(MR * NP <= 4, "8 accumulators");
+  static_assert(MR * NP <= 4, "accumulators within the 16 registers");
   const int64_t groups = w.k / w.group, panel_bytes = qp_panel_bytes(w), pair_bytes = qp_pair_bytes(w);
   const uint8_t* b = w.q + p0 * panel_bytes;
   __m256 acc[MR][NP][2];
@@ -832,33 +846,30 @@ SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float
   for (int64_t g = 0; g < groups; ++g) {
     const float* sc = w.scales + (p0 * groups + g) * kPanel;
     const float* mn = w.mins ? w.mins + (p0 * groups + g) * kPanel : nullptr;
-    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-      __m256 wv[NP][2];
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
+      __m256 w0[NP][2], w1[NP][2];
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
-        const uint8_t* pair = b + j * panel_bytes + k / 2 * pair_bytes;
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          __m256i code;
-          if constexpr (BITS == 4) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
-            code = k % 2 ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
-          } else {
-            const uint8_t* col = pair + (k % 2) * kPanel + 8 * h;
-            code = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(col)));
-          }
+          __m256i even, odd;
+          qp_codes8<BITS>(b + j * panel_bytes + k / 2 * pair_bytes, h, even, odd);
           const int64_t f = j * groups * kPanel + 8 * h;
-          const __m256 min = mn ? _mm256_loadu_ps(mn + f) : _mm256_setzero_ps();
-          wv[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(sc + f), min);
+          const __m256 s = _mm256_loadu_ps(sc + f), min = mn ? _mm256_loadu_ps(mn + f) : _mm256_setzero_ps();
+          w0[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s, min);
+          w1[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s, min);
         }
       }
 #pragma GCC unroll 4
       for (int i = 0; i < MR; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(a + i * w.k + k);
+        const __m256 x0 = _mm256_broadcast_ss(a + i * w.k + k), x1 = _mm256_broadcast_ss(a + i * w.k + k + 1);
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
-          acc[i][j][0] = _mm256_fmadd_ps(xv, wv[j][0], acc[i][j][0]);
-          acc[i][j][1] = _mm256_fmadd_ps(xv, wv[j][1], acc[i][j][1]);
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            acc[i][j][h] = _mm256_fmadd_ps(x0, w0[j][h], acc[i][j][h]);
+            acc[i][j][h] = _mm256_fmadd_ps(x1, w1[j][h], acc[i][j][h]);
+          }
         }
       }
     }
@@ -872,9 +883,9 @@ SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float
   }
 }
 
-// The 256-bit path (CPUs without AVX-512, and mode 1): below kQuantPanelGemmRows rows 4 rows x 1
-// panel, 2 x 2 or 1 x 4 at a time, dequantizing in registers; from there each panel dequantized once for
-// the 6 x 16 float32 micro-kernel.
+// The 256-bit path (CPUs without AVX-512, and mode 1): below kQuantPanelGemmRows rows one row x 4
+// panels or up to 4 rows x 1 panel at a time, dequantizing in registers; from there each panel
+// dequantized once for the 6 x 16 float32 micro-kernel.
 template <int BITS>
 SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float* y, int threads) {
   if (m >= kQuantPanelGemmRows) {
@@ -888,7 +899,7 @@ SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float
     });
     return;
   }
-  const int64_t np = m == 1 ? 4 : m == 2 ? 2 : 1;
+  const int64_t np = m == 1 ? 4 : 1;
   for_panel_share(w, threads, np, [&](int64_t p, int64_t count) {
     float* c = y + p * kPanel;
     const int64_t last_valid = valid_columns(w, p + count - 1);
@@ -901,7 +912,6 @@ SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float
       return;
     }
     if (np == 4) return qp_micro_avx2<1, 4, BITS>(w, x, p, c, last_valid);
-    if (np == 2) return qp_micro_avx2<2, 2, BITS>(w, x, p, c, last_valid);
     for (int64_t r = 0; r < m; r += 4) {
       switch (std::min<int64_t>(4, m - r)) {
         case 1: qp_micro_avx2<1, 1, BITS>(w, x + r * w.k, p, c + r * w.n, last_valid); break;
