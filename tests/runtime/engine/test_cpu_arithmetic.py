@@ -4,9 +4,10 @@ matches the Python layers to the bit and the outputs stay close to float32's; wh
 batch-invariant (bf16 panels, int8 activations), a prompt served from the radix cache gives the same
 tokens and logprobs as served fresh, in these batches (default-mode attention sums shared-prefix groups
 in another order where requests share steps otherwise, e.g. under overlap scheduling: --deterministic
-makes it per-token). Quantized weights on float activations (float32 or bf16) switch
-from the row-dot kernels to a panel GEMM at PANEL_GEMM_MIN_ROWS rows, so their bits depend on the batch
-(as in float32; --deterministic pads them to one shape)."""
+makes it per-token). Quantized weights on float32 arithmetic run on quantized panels, one kernel's bits
+at every row count, so they are batch-invariant too; in bf16 they switch from the row-dot kernels to a
+panel GEMM at PANEL_GEMM_MIN_ROWS rows, so their bits depend on the batch (--deterministic pads them
+to one shape)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,14 @@ def test_cached_equals_fresh_and_the_decoder_equals_python(tiny_llama_dir: Path,
     theirs = [lp for _, lps, _ in reference for lp in lps[: len(PREFIX)]]
     assert ours != theirs
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.5
+
+
+def test_quantized_weights_on_float32_arithmetic_give_cached_the_bits_of_fresh(tiny_llama_dir: Path) -> None:
+    """int4 weights on float32 arithmetic (quantized panels, the default model's serving path): a prompt
+    served from the radix cache, whose uncached suffix is a few rows, gets the tokens and logprobs it
+    got fresh in longer chunks; the one-call decoder equals the Python layers."""
+    fresh, cached = _run(tiny_llama_dir, native=True, quantization="int4")
+    assert all(c > 0 for _, _, c in cached)
+    assert [(ids, lps) for ids, lps, _ in fresh] == [(ids, lps) for ids, lps, _ in cached]
+    python, _ = _run(tiny_llama_dir, native=False, quantization="int4")
+    assert [(ids, lps) for ids, lps, _ in python] == [(ids, lps) for ids, lps, _ in fresh]
