@@ -170,7 +170,8 @@ class EngineConfig:
         "Batch-invariant kernels: a request gets the same tokens and logprobs whatever it is batched "
         "with and whether its prefix came from the radix cache. Every token attends on its own (the "
         "decode kernel); linears run on kernels whose tiling does not depend on the row count (CUDA: a "
-        "Triton matmul; CPU: the float32 panel kernels, other CPU linears in fixed blocks of 16 rows). "
+        "Triton matmul; CPU: the float32 and quantized panel kernels and int8 activations as they are, "
+        "other CPU linears in fixed blocks of 16 rows). "
         "It costs throughput (see benchmarks/README.md). Needs the 'cpu' or 'triton' attention backend.",
     )
     tp_size: int = flag(
