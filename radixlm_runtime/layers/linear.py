@@ -148,6 +148,7 @@ class Linear(nn.Linear):
         w = self.quantized
         if (
             w is None
+            or self.quant_panels is not None  # packed already (prepack runs once per load; twice is a no-op)
             or self.compute != FP32
             or self.act8 is not None
             or self.row_panels is not None

@@ -267,6 +267,9 @@ def test_linear_serves_quantized_weights_on_float32_arithmetic_from_quantized_pa
     x = torch.randn(9, 64)
     assert torch.equal(linear(x), cpu_linear(x, FloatPanels.pack(_fma_dequantized(weight))))
     assert torch.equal(linear(x[:1]), linear(x)[:1])
+    packed = linear.quant_panels
+    linear.prepack()  # again: a no-op, not a repack of the dropped codes
+    assert linear.quant_panels is packed
 
     bf16 = Linear(64, 48, bias=False)
     bf16.set_quantized(weight)
