@@ -645,9 +645,9 @@ SIMD_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, 
 // multiplies them into each of the up to 8 rows of x it holds: the dequantizing is shared by those
 // rows, where the GGUF layout's row-dot kernels convert every code once per 4 rows and its panel GEMM
 // writes a dequantized panel and reads it back. At the default model's shapes (30 layers, Zen 4, two
-// threads) 1.4-1.6x the GGUF layout's kernels at 4-12 rows. From kQuantPanelGemmRows rows on, where
-// the dequantizing is amortized over enough rows anyway, panels are dequantized into a float32 buffer
-// for the float32 panel kernels. Every output is one FMA chain over k in order of x times
+// threads) 1.3-1.5x the GGUF layout's kernels at 4-16 rows, at par at one. From kQuantPanelGemmRows
+// rows on, where the dequantizing is amortized over enough rows anyway, panels are dequantized into a
+// float32 buffer for the float32 panel kernels. Every output is one FMA chain over k in order of x times
 // fma(code, scale, min), the float32 panels' arithmetic on the dequantized weight: every row count,
 // SIMD width and blocking gives the same bits, and the same as the GGUF layout's panel GEMM.
 
