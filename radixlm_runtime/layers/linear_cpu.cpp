@@ -755,10 +755,23 @@ SIMD_AVX512 void qp_rows_512(int64_t rows, const Weights& w, const float* a, int
   }
 }
 
+// The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b), half h (rows 8h .. 8h + 7), as int32.
+template <int BITS>
+SIMD_AVX2 inline void qp_codes8(const uint8_t* b, int h, __m256i& even, __m256i& odd) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
+    even = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    odd = _mm256_srli_epi32(v, 4);
+  } else {
+    even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
+    odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kPanel + 8 * h)));
+  }
+}
+
 // Panel p's weights dequantized into the float32 panel layout (out[c * 16 + j]).
+template <int BITS>
 SIMD_AVX2 void qp_dequantize_avx2(const Weights& w, int64_t p, float* out) {
   const int64_t groups = w.k / w.group, pair_bytes = qp_pair_bytes(w);
-  const bool nibbles = (w.bits & 0xFF) == 4;
   const uint8_t* b = w.q + p * qp_panel_bytes(w);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t f = (p * groups + g) * kPanel;
@@ -768,17 +781,9 @@ SIMD_AVX2 void qp_dequantize_avx2(const Weights& w, int64_t p, float* out) {
       mn[h] = w.mins ? _mm256_loadu_ps(w.mins + f + 8 * h) : _mm256_setzero_ps();
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
-      const uint8_t* pair = b + k / 2 * pair_bytes;
       for (int h = 0; h < 2; ++h) {
         __m256i even, odd;
-        if (nibbles) {
-          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
-          even = _mm256_and_si256(v, _mm256_set1_epi32(15));
-          odd = _mm256_srli_epi32(v, 4);
-        } else {
-          even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * h)));
-          odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + kPanel + 8 * h)));
-        }
+        qp_codes8<BITS>(b + k / 2 * pair_bytes, h, even, odd);
         _mm256_storeu_ps(out + k * kPanel + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), sc[h], mn[h]));
         _mm256_storeu_ps(out + (k + 1) * kPanel + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), sc[h], mn[h]));
       }
@@ -801,7 +806,7 @@ SIMD_AVX512 void qp_linear_avx512(const Weights& w, const float* x, int64_t m, f
   if (m >= kQuantPanelGemmRows) {
     for_panel_share(w, threads, 3, [&](int64_t p, int64_t count) {
       float* panels = qp_buffer(3 * w.k * kPanel);
-      for (int64_t j = 0; j < count; ++j) qp_dequantize_avx2(w, p + j, panels + j * w.k * kPanel);
+      for (int64_t j = 0; j < count; ++j) qp_dequantize_avx2<BITS>(w, p + j, panels + j * w.k * kPanel);
       f32_panel_rows(w, panels, p, count, x, m, 8, y);
     });
     return;
@@ -814,19 +819,6 @@ SIMD_AVX512 void qp_linear_avx512(const Weights& w, const float* x, int64_t m, f
       qp_rows_512<decltype(np)::value, BITS>(rows, w, a, p, c, last_valid);
     });
   });
-}
-
-// The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b), half h (rows 8h .. 8h + 7), as int32.
-template <int BITS>
-SIMD_AVX2 inline void qp_codes8(const uint8_t* b, int h, __m256i& even, __m256i& odd) {
-  if constexpr (BITS == 4) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
-    even = _mm256_and_si256(v, _mm256_set1_epi32(15));
-    odd = _mm256_srli_epi32(v, 4);
-  } else {
-    even = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
-    odd = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + kPanel + 8 * h)));
-  }
 }
 
 // MR rows of x times NP panels on 256-bit vectors (two per panel), a column pair at a time (one load
@@ -891,7 +883,7 @@ SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float
   if (m >= kQuantPanelGemmRows) {
     for_panel_share(w, threads, 1, [&](int64_t p, int64_t) {
       float* panel = qp_buffer(w.k * kPanel);
-      qp_dequantize_avx2(w, p, panel);
+      qp_dequantize_avx2<BITS>(w, p, panel);
       for (int64_t r = 0; r < m; r += kMr) {
         micro_dispatch(std::min(kMr, m - r), x + r * w.k, w.k, panel, w.k, y + r * w.n + p * kPanel, w.n,
                        valid_columns(w, p));
