@@ -16,17 +16,18 @@
 #include <chrono>
 
 // The target attributes of the SIMD paths, beside the run-time checks for exactly those features.
-#define SIMD_AVX2 __attribute__((target("avx2,fma")))
-#define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define SIMD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 #define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 
 namespace simd {
 
-// Whether this CPU runs the AVX2+FMA paths: asked of the CPU at run time, never assumed.
+// Whether this CPU runs the AVX2+FMA paths (F16C beside, which every AVX2 CPU has): asked of the CPU
+// at run time, never assumed.
 inline bool cpu_has_avx2_fma() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 // Whether this CPU runs the AVX-512 paths (F, BW, VL on top of AVX2+FMA).

@@ -650,9 +650,57 @@ SIMD_AVX512 void f32_linear_avx512(const Weights& w, const float* x, int64_t m, 
 // float32 buffer for the float32 panel kernels. Every output is one FMA chain over k in order of x times
 // fma(code, scale, min), the float32 panels' arithmetic on the dequantized weight: every row count,
 // SIMD width and blocking gives the same bits, and the same as the GGUF layout's panel GEMM.
+//
+// With kQuantPanelsHalf the scales and mins are float16 (GGUF's own d and m are, so they are exact
+// there): at one row the kernel streams the weight at memory speed, and a Q4_1 block's 16 bytes of codes
+// then carry 4 bytes of scale and min instead of 8. Widened to the same floats, they give the same bits.
+// The kernels take BITS as the code width | kQuantPanelsHalf where the scales are float16.
 
 constexpr int kQuantPanels = 0x200;
+constexpr int kQuantPanelsHalf = 0x400;
 constexpr int64_t kQuantPanelGemmRows = 20;
+
+// float16 bits (IEEE binary16) as a float: exact, subnormals, infinities and NaNs included.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -24);
+  } else if (exp == 31) {
+    v = mant ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(static_cast<float>(mant | 0x400), static_cast<int>(exp) - 25);
+  }
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  bits |= sign;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+
+// Scale or min f of a quantized panel weight (float16 where `half`).
+inline float qp_scale(const float* values, int64_t f, bool half) {
+  return half ? half_to_float(reinterpret_cast<const uint16_t*>(values)[f]) : values[f];
+}
+
+// 16 (8) scales or mins from f on, as floats.
+template <int BITS>
+SIMD_AVX512 inline __m512 qp_scales16(const float* values, int64_t f) {
+  if constexpr (BITS & kQuantPanelsHalf) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(values) + f)));
+  } else {
+    return _mm512_loadu_ps(values + f);
+  }
+}
+
+template <int BITS>
+SIMD_AVX2 inline __m256 qp_scales8(const float* values, int64_t f) {
+  if constexpr (BITS & kQuantPanelsHalf) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(values) + f)));
+  } else {
+    return _mm256_loadu_ps(values + f);
+  }
+}
 
 // Bytes of codes per panel and input column pair, and per panel.
 inline int64_t qp_pair_bytes(const Weights& w) { return (w.bits & 0xFF) == 4 ? kPanel : 2 * kPanel; }
@@ -668,7 +716,9 @@ inline int32_t qp_code(const Weights& w, int64_t p, int64_t c, int64_t j) {
 // Row j's weight of column c in panel p: fma(code, scale, min), as every path computes it.
 inline float qp_weight(const Weights& w, int64_t p, int64_t c, int64_t j) {
   const int64_t f = (p * (w.k / w.group) + c / w.group) * kPanel + j;
-  return std::fma(static_cast<float>(qp_code(w, p, c, j)), w.scales[f], w.mins ? w.mins[f] : 0.0f);
+  const bool half = w.bits & kQuantPanelsHalf;
+  return std::fma(static_cast<float>(qp_code(w, p, c, j)), qp_scale(w.scales, f, half),
+                  w.mins ? qp_scale(w.mins, f, half) : 0.0f);
 }
 
 void qp_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int threads) {
@@ -686,7 +736,7 @@ void qp_linear_scalar(const Weights& w, const float* x, int64_t m, float* y, int
 // The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b) as int32 vectors.
 template <int BITS>
 SIMD_AVX512 inline void qp_codes16(const uint8_t* b, __m512i& even, __m512i& odd) {
-  if constexpr (BITS == 4) {
+  if constexpr ((BITS & 0xFF) == 4) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     even = _mm512_and_si512(v, _mm512_set1_epi32(15));
     odd = _mm512_srli_epi32(v, 4);
@@ -709,8 +759,8 @@ SIMD_AVX512 void qp_micro_512(const Weights& w, const float* a, int64_t p0, floa
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
       const int64_t f = ((p0 + j) * groups + g) * kPanel;
-      sc[j] = _mm512_loadu_ps(w.scales + f);
-      mn[j] = w.mins ? _mm512_loadu_ps(w.mins + f) : _mm512_setzero_ps();
+      sc[j] = qp_scales16<BITS>(w.scales, f);
+      mn[j] = w.mins ? qp_scales16<BITS>(w.mins, f) : _mm512_setzero_ps();
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
       __m512 w0[NP], w1[NP];
@@ -758,7 +808,7 @@ SIMD_AVX512 void qp_rows_512(int64_t rows, const Weights& w, const float* a, int
 // The 16 codes of columns 2i and 2i + 1 (one pair's bytes at b), half h (rows 8h .. 8h + 7), as int32.
 template <int BITS>
 SIMD_AVX2 inline void qp_codes8(const uint8_t* b, int h, __m256i& even, __m256i& odd) {
-  if constexpr (BITS == 4) {
+  if constexpr ((BITS & 0xFF) == 4) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * h)));
     even = _mm256_and_si256(v, _mm256_set1_epi32(15));
     odd = _mm256_srli_epi32(v, 4);
@@ -777,8 +827,8 @@ SIMD_AVX2 void qp_dequantize_avx2(const Weights& w, int64_t p, float* out) {
     const int64_t f = (p * groups + g) * kPanel;
     __m256 sc[2], mn[2];
     for (int h = 0; h < 2; ++h) {
-      sc[h] = _mm256_loadu_ps(w.scales + f + 8 * h);
-      mn[h] = w.mins ? _mm256_loadu_ps(w.mins + f + 8 * h) : _mm256_setzero_ps();
+      sc[h] = qp_scales8<BITS>(w.scales, f + 8 * h);
+      mn[h] = w.mins ? qp_scales8<BITS>(w.mins, f + 8 * h) : _mm256_setzero_ps();
     }
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
       for (int h = 0; h < 2; ++h) {
@@ -836,8 +886,7 @@ SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float
     for (int j = 0; j < NP; ++j) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const float* sc = w.scales + (p0 * groups + g) * kPanel;
-    const float* mn = w.mins ? w.mins + (p0 * groups + g) * kPanel : nullptr;
+    const int64_t f0 = (p0 * groups + g) * kPanel;
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {
       __m256 w0[NP][2], w1[NP][2];
 #pragma GCC unroll 4
@@ -846,8 +895,9 @@ SIMD_AVX2 void qp_micro_avx2(const Weights& w, const float* a, int64_t p0, float
         for (int h = 0; h < 2; ++h) {
           __m256i even, odd;
           qp_codes8<BITS>(b + j * panel_bytes + k / 2 * pair_bytes, h, even, odd);
-          const int64_t f = j * groups * kPanel + 8 * h;
-          const __m256 s = _mm256_loadu_ps(sc + f), min = mn ? _mm256_loadu_ps(mn + f) : _mm256_setzero_ps();
+          const int64_t f = f0 + j * groups * kPanel + 8 * h;
+          const __m256 s = qp_scales8<BITS>(w.scales, f);
+          const __m256 min = w.mins ? qp_scales8<BITS>(w.mins, f) : _mm256_setzero_ps();
           w0[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even), s, min);
           w1[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd), s, min);
         }
@@ -918,13 +968,17 @@ SIMD_AVX2 void qp_linear_avx2(const Weights& w, const float* x, int64_t m, float
 // mode 0: the portable loop; 1: the 256-bit kernels; other modes the widest this CPU has.
 void qp_linear(const Weights& w, const float* x, int64_t m, float* y, int mode, int threads) {
   static const bool avx2 = simd::cpu_has_avx2_fma(), wide = simd::cpu_has_avx512();
-  const bool nibbles = (w.bits & 0xFF) == 4;
-  if (mode == 0 || !avx2) {
-    qp_linear_scalar(w, x, m, y, threads);
-  } else if (mode != 1 && wide) {
-    nibbles ? qp_linear_avx512<4>(w, x, m, y, threads) : qp_linear_avx512<8>(w, x, m, y, threads);
+  if (mode == 0 || !avx2) return qp_linear_scalar(w, x, m, y, threads);
+  const bool use512 = mode != 1 && wide;
+  auto run = [&](auto bits) {
+    constexpr int kBits = decltype(bits)::value;
+    use512 ? qp_linear_avx512<kBits>(w, x, m, y, threads) : qp_linear_avx2<kBits>(w, x, m, y, threads);
+  };
+  const bool half = w.bits & kQuantPanelsHalf;
+  if ((w.bits & 0xFF) == 4) {
+    half ? run(std::integral_constant<int, 4 | kQuantPanelsHalf>{}) : run(std::integral_constant<int, 4>{});
   } else {
-    nibbles ? qp_linear_avx2<4>(w, x, m, y, threads) : qp_linear_avx2<8>(w, x, m, y, threads);
+    half ? run(std::integral_constant<int, 8 | kQuantPanelsHalf>{}) : run(std::integral_constant<int, 8>{});
   }
 }
 

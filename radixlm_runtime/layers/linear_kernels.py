@@ -278,6 +278,8 @@ class Int8Panels:
 
 # rq_linear's bits flag of QuantPanels (linear_cpu.cpp's kQuantPanels).
 QUANT_PANELS_BITS = 0x200
+# Its bit for float16 scales and mins (kQuantPanelsHalf).
+QUANT_PANELS_HALF_BITS = 0x400
 
 
 @dataclass
@@ -285,9 +287,11 @@ class QuantPanels:
     """An int4/int8 weight repacked k-major for float activations (linear_cpu.cpp, "quantized panels"):
     codes per 16 output rows side by side per input column, int4 [ceil(N / 16), K / 2, 16] (a byte: the
     row's code of column 2i in its low nibble, of 2i + 1 in its high one), int8 [ceil(N / 16), K, 16];
-    float32 scales and mins [ceil(N / 16), K / group, 16] (mins None for symmetric weights; rows past N
-    zero). The kernel dequantizes in registers for up to 8 rows at once, and every row count gets the
-    same bits: the float32 panels' arithmetic on the dequantized weight."""
+    scales and mins [ceil(N / 16), K / group, 16] (mins None for symmetric weights; rows past N zero),
+    float16 where every value is one exactly (GGUF blocks store them so: a decode step then reads a
+    sixth fewer bytes of an int4 weight), else float32. The kernel dequantizes in registers for up to 8
+    rows at once, and every row count gets the same bits: the float32 panels' arithmetic on the
+    dequantized weight."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -308,10 +312,14 @@ class QuantPanels:
         codes = weight.codes()
         if weight.bits == 4:
             codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        scales = _panels(weight.scales, torch.float32)
+        mins = None if weight.mins is None else _panels(weight.mins, torch.float32)
+        if all(t is None or torch.equal(t.half().float(), t) for t in (scales, mins)):
+            scales, mins = scales.half(), None if mins is None else mins.half()
         return cls(
             _panels(codes, torch.uint8 if weight.bits == 4 else torch.int8),
-            _panels(weight.scales, torch.float32),
-            None if weight.mins is None else _panels(weight.mins, torch.float32),
+            scales,
+            mins,
             weight.bits,
             weight.group_size,
             weight.out_features,
@@ -323,10 +331,12 @@ class QuantPanels:
 
     @functools.cached_property
     def kernel_args(self) -> tuple[int | None, ...]:
-        """rq_linear's weight arguments: codes, scales, mins, N, group, bits | QUANT_PANELS_BITS."""
+        """rq_linear's weight arguments: codes, scales, mins, N, group, bits | QUANT_PANELS_BITS (|
+        QUANT_PANELS_HALF_BITS for float16 scales)."""
         mins = None if self.mins is None else self.mins.data_ptr()
         ptrs = (self.codes.data_ptr(), self.scales.data_ptr(), mins)
-        return (*ptrs, self.out_features, self.group_size, self.bits | QUANT_PANELS_BITS)
+        half = QUANT_PANELS_HALF_BITS if self.scales.dtype == torch.float16 else 0
+        return (*ptrs, self.out_features, self.group_size, self.bits | QUANT_PANELS_BITS | half)
 
 
 # rq_linear's bits flag of Act8Panels (linear_cpu.cpp's kAct8).

@@ -190,7 +190,10 @@ def test_quantized_panel_gemm_multiplies_the_fma_dequantized_weight_to_the_bit(
     assert torch.equal(cpu_linear(x, weight, mode=PANEL_GEMM), expected)
 
 
-def _quantized(bits: int, group: int, n: int, k: int, symmetric: bool, seed: int) -> QuantizedWeight:
+def _quantized(
+    bits: int, group: int, n: int, k: int, symmetric: bool, seed: int, half: bool = False
+) -> QuantizedWeight:
+    """Random codes, scales and mins; with `half` the scales and mins float16 values, as a GGUF file's."""
     gen = torch.Generator().manual_seed(seed)
     scales = 0.01 + 0.01 * torch.rand(n, k // group, generator=gen)
     if bits == 4:
@@ -198,31 +201,38 @@ def _quantized(bits: int, group: int, n: int, k: int, symmetric: bool, seed: int
     else:
         codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     mins = None if symmetric else -8 * scales * (0.5 + torch.rand(n, k // group, generator=gen))
+    if half:
+        scales, mins = scales.half().float(), None if mins is None else mins.half().float()
     return QuantizedWeight(bits, codes, scales, mins, group)
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "symmetric", "out_features", "in_features"),
+    ("bits", "group", "symmetric", "out_features", "in_features", "half"),
     [
-        (4, 32, False, 960, 576),  # the default model's Q4_1 qkv
-        (4, 64, False, 37, 128),  # N cut short of a panel
-        (4, 16, False, 21, 96),  # Q6_K's half-chunk groups
-        (8, 32, True, 50, 64),  # Q8_0
-        (8, 16, False, 70, 64),
-        (4, 32, True, 16, 32),
+        (4, 32, False, 960, 576, True),  # the default model's Q4_1 qkv (float16 scales and mins)
+        (4, 32, False, 960, 576, False),  # quantized from float weights: float32 scales
+        (4, 64, False, 37, 128, False),  # N cut short of a panel
+        (4, 16, False, 21, 96, True),  # Q6_K's half-chunk groups
+        (8, 32, True, 50, 64, True),  # Q8_0
+        (8, 32, True, 50, 64, False),
+        (8, 16, False, 70, 64, False),
+        (4, 32, True, 16, 32, False),
     ],
 )
 def test_quantized_panels_multiply_the_fma_dequantized_weight_at_every_row_count(
-    bits: int, group: int, symmetric: bool, out_features: int, in_features: int
+    bits: int, group: int, symmetric: bool, out_features: int, in_features: int, half: bool
 ) -> None:
     """QuantPanels (the k-major layout float32 arithmetic serves quantized weights from) dequantize in
     registers, fma(code, scale, min), and run one FMA chain per output: the float32 panels' bits on the
     fma-dequantized weight, on every path (scalar, 256-bit, AVX-512) and at every row count, across
     the blockings (1-4 rows x 4 panels, blocks of up to 8 rows, and from 20 rows the dequantized panels
-    the float32 kernels read), and the same as the GGUF layout's panel GEMM."""
-    weight = _quantized(bits, group, out_features, in_features, symmetric, bits + group + out_features)
+    the float32 kernels read), and the same as the GGUF layout's panel GEMM; with scales and mins held
+    as float16 where they are float16 values, float32 otherwise."""
+    weight = _quantized(bits, group, out_features, in_features, symmetric, bits + group + out_features, half)
     panels = QuantPanels.pack(weight)
     assert (panels.out_features, panels.in_features) == (out_features, in_features)
+    assert panels.scales.dtype == (torch.float16 if half else torch.float32)
+    assert panels.mins is None or panels.mins.dtype == panels.scales.dtype
     dense = FloatPanels.pack(_fma_dequantized(weight))
     x = torch.randn(41, in_features, generator=torch.Generator().manual_seed(3))
     for rows in (1, 2, 3, 4, 5, 12, 19, 20, 41):
@@ -230,6 +240,23 @@ def test_quantized_panels_multiply_the_fma_dequantized_weight_at_every_row_count
         for mode in MODES:
             assert torch.equal(cpu_linear(x[:rows], panels, mode=mode), expected), (rows, mode)
         assert torch.equal(cpu_linear(x[:rows], weight, mode=PANEL_GEMM), expected)
+
+
+def test_quantized_panels_widen_every_float16_scale_exactly() -> None:
+    """float16 scales and mins widen to the same floats on every path (the scalar one in software):
+    subnormals, the largest float16 and negative zero included, so the bits match the float32 weight's."""
+    weight = _quantized(4, 32, 64, 64, False, 8, half=True)
+    special = torch.tensor([2.0**-24, 3 * 2.0**-20, 65504.0, -0.0, 2.0**-14, 1.0], dtype=torch.float32)
+    weight.scales[:6, 0] = special
+    weight.mins[:6, 1] = -special
+    panels = QuantPanels.pack(weight)
+    assert panels.scales.dtype == torch.float16
+    dense = FloatPanels.pack(_fma_dequantized(weight))
+    x = torch.randn(21, 64, generator=torch.Generator().manual_seed(9))
+    for rows in (1, 5, 21):
+        expected = cpu_linear(x[:rows], dense)
+        for mode in MODES:
+            assert torch.equal(cpu_linear(x[:rows], panels, mode=mode), expected), (rows, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
