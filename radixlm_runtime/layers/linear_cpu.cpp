@@ -678,16 +678,19 @@ inline float half_to_float(uint16_t h) {
   return v;
 }
 
+// Scales or mins held as float16 (Weights carries them as float pointers).
+inline const uint16_t* as_halves(const float* values) { return reinterpret_cast<const uint16_t*>(values); }
+
 // Scale or min f of a quantized panel weight (float16 where `half`).
 inline float qp_scale(const float* values, int64_t f, bool half) {
-  return half ? half_to_float(reinterpret_cast<const uint16_t*>(values)[f]) : values[f];
+  return half ? half_to_float(as_halves(values)[f]) : values[f];
 }
 
 // 16 (8) scales or mins from f on, as floats.
 template <int BITS>
 SIMD_AVX512 inline __m512 qp_scales16(const float* values, int64_t f) {
   if constexpr (BITS & kQuantPanelsHalf) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(values) + f)));
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(as_halves(values) + f)));
   } else {
     return _mm512_loadu_ps(values + f);
   }
@@ -696,7 +699,7 @@ SIMD_AVX512 inline __m512 qp_scales16(const float* values, int64_t f) {
 template <int BITS>
 SIMD_AVX2 inline __m256 qp_scales8(const float* values, int64_t f) {
   if constexpr (BITS & kQuantPanelsHalf) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(values) + f)));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(as_halves(values) + f)));
   } else {
     return _mm256_loadu_ps(values + f);
   }
