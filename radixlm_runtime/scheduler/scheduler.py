@@ -315,7 +315,7 @@ class Scheduler:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step %.1f ms (model: %.1f): %d tokens (%d prefill, attention work %.0f, "
-                "%d partial prompts), %d requests",
+                "%d partial prompts), %d requests; prompt chunks (context, tokens) %s",
                 seconds * 1000,
                 budget.predict(shape) * 1000,
                 shape.tokens,
@@ -323,6 +323,7 @@ class Scheduler:
                 shape.attention,
                 len(self.admission.partial),
                 len(launched.items),
+                [(it.prefix_len, it.extend_len) for it in launched.items if it.is_prefill][:8],
             )
         budget.observe(shape, seconds)
 

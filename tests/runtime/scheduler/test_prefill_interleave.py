@@ -12,7 +12,7 @@ import pytest
 from scheduler_helpers import assert_no_leak, message
 
 import radixlm_runtime as rt
-from radixlm_runtime.scheduler.admission import MIN_CHUNK, ScheduledItem
+from radixlm_runtime.scheduler.admission import CHUNKED_SHARE, MIN_CHUNK, ScheduledItem
 from radixlm_runtime.scheduler.scheduler import Scheduler
 from radixlm_runtime.scheduler.step_budget import FIRST_STEP_TOKENS, StepBudget
 
@@ -202,3 +202,41 @@ def test_every_step_is_measured(tiny_llama_dir: Path) -> None:
     engine.generate(input_ids=LONG, sampling_params=GREEDY)
     assert seen == [sum(it.extend_len for it in items) for items in steps]
     assert seen[0] == FIRST_STEP_TOKENS
+
+
+def test_a_step_that_completes_a_prompt_ends_early(tiny_llama_dir: Path, alone: dict[str, list[int]]) -> None:
+    """The step in which a shorter prompt finishes gives the long prompt its share and no more: what
+    the short one leaves of the budget would only hold its first token back behind a long chunk (at
+    a long prompt's context, the costliest tokens a step can carry)."""
+    medium = [(11 * j + 5) % 290 + 3 for j in range(3 * BUDGET)]
+    engine = _engine(tiny_llama_dir)
+    sched = engine.scheduler
+    steps = _record_steps(sched)
+    reqs = {"long": sched.submit(message("long", LONG, GREEDY))}
+    sched.step()
+    reqs["short"] = sched.submit(message("short", SHORT, GREEDY))
+    sched.step()
+    reqs["medium"] = sched.submit(message("medium", medium, GREEDY))
+    while sched.has_work():
+        sched.step()
+    share = _first_share_tokens(BUDGET)
+    completing = 0
+    for items in steps[1:]:
+        chunks = {it.req.rid: it for it in items if it.is_prefill}
+        if "long" not in chunks:
+            continue
+        others = [it for rid, it in chunks.items() if rid != "long"]
+        if any(it.completes for it in others):
+            completing += 1
+            assert chunks["long"].extend_len == share, [(rid, it.extend_len) for rid, it in chunks.items()]
+            assert sum(it.extend_len for it in items) < BUDGET
+        elif not chunks["long"].completes:
+            assert sum(it.extend_len for it in items) == BUDGET  # otherwise the long prompt fills the step
+    assert completing == 2  # the short prompt's one step and the medium one's last
+    assert reqs["long"].output_ids == alone["long"] and reqs["short"].output_ids == alone["short"]
+    assert_no_leak(engine)
+
+
+def _first_share_tokens(budget: int) -> int:
+    """The long prompt's share of a fixed token budget."""
+    return max(MIN_CHUNK, int(budget * CHUNKED_SHARE))
