@@ -5,7 +5,8 @@ budget (sized by time, step_budget.py) and the KV pool allow.
 Long prompts must not hold everyone up. Prompts partly prefilled ("partial") share each step's
 prefill budget shortest remainder first, the one that started first keeping a share so that it always
 advances. A waiting prompt goes ahead of them when it fits the step whole, or when it is much shorter
-than every partial's remainder: it then starts chunking too (up to MAX_PARTIAL at once). So a short
+than every partial's remainder: it then starts chunking too (up to MAX_PARTIAL at once). A step in
+which such a prompt completes ends early rather than fill up with the long prompt's chunk. So a short
 request that arrives behind a 4,000-token prompt gets its first token after a step or two instead of
 after the long prompt's last chunk. When decode runs out of KV the newest requests are retracted."""
 
