@@ -36,7 +36,7 @@ IN_BATCH_PREFIX_CHECK = 32
 # While shorter prompts go ahead of it, the partial prefill that started first keeps at least this
 # share of the step's prefill budget, so a stream of short requests slows a long prompt down but never
 # stalls it. 0.1 rather than 0.25: on the long-prompt mix the short requests' TTFT P50 and P90 fell
-# by a fifth, the long prompts' by a few percent more (benchmarks/README.md, "Long-prompt mix").
+# by a fifth and the long prompts' grew ~3 % (benchmarks/README.md, "Long-prompt mix").
 CHUNKED_SHARE = 0.1
 # A waiting prompt that does not fit the step whole starts chunking ahead of the partial prefills
 # when its uncached tokens are at most this share of the shortest partial's remainder.
