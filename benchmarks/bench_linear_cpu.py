@@ -344,6 +344,14 @@ def kernel_table(results: list[dict[str, Any]]) -> Table:
     return Table("CPU linear kernels against the measured peak of their arithmetic", headers, rows)
 
 
+def slots_table(slots: dict[str, float]) -> Table:
+    """cpu_peak.vnni_slots: what each instruction of the int8-activation kernels' epilogue, nibble split
+    and broadcasts costs the vpdpbusd beside it."""
+    rows = [[name, fmt(taken, ".2f")] for name, taken in slots.items()]
+    title = "vpdpbusd zmm slots one other instruction takes among them (1 thread; 1: a slot, 0: free)"
+    return Table(title, ["instruction", "vpdpbusd slots"], rows)
+
+
 def peak_notes(results: list[dict[str, Any]]) -> list[str]:
     """Per thread count and kernel, the share of its peak at prefill rows, against the 70 % target."""
     notes = []
@@ -436,6 +444,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         kernel_results += found
     torch.set_num_threads(default_threads)
+    slots = cpu_peak.vnni_slots(sizes["peak_ms"] / 2e3) if kernel_results else None
+    tables = [peak_table(peaks), kernel_table(kernel_results)] + ([slots_table(slots)] if slots else [])
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     figure, peak_figure = f"{NAME}.png", f"{NAME}_peak.png"
@@ -471,8 +481,9 @@ def main(argv: list[str] | None = None) -> None:
             "peaks": {str(t): found for t, found in peaks.items()},
             "kernels": kernel_results,
             "skipped_kernels": skipped,
+            "vnni_slots": slots,
         },
-        tables=[table, peak_table(peaks), kernel_table(kernel_results)],
+        tables=[table, *tables],
         notes=notes,
         figures=figures,
         sizes=sizes,

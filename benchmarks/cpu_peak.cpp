@@ -151,6 +151,55 @@ CP_AMX_PATH(amx_int8, "amx-tile,amx-int8", CP_TDPBUSD, int32_t)
 #define CP_TDPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
 CP_AMX_PATH(amx_bf16, "amx-tile,amx-bf16", CP_TDPBF16PS, float)
 
+// What one other instruction costs vpdpbusd zmm when it runs among them: the int8-activation kernels
+// put a float epilogue (a multiply and one or two FMAs per 8 vpdpbusd), the int4 nibble split and the
+// activations' broadcasts beside their dot products, and which of those share vpdpbusd's ports differs
+// by CPU (on Zen 4 and Zen 5 vmulps and vfmadd do, at full cost). A round is the 16 chains of the VNNI
+// path plus kMixOps instructions of kind OP, each on a chain of its own (so none waits on itself).
+constexpr int kMixOps = 4;
+enum Mix { MIX_NONE, MIX_MULPS, MIX_FMADDPS, MIX_ADDPS, MIX_CVTDQ2PS, MIX_PADDD, MIX_PANDD, MIX_PSRLW, MIX_BCAST, MIX_COUNT };
+
+#define CP_MIX_DECL(i, ...) __m512i acc##i = _mm512_set1_epi32(i);
+#define CP_MIX_STEP(i, ...) asm("vpdpbusd %1, %2, %0" : "+v"(acc##i) : "v"(a), "v"(b));
+#define CP_MIX_SUM(i, ...) sum += _mm512_reduce_add_epi32(acc##i);
+
+template <int OP>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) inline void mix_op(__m512i& c, __m512i s,
+                                                                                             const int* m) {
+  if constexpr (OP == MIX_MULPS) asm volatile("vmulps %1, %0, %0" : "+v"(c) : "v"(s));
+  if constexpr (OP == MIX_FMADDPS) asm volatile("vfmadd231ps %1, %1, %0" : "+v"(c) : "v"(s));
+  if constexpr (OP == MIX_ADDPS) asm volatile("vaddps %1, %0, %0" : "+v"(c) : "v"(s));
+  if constexpr (OP == MIX_CVTDQ2PS) asm volatile("vcvtdq2ps %0, %0" : "+v"(c));
+  if constexpr (OP == MIX_PADDD) asm volatile("vpaddd %1, %0, %0" : "+v"(c) : "v"(s));
+  if constexpr (OP == MIX_PANDD) asm volatile("vpandd %1, %0, %0" : "+v"(c) : "v"(s));
+  if constexpr (OP == MIX_PSRLW) asm volatile("vpsrlw $4, %0, %0" : "+v"(c));
+  if constexpr (OP == MIX_BCAST) asm volatile("vpbroadcastd %1, %0" : "=v"(c) : "m"(*m));
+}
+
+template <int OP>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) double mix_run(int64_t iters) {
+  CP_VNNI_ZMM_SETUP
+  const __m512i s = _mm512_set1_epi32(static_cast<int>(g_seed));
+  const int word = static_cast<int>(g_seed);
+  CP_REP16(CP_MIX_DECL)
+  // Named, as the chains are (an array of vectors would go through the stack).
+  __m512i c0 = s, c1 = s, c2 = s, c3 = s;
+  static_assert(kMixOps == 4, "one named chain per companion instruction");
+  for (int64_t it = 0; it < iters; ++it) {
+    CP_REP16(CP_MIX_STEP)
+    if constexpr (OP != MIX_NONE) {
+      mix_op<OP>(c0, s, &word);
+      mix_op<OP>(c1, s, &word);
+      mix_op<OP>(c2, s, &word);
+      mix_op<OP>(c3, s, &word);
+    }
+  }
+  double sum = 0.0;
+  CP_REP16(CP_MIX_SUM)
+  for (const __m512i& v : {c0, c1, c2, c3}) sum += _mm512_reduce_add_epi32(v);
+  return sum;
+}
+
 }  // namespace
 
 extern "C" {
@@ -207,6 +256,30 @@ double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
   const double seconds = omp_get_wtime() - start;
   volatile double keep = 0.0;
   for (double v : sink) keep = keep + v;
+  (void)keep;
+  return seconds;
+}
+
+// One thread's seconds for `iters` rounds of 16 vpdpbusd zmm and kMixOps instructions of kind `op`
+// (0 none, 1 vmulps, 2 vfmadd231ps, 3 vaddps, 4 vcvtdq2ps, 5 vpaddd, 6 vpandd, 7 vpsrlw, 8 vpbroadcastd
+// from memory; all zmm); -1 where the CPU lacks AVX512-VNNI or `op` is out of range.
+double cpu_peak_mix(int op, int64_t iters) {
+  if (!cpu_peak_supported(VNNI_ZMM) || op < 0 || op >= MIX_COUNT) return -1.0;
+  const double start = omp_get_wtime();
+  double r = 0.0;
+  switch (op) {
+    case MIX_NONE: r = mix_run<MIX_NONE>(iters); break;
+    case MIX_MULPS: r = mix_run<MIX_MULPS>(iters); break;
+    case MIX_FMADDPS: r = mix_run<MIX_FMADDPS>(iters); break;
+    case MIX_ADDPS: r = mix_run<MIX_ADDPS>(iters); break;
+    case MIX_CVTDQ2PS: r = mix_run<MIX_CVTDQ2PS>(iters); break;
+    case MIX_PADDD: r = mix_run<MIX_PADDD>(iters); break;
+    case MIX_PANDD: r = mix_run<MIX_PANDD>(iters); break;
+    case MIX_PSRLW: r = mix_run<MIX_PSRLW>(iters); break;
+    default: r = mix_run<MIX_BCAST>(iters); break;
+  }
+  const double seconds = omp_get_wtime() - start;
+  volatile double keep = r;
   (void)keep;
   return seconds;
 }

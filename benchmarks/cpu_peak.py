@@ -8,8 +8,15 @@ ymm; an AMX tile product 2 x 16 x 16 x 64 bytes or x 32 bf16) times the instruct
 retired, over the wall time of the parallel region; best of `repeats` runs of about `seconds` each. A
 path this CPU lacks is left out (`supported` says which).
 
+A second measurement (`--mixes`, and `vnni_slots`) asks what each instruction the int8-activation
+kernels run beside their `vpdpbusd` costs it: one thread, 16 `vpdpbusd` zmm chains and 4 of that
+instruction a round, its cost the round's extra time in `vpdpbusd` slots (1: it takes a slot, as on
+a port both run on; 0: it runs beside them for free). That, not the loop's length, is what bounds those
+kernels below the `vpdpbusd` peak (benchmarks/README.md, "CPU arithmetic").
+
     python benchmarks/cpu_peak.py                # every path at all cores and at 1 thread
     python benchmarks/cpu_peak.py --threads 1,2
+    python benchmarks/cpu_peak.py --mixes        # and the vpdpbusd slots each companion instruction takes
 """
 
 from __future__ import annotations
@@ -50,6 +57,20 @@ PATHS = {
 }
 
 
+# The companion instructions of cpu_peak_mix, by its numbering (0 is vpdpbusd alone).
+MIXES = {
+    "vmulps": 1,
+    "vfmadd231ps": 2,
+    "vaddps": 3,
+    "vcvtdq2ps": 4,
+    "vpaddd": 5,
+    "vpandd": 6,
+    "vpsrlw": 7,
+    "vpbroadcastd (load)": 8,
+}
+MIX_CHAINS, MIX_OPS = 16, 4  # vpdpbusd chains and companion instructions a round
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     lib = load_library(_SOURCE)
@@ -59,6 +80,8 @@ def _library() -> ctypes.CDLL:
     lib.cpu_peak_chains.restype = ctypes.c_int
     lib.cpu_peak_run.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]
     lib.cpu_peak_run.restype = ctypes.c_double
+    lib.cpu_peak_mix.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.cpu_peak_mix.restype = ctypes.c_double
     return lib
 
 
@@ -93,11 +116,38 @@ def peaks(threads: int, seconds: float = 0.2, repeats: int = 5) -> dict[str, flo
     return {name: rate for name, rate in found.items() if rate is not None}
 
 
+def _mix_round_seconds(op: int, seconds: float, repeats: int) -> float:
+    """Best seconds per round of cpu_peak_mix's kind `op` (calibrated as `measure`)."""
+    lib = _library()
+    iters = 1 << 14
+    while (elapsed := lib.cpu_peak_mix(op, iters)) < seconds / 4:
+        iters *= 4
+    iters = max(1, int(iters * seconds / elapsed))
+    return min(lib.cpu_peak_mix(op, iters) for _ in range(repeats)) / iters
+
+
+def vnni_slots(seconds: float = 0.1, repeats: int = 5) -> dict[str, float] | None:
+    """vpdpbusd zmm slots one instruction of each MIXES kind takes among them, on one thread; None
+    where this CPU lacks AVX512-VNNI. Kinds are measured alternately with vpdpbusd alone, each against
+    the alone round nearest in time, so a drifting clock moves both."""
+    if not _library().cpu_peak_supported(PATHS["int8_vnni_zmm"].isa):
+        return None
+    slots = {}
+    for name, op in MIXES.items():
+        alone = _mix_round_seconds(0, seconds, repeats)
+        mixed = _mix_round_seconds(op, seconds, repeats)
+        slots[name] = (mixed - alone) / (alone / MIX_CHAINS) / MIX_OPS
+    return slots
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cores = os.cpu_count() or 1
     ap.add_argument("--threads", default=f"{cores},1" if cores > 1 else "1", help="Comma-separated.")
     ap.add_argument("--seconds", type=float, default=0.2, help="Length of one timed run.")
+    ap.add_argument(
+        "--mixes", action="store_true", help="Also the vpdpbusd slots each companion instruction takes."
+    )
     args = ap.parse_args(argv)
     have = supported()
     for threads in (int(t) for t in args.threads.split(",")):
@@ -105,6 +155,12 @@ def main(argv: list[str] | None = None) -> None:
             rate = measure(name, threads, args.seconds) if have[name] else None
             shown = f"{rate:9.1f} {path.unit}" if rate is not None else "  (this CPU lacks it)"
             print(f"{threads:3d} thread(s)  {path.instruction:30s} {shown}")
+    if args.mixes:
+        slots = vnni_slots(args.seconds / 2)
+        if slots is None:
+            print("vpdpbusd zmm slots: this CPU lacks AVX512-VNNI")
+        for name, taken in (slots or {}).items():
+            print(f"  one {name:20s} beside vpdpbusd zmm takes {taken:5.2f} of its slots")
 
 
 if __name__ == "__main__":
