@@ -157,7 +157,7 @@ CP_AMX_PATH(amx_bf16, "amx-tile,amx-bf16", CP_TDPBF16PS, float)
 // by CPU (on Zen 4 and Zen 5 vmulps and vfmadd do, at full cost). A round is the 16 chains of the VNNI
 // path plus kMixOps instructions of kind OP, each on a chain of its own (so none waits on itself).
 constexpr int kMixOps = 4;
-enum Mix { MIX_NONE, MIX_MULPS, MIX_FMADDPS, MIX_ADDPS, MIX_CVTDQ2PS, MIX_PADDD, MIX_PANDD, MIX_PSRLW, MIX_BCAST, MIX_COUNT };
+enum Mix { MIX_NONE, MIX_MULPS, MIX_FMADDPS, MIX_ADDPS, MIX_CVTDQ2PS, MIX_PADDD, MIX_PANDD, MIX_PSRLW, MIX_BCAST, MIX_PSHUFD, MIX_BCAST128, MIX_COUNT };
 
 #define CP_MIX_DECL(i, ...) __m512i acc##i = _mm512_set1_epi32(i);
 #define CP_MIX_STEP(i, ...) asm("vpdpbusd %1, %2, %0" : "+v"(acc##i) : "v"(a), "v"(b));
@@ -174,13 +174,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) inline 
   if constexpr (OP == MIX_PANDD) asm volatile("vpandd %1, %0, %0" : "+v"(c) : "v"(s));
   if constexpr (OP == MIX_PSRLW) asm volatile("vpsrlw $4, %0, %0" : "+v"(c));
   if constexpr (OP == MIX_BCAST) asm volatile("vpbroadcastd %1, %0" : "=v"(c) : "m"(*m));
+  if constexpr (OP == MIX_PSHUFD) asm volatile("vpshufd $0x55, %0, %0" : "+v"(c));
+  if constexpr (OP == MIX_BCAST128) asm volatile("vbroadcasti32x4 %1, %0" : "=v"(c) : "m"(*reinterpret_cast<const __m128i*>(m)));
 }
 
 template <int OP>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) double mix_run(int64_t iters) {
   CP_VNNI_ZMM_SETUP
   const __m512i s = _mm512_set1_epi32(static_cast<int>(g_seed));
-  const int word = static_cast<int>(g_seed);
+  alignas(16) const int word[4] = {static_cast<int>(g_seed), 0, 0, 0};
   CP_REP16(CP_MIX_DECL)
   // Named, as the chains are (an array of vectors would go through the stack).
   __m512i c0 = s, c1 = s, c2 = s, c3 = s;
@@ -188,10 +190,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) double 
   for (int64_t it = 0; it < iters; ++it) {
     CP_REP16(CP_MIX_STEP)
     if constexpr (OP != MIX_NONE) {
-      mix_op<OP>(c0, s, &word);
-      mix_op<OP>(c1, s, &word);
-      mix_op<OP>(c2, s, &word);
-      mix_op<OP>(c3, s, &word);
+      mix_op<OP>(c0, s, word);
+      mix_op<OP>(c1, s, word);
+      mix_op<OP>(c2, s, word);
+      mix_op<OP>(c3, s, word);
     }
   }
   double sum = 0.0;
@@ -262,7 +264,7 @@ double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
 
 // One thread's seconds for `iters` rounds of 16 vpdpbusd zmm and kMixOps instructions of kind `op`
 // (0 none, 1 vmulps, 2 vfmadd231ps, 3 vaddps, 4 vcvtdq2ps, 5 vpaddd, 6 vpandd, 7 vpsrlw, 8 vpbroadcastd
-// from memory; all zmm); -1 where the CPU lacks AVX512-VNNI or `op` is out of range.
+// from memory, 9 vpshufd, 10 vbroadcasti32x4 from memory; all zmm); -1 where the CPU lacks AVX512-VNNI or `op` is out of range.
 double cpu_peak_mix(int op, int64_t iters) {
   if (!cpu_peak_supported(VNNI_ZMM) || op < 0 || op >= MIX_COUNT) return -1.0;
   const double start = omp_get_wtime();
@@ -276,7 +278,9 @@ double cpu_peak_mix(int op, int64_t iters) {
     case MIX_PADDD: r = mix_run<MIX_PADDD>(iters); break;
     case MIX_PANDD: r = mix_run<MIX_PANDD>(iters); break;
     case MIX_PSRLW: r = mix_run<MIX_PSRLW>(iters); break;
-    default: r = mix_run<MIX_BCAST>(iters); break;
+    case MIX_BCAST: r = mix_run<MIX_BCAST>(iters); break;
+    case MIX_PSHUFD: r = mix_run<MIX_PSHUFD>(iters); break;
+    default: r = mix_run<MIX_BCAST128>(iters); break;
   }
   const double seconds = omp_get_wtime() - start;
   volatile double keep = r;

@@ -67,6 +67,8 @@ MIXES = {
     "vpandd": 6,
     "vpsrlw": 7,
     "vpbroadcastd (load)": 8,
+    "vpshufd": 9,
+    "vbroadcasti32x4 (load)": 10,
 }
 MIX_CHAINS, MIX_OPS = 16, 4  # vpdpbusd chains and companion instructions a round
 
