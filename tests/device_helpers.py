@@ -18,8 +18,36 @@ if TEST_DEVICE == "cpu":
 elif TEST_DEVICE == "cuda":
     os.environ.pop("TRITON_INTERPRET", None)
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+class _RowwiseMatmul:
+    """numpy, but matmul one row of the left operand at a time. The Triton interpreter computes tl.dot
+    with np.matmul, and OpenBLAS's sgemm may sum a row in an order that depends on the row's place in
+    the tile (its Haswell and Zen kernels do, on a Zen 5): a row's bits would then move with the rows
+    beside it, which a GPU's MMA never does and batch-invariant kernels rely on. Row by row, every
+    row is the same call, and K is still summed as BLAS sums one row."""
+
+    def __getattr__(self, name: str) -> object:
+        value = getattr(np, name)
+        setattr(self, name, value)  # found once, then a plain attribute
+        return value
+
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray, **kwargs: object) -> np.ndarray:
+        # Half-precision products run numpy's own loops, not BLAS.
+        if a.ndim < 2 or a.shape[-2] == 1 or a.dtype not in (np.float32, np.float64):
+            return np.matmul(a, b, **kwargs)
+        rows = [np.matmul(a[..., i : i + 1, :], b, **kwargs) for i in range(a.shape[-2])]
+        return np.concatenate(rows, axis=-2)
+
+
+if TEST_DEVICE == "cpu":
+    from triton.runtime import interpreter
+
+    interpreter.np = _RowwiseMatmul()
 
 # atol = rtol of a Triton attention kernel's output against a float32 torch reference, per input dtype.
 # The interpreter's tl.dot multiplies float32 exactly; a GPU's may round float32 operands to tf32 (a
