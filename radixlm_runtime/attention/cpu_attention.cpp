@@ -1279,6 +1279,8 @@ int ca_has_avx512_bf16(void) { return simd::cpu_has_avx512_bf16(); }
 // vdpbf16ps's measured flop rate over float32 FMAs' here (0 without AVX512-BF16): whether path 3 pays.
 double ca_bf16_dot_over_fma(void) { return simd::bf16_dot_over_fma(); }
 
+double ca_fma_zmm_over_ymm(void) { return simd::fma_zmm_over_ymm(); }
+
 int ca_has_amx_bf16(void) { return simd::cpu_has_amx_bf16(); }
 
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.

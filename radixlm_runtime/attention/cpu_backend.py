@@ -3,8 +3,8 @@ of float32, (--dtype bfloat16, --kv-cache-dtype bfloat16) bf16 or (--kv-cache-dt
 K/V rounded to bf16 as they are stored and widened back as they are read, the scores then dot products
 of bf16 operands (the queries rounded too) accumulated in float32; on prefill chunks, where the CPU has
 AVX512-BF16 and runs it fast (default_mode), both the scores and P.V (the weights rounded to bf16) by
-vdpbf16ps, 1.5x float32 on a Zen 4; where it has AMX-BF16, both on AMX tiles (~2x on a Xeon).
-int8:
+vdpbf16ps, 1.5x float32 on a Zen 4 (not on a Zen 5, whose full-width FMAs make float32 faster);
+where it has AMX-BF16, both on AMX tiles (~2x on a Xeon). int8:
 K/V quantized per token and kv head as they are stored (pool.py's quantize_int8), the codes converted to
 float32 in registers on decode and per block of keys on prefill, never as a copy of the pool, and the
 scales applied once per key (scores = k_scale x q . codes, weights x v_scale): within float32 rounding of
@@ -48,6 +48,10 @@ SCALAR, AVX2, AVX512, AVX512_BF16, AMX_BF16 = 0, 1, 2, 3, 4
 # the float32 path does not (queries, V and the weights in pairs), so at the FMAs' rate it loses (a
 # Sapphire Rapids Xeon, 0.44x: prefill attention 0.77x the float32 path's; a Zen 4, 2x: 1.5x).
 BF16_DOT_MIN_RATIO = 1.5
+# zmm FMA flops over ymm ones from which the float32 path wins anyway: full-width 512-bit units double
+# float32 arithmetic but not the bf16 path's layout work (a Zen 5, 2x: the bf16 path 0.72-0.79x the
+# float32 one, where a Zen 4, 1x, ran it at 1.5x).
+FULL_WIDTH_FMA_RATIO = 1.5
 # The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -62,6 +66,7 @@ def _library() -> ctypes.CDLL:
     lib.ca_has_avx512_bf16.restype = c_int
     lib.ca_has_amx_bf16.restype = c_int
     lib.ca_bf16_dot_over_fma.restype = ctypes.c_double
+    lib.ca_fma_zmm_over_ymm.restype = ctypes.c_double
     lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
@@ -96,22 +101,26 @@ def kernel_path(
 def default_mode() -> int:
     """The widest mode that pays on this CPU: AMX_BF16 where the CPU has AMX-BF16 tiles (a bf16 pool's
     prefill on tiles: ~2x the float32 FMAs on a Sapphire Rapids Xeon, benchmarks/README.md);
-    AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by BF16_DOT_MIN_RATIO (timed once by the
-    library); else AVX512 (the C++ side then steps down to what the CPU has). Logged when the CPU has
-    bf16 dot products that do not pay."""
+    AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by BF16_DOT_MIN_RATIO and those FMAs issue
+    zmm at ymm's rate (both timed once by the library); else AVX512 (the C++ side then steps down to
+    what the CPU has). Logged when the CPU has bf16 dot products that do not pay."""
     lib = _library()
     if lib.ca_has_amx_bf16():
         return AMX_BF16
     ratio = lib.ca_bf16_dot_over_fma()
-    if ratio >= BF16_DOT_MIN_RATIO:
+    if ratio <= 0:
+        return AVX512
+    wide = lib.ca_fma_zmm_over_ymm()
+    if ratio >= BF16_DOT_MIN_RATIO and wide < FULL_WIDTH_FMA_RATIO:
         return AVX512_BF16
-    if ratio > 0:
-        logger.info(
-            "CPU attention: bf16 pools widened to float32 on prefill: vdpbf16ps runs at %.2fx the float32 "
-            "FMAs' flops here (the bf16 path needs %.1fx)",
-            ratio,
-            BF16_DOT_MIN_RATIO,
-        )
+    logger.info(
+        "CPU attention: bf16 pools widened to float32 on prefill: vdpbf16ps runs at %.2fx the float32 FMAs' "
+        "flops and zmm FMAs at %.2fx ymm ones here (the bf16 path needs >= %.1fx and < %.1fx)",
+        ratio,
+        wide,
+        BF16_DOT_MIN_RATIO,
+        FULL_WIDTH_FMA_RATIO,
+    )
     return AVX512
 
 

@@ -246,4 +246,33 @@ inline double bf16_dot_over_fma() {
   return ratio;
 }
 
+// Seconds for `iters` rounds of 12 independent vfmadd231ps chains on ymm, one thread (as above).
+SIMD_AVX2 inline double time_ymm_fma_chains(int64_t iters) {
+  const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-7f);
+  __m256 a0 = y, a1 = y, a2 = y, a3 = y, a4 = y, a5 = y, a6 = y, a7 = y, a8 = y, a9 = y, a10 = y, a11 = y;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) {
+    asm volatile(SIMD_CHAINS12("vfmadd231ps %[x], %[y], ") : SIMD_CHAIN_REGS : [x] "v"(x), [y] "v"(y));
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Float32 FMA flops on zmm over ymm on this CPU, timed once (as bf16_dot_over_fma): about 1 where
+// 512-bit FMAs issue as two 256-bit halves (Zen 4), 2 where the units are full width (Zen 5, the
+// Xeons). There float32 arithmetic doubles on zmm while the bf16 paths' layout work does not. 0
+// without AVX512-BF16 (the only callers' question).
+inline double fma_zmm_over_ymm() {
+  static const double ratio = [] {
+    if (!cpu_has_avx512_bf16()) return 0.0;
+    constexpr int64_t kIters = 1 << 14;
+    double zmm = 1e30, ymm = 1e30;
+    for (int round = 0; round < 3; ++round) {
+      zmm = std::min(zmm, time_zmm_chains(false, kIters));
+      ymm = std::min(ymm, time_ymm_fma_chains(kIters));
+    }
+    return 2.0 * ymm / zmm;
+  }();
+  return ratio;
+}
+
 }  // namespace simd

@@ -396,41 +396,49 @@ def test_cpu_features_pick_the_path() -> None:
 
 
 class _Ratio:
-    """A library stand-in that reports a given vdpbf16ps / FMA flop-rate ratio, and AMX-BF16 or not."""
+    """A library stand-in that reports a given vdpbf16ps / FMA flop-rate ratio, zmm / ymm FMA ratio, and
+    AMX-BF16 or not."""
 
-    def __init__(self, ratio: float, amx: bool) -> None:
+    def __init__(self, ratio: float, amx: bool, wide: float = 1.0) -> None:
         self.ratio = ratio
         self.amx = amx
+        self.wide = wide
 
     def ca_bf16_dot_over_fma(self) -> float:
         return self.ratio
+
+    def ca_fma_zmm_over_ymm(self) -> float:
+        return self.wide
 
     def ca_has_amx_bf16(self) -> int:
         return int(self.amx)
 
 
 @pytest.mark.parametrize(
-    ("ratio", "amx", "mode", "logged"),
+    ("ratio", "wide", "amx", "mode", "logged"),
     [
-        (2.0, False, AVX512_BF16, False),
-        (1.5, False, AVX512_BF16, False),
-        (0.44, False, AVX512, True),
-        (0.0, False, AVX512, False),
-        (0.44, True, AMX_BF16, False),
+        (2.0, 1.0, False, AVX512_BF16, False),
+        (1.5, 1.0, False, AVX512_BF16, False),
+        (2.0, 2.0, False, AVX512, True),
+        (0.44, 2.0, False, AVX512, True),
+        (0.0, 1.0, False, AVX512, False),
+        (0.44, 2.0, True, AMX_BF16, False),
     ],
 )
 def test_the_bf16_path_is_the_default_only_where_it_outruns_fmas(
     monkeypatch: pytest.MonkeyPatch,
     runtime_caplog: pytest.LogCaptureFixture,
     ratio: float,
+    wide: float,
     amx: bool,
     mode: int,
     logged: bool,
 ) -> None:
-    """Zen 4 (vdpbf16ps at 2x the FMAs' flops) takes path 3 by default; a Xeon without AMX that ran it at
-    0.44x widens bf16 pools to float32 and says so; a CPU without AVX512-BF16 (0) takes the AVX-512 path
-    silently; a Sapphire Rapids Xeon (AMX tiles, vdpbf16ps at 0.44x) takes the tiles."""
-    monkeypatch.setattr(cpu_backend, "_library", lambda: _Ratio(ratio, amx))
+    """Zen 4 (vdpbf16ps at 2x the FMAs' flops, zmm FMAs at ymm's rate) takes path 3 by default; a Zen 5
+    (the same 2x, but full-width zmm FMAs: path 3 measured 0.72-0.79x the float32 path there) and a Xeon
+    without AMX that ran vdpbf16ps at 0.44x widen bf16 pools to float32 and say so; a CPU without
+    AVX512-BF16 (0) takes the AVX-512 path silently; a Sapphire Rapids Xeon (AMX tiles) takes the tiles."""
+    monkeypatch.setattr(cpu_backend, "_library", lambda: _Ratio(ratio, amx, wide))
     cpu_backend.default_mode.cache_clear()
     try:
         assert cpu_backend.default_mode() == mode
@@ -440,14 +448,19 @@ def test_the_bf16_path_is_the_default_only_where_it_outruns_fmas(
 
 
 def test_this_cpu_measures_its_bf16_dot_rate() -> None:
-    """The library times vdpbf16ps against FMAs once: 0 without AVX512-BF16, else a rate ratio within
-    what CPUs have (0.44x on a Xeon with AMX, 2x on a Zen 4); the backend's default mode follows it."""
+    """The library times vdpbf16ps against FMAs, and zmm FMAs against ymm ones, once: 0 without
+    AVX512-BF16, else rate ratios within what CPUs have (0.44x on a Xeon with AMX, 2x on a Zen 4; zmm
+    1x on a Zen 4, 2x on a Zen 5); the backend's default mode follows them."""
     lib = cpu_backend._library()
-    ratio = lib.ca_bf16_dot_over_fma()
-    assert (ratio == 0.0) if not lib.ca_has_avx512_bf16() else (0.1 < ratio < 8.0)
+    ratio, wide = lib.ca_bf16_dot_over_fma(), lib.ca_fma_zmm_over_ymm()
+    if not lib.ca_has_avx512_bf16():
+        assert ratio == wide == 0.0
+    else:
+        assert 0.1 < ratio < 8.0 and 0.5 < wide < 4.0
     pool, table = KVPool(8, 1, 1, 8, torch.float32, "cpu"), ReqToTokenTable(2, 8)
     backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(1, 1.0))
-    bf16_mode = AVX512_BF16 if ratio >= cpu_backend.BF16_DOT_MIN_RATIO else AVX512
+    pays = ratio >= cpu_backend.BF16_DOT_MIN_RATIO and wide < cpu_backend.FULL_WIDTH_FMA_RATIO
+    bf16_mode = AVX512_BF16 if pays else AVX512
     assert backend.mode == cpu_backend.default_mode() == (AMX_BF16 if lib.ca_has_amx_bf16() else bf16_mode)
 
 
