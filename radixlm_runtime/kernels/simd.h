@@ -206,72 +206,69 @@ SIMD_AVX512 inline __m512 tanh_avx512(__m512 x) {
   return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 
-// Twelve copies of an instruction, one per chain register a0 .. a11 (its sources in INSN).
-#define SIMD_CHAINS12(INSN)                                                                                  \
-  INSN "%[a0]\n\t" INSN "%[a1]\n\t" INSN "%[a2]\n\t" INSN "%[a3]\n\t" INSN "%[a4]\n\t" INSN "%[a5]\n\t" INSN \
-       "%[a6]\n\t" INSN "%[a7]\n\t" INSN "%[a8]\n\t" INSN "%[a9]\n\t" INSN "%[a10]\n\t" INSN "%[a11]"
+// Twelve copies of an instruction, one per chain register a0 .. a11 (its sources in INSN), each named
+// with operand modifier M ("": the zmm; "t": its ymm half).
+#define SIMD_CHAINS12(INSN, M)                                                                            \
+  INSN "%" M "[a0]\n\t" INSN "%" M "[a1]\n\t" INSN "%" M "[a2]\n\t" INSN "%" M "[a3]\n\t" INSN "%" M     \
+       "[a4]\n\t" INSN "%" M "[a5]\n\t" INSN "%" M "[a6]\n\t" INSN "%" M "[a7]\n\t" INSN "%" M "[a8]\n\t" \
+       INSN "%" M "[a9]\n\t" INSN "%" M "[a10]\n\t" INSN "%" M "[a11]"
 #define SIMD_CHAIN_REGS                                                                                     \
   [a0] "+v"(a0), [a1] "+v"(a1), [a2] "+v"(a2), [a3] "+v"(a3), [a4] "+v"(a4), [a5] "+v"(a5), [a6] "+v"(a6), \
       [a7] "+v"(a7), [a8] "+v"(a8), [a9] "+v"(a9), [a10] "+v"(a10), [a11] "+v"(a11)
 
-// Seconds for `iters` rounds of 12 independent chains of vfmadd231ps (bf16 false) or vdpbf16ps (true) on
-// zmm, one thread (asm: each chain stays in its register and every instruction runs).
-SIMD_BF16 inline double time_zmm_chains(bool bf16, int64_t iters) {
+// What time_chains times: vfmadd231ps on zmm, vdpbf16ps on zmm, vfmadd231ps on ymm.
+enum class Chains { kFmaZmm, kBf16Zmm, kFmaYmm };
+
+// Seconds for `iters` rounds of 12 independent chains of `kind`, one thread (asm: each chain stays in its
+// register and every instruction runs; the ymm chains are the zmm registers' lower halves).
+SIMD_BF16 inline double time_chains(Chains kind, int64_t iters) {
   const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-7f);
   const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3580));  // bf16 2^-20: no overflow
   __m512 a0 = y, a1 = y, a2 = y, a3 = y, a4 = y, a5 = y, a6 = y, a7 = y, a8 = y, a9 = y, a10 = y, a11 = y;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iters; ++i) {
-    if (bf16) asm volatile(SIMD_CHAINS12("vdpbf16ps %[p], %[p], ") : SIMD_CHAIN_REGS : [p] "v"(p));
-    else asm volatile(SIMD_CHAINS12("vfmadd231ps %[x], %[y], ") : SIMD_CHAIN_REGS : [x] "v"(x), [y] "v"(y));
+    if (kind == Chains::kBf16Zmm) {
+      asm volatile(SIMD_CHAINS12("vdpbf16ps %[p], %[p], ", "") : SIMD_CHAIN_REGS : [p] "v"(p));
+    } else if (kind == Chains::kFmaYmm) {
+      asm volatile(SIMD_CHAINS12("vfmadd231ps %t[x], %t[y], ", "t")
+                   : SIMD_CHAIN_REGS
+                   : [x] "v"(x), [y] "v"(y));
+    } else {
+      asm volatile(SIMD_CHAINS12("vfmadd231ps %[x], %[y], ", "") : SIMD_CHAIN_REGS : [x] "v"(x), [y] "v"(y));
+    }
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// vdpbf16ps's flop rate over float32 FMAs' on this CPU (two products a lane against one), timed once,
-// about a millisecond: CPUs with AVX512-BF16 differ by 4x here (a Zen 4 issues it as fast as an FMA:
-// 2x; a Sapphire Rapids Xeon at a quarter of that: 0.5x), so whether bf16 dot products pay is measured,
-// not assumed. 0 where the CPU lacks them.
+// Best seconds of chains `a` over chains `b`, alternating three rounds each (the first also wakes the
+// AVX-512 units): about a millisecond.
+inline double chains_time_ratio(Chains a, Chains b) {
+  constexpr int64_t kIters = 1 << 14;
+  double ta = 1e30, tb = 1e30;
+  for (int round = 0; round < 3; ++round) {
+    ta = std::min(ta, time_chains(a, kIters));
+    tb = std::min(tb, time_chains(b, kIters));
+  }
+  return ta / tb;
+}
+
+// vdpbf16ps's flop rate over float32 FMAs' on this CPU (two products a lane against one), timed once:
+// CPUs with AVX512-BF16 differ by 4x here (a Zen 4 issues it as fast as an FMA: 2x; a Sapphire Rapids
+// Xeon at a quarter of that: 0.5x), so whether bf16 dot products pay is measured, not assumed. 0 where
+// the CPU lacks them.
 inline double bf16_dot_over_fma() {
-  static const double ratio = [] {
-    if (!cpu_has_avx512_bf16()) return 0.0;
-    constexpr int64_t kIters = 1 << 14;
-    double fma = 1e30, dot = 1e30;
-    for (int round = 0; round < 3; ++round) {  // the first also wakes the AVX-512 units
-      fma = std::min(fma, time_zmm_chains(false, kIters));
-      dot = std::min(dot, time_zmm_chains(true, kIters));
-    }
-    return 2.0 * fma / dot;
-  }();
+  static const double ratio =
+      cpu_has_avx512_bf16() ? 2.0 * chains_time_ratio(Chains::kFmaZmm, Chains::kBf16Zmm) : 0.0;
   return ratio;
 }
 
-// Seconds for `iters` rounds of 12 independent vfmadd231ps chains on ymm, one thread (as above).
-SIMD_AVX2 inline double time_ymm_fma_chains(int64_t iters) {
-  const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-7f);
-  __m256 a0 = y, a1 = y, a2 = y, a3 = y, a4 = y, a5 = y, a6 = y, a7 = y, a8 = y, a9 = y, a10 = y, a11 = y;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < iters; ++i) {
-    asm volatile(SIMD_CHAINS12("vfmadd231ps %[x], %[y], ") : SIMD_CHAIN_REGS : [x] "v"(x), [y] "v"(y));
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// Float32 FMA flops on zmm over ymm on this CPU, timed once (as bf16_dot_over_fma): about 1 where
-// 512-bit FMAs issue as two 256-bit halves (Zen 4), 2 where the units are full width (Zen 5, the
-// Xeons). There float32 arithmetic doubles on zmm while the bf16 paths' layout work does not. 0
-// without AVX512-BF16 (the only callers' question).
+// Float32 FMA flops on zmm over ymm on this CPU, timed once: about 1 where 512-bit FMAs issue as two
+// 256-bit halves (Zen 4), 2 where the units are full width (Zen 5, the Xeons). There float32 arithmetic
+// doubles on zmm while the bf16 paths' layout work does not. 0 without AVX512-BF16 (its callers' only
+// question).
 inline double fma_zmm_over_ymm() {
-  static const double ratio = [] {
-    if (!cpu_has_avx512_bf16()) return 0.0;
-    constexpr int64_t kIters = 1 << 14;
-    double zmm = 1e30, ymm = 1e30;
-    for (int round = 0; round < 3; ++round) {
-      zmm = std::min(zmm, time_zmm_chains(false, kIters));
-      ymm = std::min(ymm, time_ymm_fma_chains(kIters));
-    }
-    return 2.0 * ymm / zmm;
-  }();
+  static const double ratio =
+      cpu_has_avx512_bf16() ? 2.0 * chains_time_ratio(Chains::kFmaYmm, Chains::kFmaZmm) : 0.0;
   return ratio;
 }
 
