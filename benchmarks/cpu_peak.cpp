@@ -157,7 +157,10 @@ CP_AMX_PATH(amx_bf16, "amx-tile,amx-bf16", CP_TDPBF16PS, float)
 // by CPU (on Zen 4 and Zen 5 vmulps and vfmadd do, at full cost). A round is the 16 chains of the VNNI
 // path plus kMixOps instructions of kind OP, each on a chain of its own (so none waits on itself).
 constexpr int kMixOps = 4;
-enum Mix { MIX_NONE, MIX_MULPS, MIX_FMADDPS, MIX_ADDPS, MIX_CVTDQ2PS, MIX_PADDD, MIX_PANDD, MIX_PSRLW, MIX_BCAST, MIX_PSHUFD, MIX_BCAST128, MIX_COUNT };
+enum Mix {
+  MIX_NONE, MIX_MULPS, MIX_FMADDPS, MIX_ADDPS, MIX_CVTDQ2PS, MIX_PADDD, MIX_PANDD, MIX_PSRLW, MIX_BCAST,
+  MIX_PSHUFD, MIX_BCAST128, MIX_COUNT
+};
 
 #define CP_MIX_DECL(i, ...) __m512i acc##i = _mm512_set1_epi32(i);
 #define CP_MIX_STEP(i, ...) asm("vpdpbusd %1, %2, %0" : "+v"(acc##i) : "v"(a), "v"(b));
@@ -175,7 +178,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma"))) inline 
   if constexpr (OP == MIX_PSRLW) asm volatile("vpsrlw $4, %0, %0" : "+v"(c));
   if constexpr (OP == MIX_BCAST) asm volatile("vpbroadcastd %1, %0" : "=v"(c) : "m"(*m));
   if constexpr (OP == MIX_PSHUFD) asm volatile("vpshufd $0x55, %0, %0" : "+v"(c));
-  if constexpr (OP == MIX_BCAST128) asm volatile("vbroadcasti32x4 %1, %0" : "=v"(c) : "m"(*reinterpret_cast<const __m128i*>(m)));
+  if constexpr (OP == MIX_BCAST128) {
+    asm volatile("vbroadcasti32x4 %1, %0" : "=v"(c) : "m"(*reinterpret_cast<const __m128i*>(m)));
+  }
 }
 
 template <int OP>
@@ -264,28 +269,18 @@ double cpu_peak_run(int isa, int threads, int64_t iters, int* team) {
 
 // One thread's seconds for `iters` rounds of 16 vpdpbusd zmm and kMixOps instructions of kind `op`
 // (0 none, 1 vmulps, 2 vfmadd231ps, 3 vaddps, 4 vcvtdq2ps, 5 vpaddd, 6 vpandd, 7 vpsrlw, 8 vpbroadcastd
-// from memory, 9 vpshufd, 10 vbroadcasti32x4 from memory; all zmm); -1 where the CPU lacks AVX512-VNNI or `op` is out of range.
+// from memory, 9 vpshufd, 10 vbroadcasti32x4 from memory; all zmm); -1 where the CPU lacks
+// AVX512-VNNI or `op` is out of range.
 double cpu_peak_mix(int op, int64_t iters) {
+  static constexpr double (*kRuns[MIX_COUNT])(int64_t) = {
+      mix_run<MIX_NONE>,   mix_run<MIX_MULPS>, mix_run<MIX_FMADDPS>, mix_run<MIX_ADDPS>,
+      mix_run<MIX_CVTDQ2PS>, mix_run<MIX_PADDD>, mix_run<MIX_PANDD>,   mix_run<MIX_PSRLW>,
+      mix_run<MIX_BCAST>,  mix_run<MIX_PSHUFD>, mix_run<MIX_BCAST128>};
   if (!cpu_peak_supported(VNNI_ZMM) || op < 0 || op >= MIX_COUNT) return -1.0;
   const double start = omp_get_wtime();
-  double r = 0.0;
-  switch (op) {
-    case MIX_NONE: r = mix_run<MIX_NONE>(iters); break;
-    case MIX_MULPS: r = mix_run<MIX_MULPS>(iters); break;
-    case MIX_FMADDPS: r = mix_run<MIX_FMADDPS>(iters); break;
-    case MIX_ADDPS: r = mix_run<MIX_ADDPS>(iters); break;
-    case MIX_CVTDQ2PS: r = mix_run<MIX_CVTDQ2PS>(iters); break;
-    case MIX_PADDD: r = mix_run<MIX_PADDD>(iters); break;
-    case MIX_PANDD: r = mix_run<MIX_PANDD>(iters); break;
-    case MIX_PSRLW: r = mix_run<MIX_PSRLW>(iters); break;
-    case MIX_BCAST: r = mix_run<MIX_BCAST>(iters); break;
-    case MIX_PSHUFD: r = mix_run<MIX_PSHUFD>(iters); break;
-    default: r = mix_run<MIX_BCAST128>(iters); break;
-  }
-  const double seconds = omp_get_wtime() - start;
-  volatile double keep = r;
+  volatile double keep = kRuns[op](iters);
   (void)keep;
-  return seconds;
+  return omp_get_wtime() - start;
 }
 
 }  // extern "C"

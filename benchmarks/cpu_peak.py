@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,15 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def _iterations(run: Callable[[int], float], start: int, seconds: float) -> int:
+    """Rounds for one timed run of about `seconds`: `run(n)` (wall seconds of n rounds) grown from
+    `start` until it is long enough that start-up and timer noise vanish, then scaled."""
+    iters = start
+    while (elapsed := run(iters)) < seconds / 4:
+        iters *= 4
+    return max(1, int(iters * seconds / elapsed))
+
+
 def supported() -> dict[str, bool]:
     """Which paths this CPU runs (asked of the CPU by the library)."""
     lib = _library()
@@ -100,10 +110,8 @@ def measure(name: str, threads: int, seconds: float = 0.2, repeats: int = 5) -> 
     if not lib.cpu_peak_supported(path.isa):
         return None
     team = ctypes.c_int(0)
-    iters = 1 << 16
-    while (elapsed := lib.cpu_peak_run(path.isa, threads, iters, ctypes.byref(team))) < seconds / 4:
-        iters *= 4  # calibrate: runs long enough that start-up and timer noise vanish
-    iters = max(1, int(iters * seconds / elapsed))
+    run = functools.partial(lib.cpu_peak_run, path.isa, threads)
+    iters = _iterations(lambda n: run(n, ctypes.byref(team)), 1 << 16, seconds)
     best = 0.0
     for _ in range(repeats):
         elapsed = lib.cpu_peak_run(path.isa, threads, iters, ctypes.byref(team))
@@ -121,10 +129,7 @@ def peaks(threads: int, seconds: float = 0.2, repeats: int = 5) -> dict[str, flo
 def _mix_round_seconds(op: int, seconds: float, repeats: int) -> float:
     """Best seconds per round of cpu_peak_mix's kind `op` (calibrated as `measure`)."""
     lib = _library()
-    iters = 1 << 14
-    while (elapsed := lib.cpu_peak_mix(op, iters)) < seconds / 4:
-        iters *= 4
-    iters = max(1, int(iters * seconds / elapsed))
+    iters = _iterations(lambda n: lib.cpu_peak_mix(op, n), 1 << 14, seconds)
     return min(lib.cpu_peak_mix(op, iters) for _ in range(repeats)) / iters
 
 
