@@ -8,11 +8,14 @@ AVX512-BF16, on path 3 (the scores and P.V by `vdpbf16ps`, the weights rounded t
 `--kv-cache-dtype bfloat16` and `--dtype bfloat16` run where it pays) and, where the CPU has AMX-BF16, on
 path 4 (both products on AMX tiles, the default there); an int8 pool (codes converted per block,
 float32 FMAs). Rates count the causal
-work, 2 x 2 x L (L + 1) / 2 x D operations per query head and prompt (Q.K and P.V), against this
+work, 2 x 2 x n (c + (n + 1) / 2) x D operations per query head and prompt of n new tokens after c
+cached ones (Q.K and P.V), against this
 machine's measured peak of the instruction the row multiplies with (benchmarks/cpu_peak.py). Every row's
 output is checked against the float32 pool's (largest difference shown; bf16 and int8 K/V move it).
 
     python benchmarks/bench_attention_cpu.py          # 16 prompts x 620 tokens (the few-shot GSM8K batch)
+    python benchmarks/bench_attention_cpu.py --requests 1 --tokens 4 --context 3900 --repeats 50
+                                                      # a long prompt's smallest chunk beside decodes
     python benchmarks/bench_attention_cpu.py --tiny
 """
 
@@ -41,6 +44,7 @@ NAME = "attention_cpu"
 SIZES = {
     "requests": Size(16, 2, "prompts prefilled in the step"),
     "tokens": Size(620, 64, "tokens per prompt", scales=False),
+    "context": Size(0, 32, "cached tokens before each prompt's (a chunk of a longer prompt)", scales=False),
     "repeats": Size(5, 1, "timed calls per row (best kept)"),
 }
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -66,18 +70,20 @@ NEEDS = {AVX512_BF16: "AVX512-BF16", AMX_BF16: "AMX-BF16"}
 PATH_PEAKS = {AVX2: "fp32_fma_ymm", AVX512: "fp32_fma_zmm", AVX512_BF16: "bf16_dot_zmm", AMX_BF16: "bf16_amx"}
 
 
-def run_row(row: Row, requests: int, tokens: int, repeats: int) -> tuple[float, torch.Tensor]:
-    """(best seconds of one call, the output) for the step over a pool of row.dtype."""
+def run_row(row: Row, requests: int, tokens: int, context: int, repeats: int) -> tuple[float, torch.Tensor]:
+    """(best seconds of one call, the output) for the step over a pool of row.dtype: each request's
+    `tokens` new ones after `context` cached ones."""
     gen = torch.Generator().manual_seed(0)
-    pool = KVPool(requests * tokens + 1, 1, KV_HEADS, HEAD_DIM, row.dtype, "cpu")
-    table = torch.arange(1, requests * tokens + 1).view(requests, tokens)
+    seq = context + tokens
+    pool = KVPool(requests * seq + 1, 1, KV_HEADS, HEAD_DIM, row.dtype, "cpu")
+    table = torch.arange(1, requests * seq + 1).view(requests, seq)
     q = torch.randn(requests * tokens, Q_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(requests * tokens, KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(requests * tokens, KV_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(requests * seq, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(requests * seq, KV_HEADS, HEAD_DIM, generator=gen)
     pool.set_kv(0, table.flatten(), k, v)
     lists = [
         list(range(requests)),
-        [tokens] * requests,
+        [seq] * requests,
         [r * tokens for r in range(requests)],
         [tokens] * requests,
     ]
@@ -109,8 +115,8 @@ def plot(path: Path, labels: list[str], rates: list[float], shares: list[float |
 def main(argv: list[str] | None = None) -> None:
     ap = bench_parser(__doc__, SIZES)
     args, sizes = parse_sizes(ap, argv, SIZES)
-    requests, tokens, repeats = sizes["requests"], sizes["tokens"], sizes["repeats"]
-    flops = 4 * requests * Q_HEADS * HEAD_DIM * tokens * (tokens + 1) / 2
+    requests, tokens, context = sizes["requests"], sizes["tokens"], sizes["context"]
+    flops = 4 * requests * Q_HEADS * HEAD_DIM * tokens * (context + (tokens + 1) / 2)
     threads = torch.get_num_threads()
     results, skipped, reference = [], {}, None
     peaks: dict[str, float | None] = {}
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         if row.mode in NEEDS and path != row.mode:
             skipped[row.label] = f"this CPU has no {NEEDS[row.mode]}: the widened row is what it runs"
             continue
-        seconds, out = run_row(row, requests, tokens, repeats)
+        seconds, out = run_row(row, requests, tokens, context, sizes["repeats"])
         reference = out if reference is None else reference
         name = PATH_PEAKS.get(path)
         if name is not None and name not in peaks:
@@ -140,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     base = results[0]["ms"]
     table = Table(
-        f"Prefill attention: {requests} prompts x {tokens} tokens, {Q_HEADS}/{KV_HEADS} heads of {HEAD_DIM}, "
-        f"{threads} thread(s)",
+        f"Prefill attention: {requests} prompts x {tokens} tokens"
+        + (f" after {context} cached" if context else "")
+        + f", {Q_HEADS}/{KV_HEADS} heads of {HEAD_DIM}, {threads} thread(s)",
         ["KV pool, path", "ms", "GFLOP/s", "% of peak", "peak of", "speed-up", "largest diff vs float32"],
         [
             [

@@ -1281,6 +1281,8 @@ double ca_bf16_dot_over_fma(void) { return simd::bf16_dot_over_fma(); }
 
 double ca_fma_zmm_over_ymm(void) { return simd::fma_zmm_over_ymm(); }
 
+int ca_full_width_zmm(void) { return simd::full_width_zmm(); }
+
 int ca_has_amx_bf16(void) { return simd::cpu_has_amx_bf16(); }
 
 // Exposed so tests can hand in a fake CPU feature set and see which path it picks.
@@ -1436,6 +1438,8 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
   work *= num_q_heads * head_dim;
   const int64_t count = static_cast<int64_t>(items.size());
   const Item* list = items.data();  // items is this thread's: the pool's threads read it through this
+  static const int64_t lanes16_rows =
+      simd::full_width_zmm() ? Avx2::kLanes + 1 : lanes16::kTilePanels * Avx512::kLanes;
   const int nt = static_cast<int>(std::min<int64_t>(work >= kAttentionParallelMin ? threads : 1, count));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
@@ -1444,8 +1448,10 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     // Prefill chunks (a request adding two or more tokens, all of a request's chunks alike so a
     // token's result does not depend on how its request was cut) and group items take the
     // rows-as-lanes path, on AVX-512 vectors where the item fills three panels of 16 rows (on fewer
-    // rows part-empty panels made them slower than AVX2's; either width gives the same bits);
-    // decode tokens the row-major tiles. A window masks keys only for a chunk's tokens after its first
+    // rows part-empty panels made them slower than AVX2's on a Zen 4, whose zmm FMAs are two ymm
+    // halves), or on full-width units where it has more rows than one AVX2 vector (there one part-empty
+    // zmm does the work of two ymm: a 4-token chunk at context 3,900, 12 rows, took 0.75x the time on a
+    // Zen 5); either width gives the same bits. Decode tokens take the row-major tiles. A window masks keys only for a chunk's tokens after its first
     // (Span::window), so those tiles, which serve single tokens, have no window code.
     auto run = [&](const Item& it) {
       const Span sp = span_of(p, it);
@@ -1454,7 +1460,7 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
         constexpr bool kWindow = decltype(window_t)::value, kCap = decltype(cap_t)::value;
         if (path == 4 && p.bf16 && lanes && !sp.group) {
           item_amx<kWindow, kCap>(p, it, sp, w);
-        } else if (path >= 2 && lanes && sp.tokens * group >= lanes16::kTilePanels * Avx512::kLanes) {
+        } else if (path >= 2 && lanes && sp.tokens * group >= lanes16_rows) {
           lanes16::item_lanes<kWindow, kCap>(p, it, sp, w);
         } else if (path >= 1 && lanes) {
           lanes8::item_lanes<kWindow, kCap>(p, it, sp, w);

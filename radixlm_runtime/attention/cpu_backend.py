@@ -40,18 +40,15 @@ logger = get_logger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Kernel modes: the portable loop; AVX2+FMA; AVX-512 for prefill chunks and group items of 48 rows or
-# more (the rest on AVX2); that and, over a bf16 pool, those items' scores and P.V by vdpbf16ps
-# (AVX512-BF16); AVX-512 with a bf16 pool's prefill chunks on AMX tiles (AMX-BF16, D a multiple of 32).
-# Each runs where the CPU has it and D is whole 8-float vectors, else the one below (AMX_BF16: AVX512).
+# more (of 9 or more where zmm FMAs run at full width; the rest on AVX2); that and, over a bf16 pool,
+# those items' scores and P.V by vdpbf16ps (AVX512-BF16); AVX-512 with a bf16 pool's prefill chunks on
+# AMX tiles (AMX-BF16, D a multiple of 32). Each runs where the CPU has it and D is whole 8-float
+# vectors, else the one below (AMX_BF16: AVX512).
 SCALAR, AVX2, AVX512, AVX512_BF16, AMX_BF16 = 0, 1, 2, 3, 4
 # vdpbf16ps's flop rate over float32 FMAs' from which the bf16 path is the default: it does layout work
 # the float32 path does not (queries, V and the weights in pairs), so at the FMAs' rate it loses (a
 # Sapphire Rapids Xeon, 0.44x: prefill attention 0.77x the float32 path's; a Zen 4, 2x: 1.5x).
 BF16_DOT_MIN_RATIO = 1.5
-# zmm FMA flops over ymm ones from which the float32 path wins anyway: full-width 512-bit units double
-# float32 arithmetic but not the bf16 path's layout work (a Zen 5, 2x: the bf16 path 0.72-0.79x the
-# float32 one, where a Zen 4, 1x, ran it at 1.5x).
-FULL_WIDTH_FMA_RATIO = 1.5
 # The KV pool dtypes the kernels read and write, as cpu_attention.cpp's KvType numbers them.
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -67,6 +64,7 @@ def _library() -> ctypes.CDLL:
     lib.ca_has_amx_bf16.restype = c_int
     lib.ca_bf16_dot_over_fma.restype = ctypes.c_double
     lib.ca_fma_zmm_over_ymm.restype = ctypes.c_double
+    lib.ca_full_width_zmm.restype = c_int
     lib.ca_select_path.argtypes = [c_int, c_int, c_int, c_int, c_int, i64]
     lib.ca_select_path.restype = c_int
     lib.ca_store_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, c_int, c_int]
@@ -102,24 +100,26 @@ def default_mode() -> int:
     """The widest mode that pays on this CPU: AMX_BF16 where the CPU has AMX-BF16 tiles (a bf16 pool's
     prefill on tiles: ~2x the float32 FMAs on a Sapphire Rapids Xeon, benchmarks/README.md);
     AVX512_BF16 where vdpbf16ps outruns the float32 FMAs by BF16_DOT_MIN_RATIO and those FMAs issue
-    zmm at ymm's rate (both timed once by the library); else AVX512 (the C++ side then steps down to
-    what the CPU has). Logged when the CPU has bf16 dot products that do not pay."""
+    zmm at ymm's rate (both timed once by the library): full-width 512-bit units double float32
+    arithmetic but not the bf16 path's layout work (a Zen 5, 2x: the bf16 path 0.72-0.79x the float32
+    one, where a Zen 4, 1x, ran it at 1.5x); else AVX512 (the C++ side then steps down to what the CPU
+    has). Logged when the CPU has bf16 dot products that do not pay."""
     lib = _library()
     if lib.ca_has_amx_bf16():
         return AMX_BF16
     ratio = lib.ca_bf16_dot_over_fma()
     if ratio <= 0:
         return AVX512
-    wide = lib.ca_fma_zmm_over_ymm()
-    if ratio >= BF16_DOT_MIN_RATIO and wide < FULL_WIDTH_FMA_RATIO:
+    full_width = lib.ca_full_width_zmm()
+    if ratio >= BF16_DOT_MIN_RATIO and not full_width:
         return AVX512_BF16
     logger.info(
         "CPU attention: bf16 pools widened to float32 on prefill: vdpbf16ps runs at %.2fx the float32 FMAs' "
-        "flops and zmm FMAs at %.2fx ymm ones here (the bf16 path needs >= %.1fx and < %.1fx)",
+        "flops and zmm FMAs at %.2fx ymm ones here (the bf16 path needs >= %.1fx, and zmm FMAs split in "
+        "halves)",
         ratio,
-        wide,
+        lib.ca_fma_zmm_over_ymm(),
         BF16_DOT_MIN_RATIO,
-        FULL_WIDTH_FMA_RATIO,
     )
     return AVX512
 

@@ -264,12 +264,20 @@ inline double bf16_dot_over_fma() {
 
 // Float32 FMA flops on zmm over ymm on this CPU, timed once: about 1 where 512-bit FMAs issue as two
 // 256-bit halves (Zen 4), 2 where the units are full width (Zen 5, the Xeons). There float32 arithmetic
-// doubles on zmm while the bf16 paths' layout work does not. 0 without AVX512-BF16 (its callers' only
-// question).
+// doubles on zmm while the bf16 paths' layout work does not, and a part-empty zmm still beats two ymm.
+// 0 without AVX-512.
 inline double fma_zmm_over_ymm() {
-  static const double ratio =
-      cpu_has_avx512_bf16() ? 2.0 * chains_time_ratio(Chains::kFmaYmm, Chains::kFmaZmm) : 0.0;
+  static const double ratio = cpu_has_avx512() ? 2.0 * chains_time_ratio(Chains::kFmaYmm, Chains::kFmaZmm) : 0.0;
   return ratio;
+}
+
+// From this zmm / ymm FMA ratio on, a CPU's 512-bit units count as full width (between Zen 4's 1 and the
+// 2 of Zen 5 and the Xeons).
+constexpr double kFullWidthFmaRatio = 1.5;
+
+inline bool full_width_zmm() {
+  static const bool wide = fma_zmm_over_ymm() >= kFullWidthFmaRatio;
+  return wide;
 }
 
 }  // namespace simd

@@ -410,6 +410,9 @@ class _Ratio:
     def ca_fma_zmm_over_ymm(self) -> float:
         return self.wide
 
+    def ca_full_width_zmm(self) -> int:
+        return int(self.wide >= 1.5)  # simd.h's kFullWidthFmaRatio
+
     def ca_has_amx_bf16(self) -> int:
         return int(self.amx)
 
@@ -448,18 +451,18 @@ def test_the_bf16_path_is_the_default_only_where_it_outruns_fmas(
 
 
 def test_this_cpu_measures_its_bf16_dot_rate() -> None:
-    """The library times vdpbf16ps against FMAs, and zmm FMAs against ymm ones, once: 0 without
-    AVX512-BF16, else rate ratios within what CPUs have (0.44x on a Xeon with AMX, 2x on a Zen 4; zmm
-    1x on a Zen 4, 2x on a Zen 5); the backend's default mode follows them."""
+    """The library times vdpbf16ps against FMAs (0 without AVX512-BF16), and zmm FMAs against ymm ones
+    (0 without AVX-512), once: rate ratios within what CPUs have (0.44x on a Xeon with AMX, 2x on a Zen 4;
+    zmm 1x on a Zen 4, 2x on a Zen 5), full width from 1.5x; the backend's default mode follows them."""
     lib = cpu_backend._library()
     ratio, wide = lib.ca_bf16_dot_over_fma(), lib.ca_fma_zmm_over_ymm()
-    if not lib.ca_has_avx512_bf16():
-        assert ratio == wide == 0.0
-    else:
-        assert 0.1 < ratio < 8.0 and 0.5 < wide < 4.0
+    assert (ratio == 0.0) == (not lib.ca_has_avx512_bf16()) and (wide == 0.0) == (not lib.ca_has_avx512())
+    assert ratio == 0.0 or 0.1 < ratio < 8.0
+    assert wide == 0.0 or 0.5 < wide < 4.0
+    assert lib.ca_full_width_zmm() == int(wide >= 1.5)
     pool, table = KVPool(8, 1, 1, 8, torch.float32, "cpu"), ReqToTokenTable(2, 8)
     backend = CpuAttentionBackend(pool, table, AttentionLayer.uniform(1, 1.0))
-    pays = ratio >= cpu_backend.BF16_DOT_MIN_RATIO and wide < cpu_backend.FULL_WIDTH_FMA_RATIO
+    pays = ratio >= cpu_backend.BF16_DOT_MIN_RATIO and not lib.ca_full_width_zmm()
     bf16_mode = AVX512_BF16 if pays else AVX512
     assert backend.mode == cpu_backend.default_mode() == (AMX_BF16 if lib.ca_has_amx_bf16() else bf16_mode)
 
@@ -733,8 +736,9 @@ def test_int8_store_quantizes_as_set_kv_does() -> None:
 
 
 # One request of 150 tokens prefilled in pieces (each over the KV of the pieces before it), and the pieces'
-# lengths: whole, halves, 2 + 148 (a piece of 6 query rows: AVX2-width lanes) and ragged.
-SPLITS = [[150], [75, 75], [2, 148], [17, 33, 2, 64, 34]]
+# lengths: whole, halves, 2 + 148 (a piece of 6 query rows: AVX2-width lanes) and ragged (with a piece of
+# 12 rows: one part-empty AVX-512 panel where zmm FMAs run at full width).
+SPLITS = [[150], [75, 75], [2, 148], [17, 29, 4, 2, 64, 34]]
 
 
 @pytest.mark.parametrize("dtype, mode", POOL_MODES, ids=POOL_MODE_IDS)
