@@ -8,7 +8,9 @@
 // transposed once into qt [D][lanes]. Scores come out transposed, S^T = K . Q^T, by broadcasting each
 // key's elements straight from the pool row against up to 3 panels: no horizontal sums, and the online
 // softmax's max, exp and sum run vertically, one vector per key for kLanes rows at once. P.V is
-// acc^T [D][lanes] += V[key][e] x P^T[key], V elements broadcast the same way.
+// acc^T [D][lanes] += V[key][e] x P^T[key], V elements broadcast the same way; or, on items of up to
+// kTilePanels panels, acc [lanes][D] += P[row][key] x V[key] with the head elements as lanes (rows_pv),
+// the same bits.
 
 // Panels per register tile.
 constexpr int kTilePanels = 3;
@@ -126,6 +128,86 @@ LANES_TARGET void lanes_pv(const float* pt, int64_t lanes, const float* const* v
       }
     }
     store_tile<NP>(a, acct + e0 * lanes, lanes);
+  }
+}
+
+// lanes_pv with the head elements as the lanes instead: acc [lanes][D] (row r's accumulators at acc +
+// r * d), R rows x E vectors of D a register tile, each of the rows' weights of key t broadcast against E
+// vectors of V[t]. lanes_pv broadcasts one V element per NP FMAs (one panel: per FMA, its rows past the
+// item's computed too); this one weight per E FMAs, the item's rows only. Each element is lanes_pv's
+// chain: acc x corr, then fma(weight, V, acc) over the keys in order (the same products, the same
+// roundings): the same bits. On a Zen 5, 2 to 5 tokens of the default model (one panel) 1.2-1.4x the
+// item's time, 8 to 16 tokens (2-3 panels) 1.0-1.1x.
+template <int R, int E>
+LANES_TARGET void rows_pv_tile(const float* pt, int64_t lanes, const float* const* vp, int64_t keys, float* acc,
+                               int64_t d, int64_t r0, int64_t e0, const float* corr) {
+  constexpr int64_t kl = V::kLanes;
+  typename V::Reg a[R][E];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const typename V::Reg c = V::set1(corr[r0 + r]);
+#pragma GCC unroll 4
+    for (int e = 0; e < E; ++e) a[r][e] = V::mul(V::load(acc + (r0 + r) * d + e0 + e * kl), c);
+  }
+  for (int64_t t = 0; t < keys; ++t) {
+    typename V::Reg v[E];
+#pragma GCC unroll 4
+    for (int e = 0; e < E; ++e) v[e] = V::load(vp[t] + e0 + e * kl);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const typename V::Reg w = V::set1(pt[t * lanes + r0 + r]);
+#pragma GCC unroll 4
+      for (int e = 0; e < E; ++e) a[r][e] = V::fmadd(w, v[e], a[r][e]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int e = 0; e < E; ++e) V::store(acc + (r0 + r) * d + e0 + e * kl, a[r][e]);
+  }
+}
+
+// Vectors of D per rows_pv tile, and rows: 4 x 6 zmm (24 of 32 registers) or 2 x 4 ymm (8 of 16).
+constexpr int kRowsPvVectors = V::kTile / 2;
+constexpr int kRowsPvRows = V::kLanes == 16 ? 6 : 4;
+
+template <int E>
+LANES_TARGET void rows_pv_cols(const float* pt, int64_t lanes, const float* const* vp, int64_t keys, float* acc,
+                               int64_t d, int64_t rows, int64_t e0, const float* corr) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPvRows) {
+    switch (std::min<int64_t>(kRowsPvRows, rows - r0)) {
+#define RQ_ROWS(N) \
+  case N: rows_pv_tile<N, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
+      RQ_ROWS(1) RQ_ROWS(2) RQ_ROWS(3)
+#undef RQ_ROWS
+      default:
+        if constexpr (kRowsPvRows == 4) {
+          rows_pv_tile<4, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr);
+        } else {
+          switch (rows - r0) {
+            case 4: rows_pv_tile<4, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
+            case 5: rows_pv_tile<5, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
+            default: rows_pv_tile<6, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
+          }
+        }
+    }
+  }
+}
+
+// rows_pv_tile over the item's `rows` rows and D (a multiple of kLanes).
+LANES_TARGET void rows_pv(const float* pt, int64_t lanes, const float* const* vp, int64_t keys, float* acc,
+                          int64_t d, int64_t rows, const float* corr) {
+  constexpr int64_t kl = V::kLanes, wide = kRowsPvVectors * kl;
+  int64_t e0 = 0;
+  for (; e0 + wide <= d; e0 += wide) rows_pv_cols<kRowsPvVectors>(pt, lanes, vp, keys, acc, d, rows, e0, corr);
+  for (; e0 < d; e0 += kl) rows_pv_cols<1>(pt, lanes, vp, keys, acc, d, rows, e0, corr);
+}
+
+// acc [lanes][D] (rows_pv's) as [D][lanes] (lanes_pv's, which lane_outputs reads), through tmp.
+LANES_TARGET inline void rows_to_lanes(float* acc, int64_t d, int64_t lanes, float* tmp) {
+  std::copy(acc, acc + lanes * d, tmp);
+  for (int64_t r = 0; r < lanes; ++r) {
+    for (int64_t e = 0; e < d; ++e) acc[e * lanes + r] = tmp[r * d + e];
   }
 }
 
@@ -251,6 +333,10 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
   // A prefill chunk's P.V on bf16 pairs; a group item's stays float32, as its members' decode tiles are.
   const bool pv_pairs = p.pairs && !sp.group;
   const int64_t panels = (rows + kl - 1) / kl, lanes = panels * kl;
+  // P.V with the head elements as lanes (rows_pv) up to a register tile of panels, its accumulators
+  // [lanes][D] until the end (rows_to_lanes through w.kf, kBlock x D floats).
+  static_assert(kTilePanels * V::kLanes <= kBlock, "rows_to_lanes's scratch holds a tile of panels");
+  const bool pv_rows = !pv_pairs && panels <= kTilePanels && d % kl == 0;
   float *qt = w.q.data(), *st = w.s.data(), *acct = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float* corr = w.corr.data();
   const int32_t* pos = w.pos.data();
@@ -291,6 +377,8 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
           lanes_pv_pairs<decltype(np)::value>(pp + c0 * kl, lanes, w.vpairs.data(), d, padded, acc + c0 * kl,
                                               corr + c0 * kl, pf);
         });
+      } else if (pv_rows) {
+        rows_pv(st, lanes, vp, padded, acc, d, rows, corr);
       } else {
         for_panel_tiles(panels, [&](auto np, int64_t c0) {
           lanes_pv<decltype(np)::value>(st + c0 * kl, lanes, vp, d, padded, acc + c0 * kl, corr + c0 * kl, pf);
@@ -298,6 +386,9 @@ LANES_TARGET void item_lanes(const Problem& p, const Item& it, const Span& sp, S
       }
     }
     pf.finish();
+  }
+  if (pv_rows) {
+    for (int64_t hi = 0; hi < it.h1 - it.h0; ++hi) rows_to_lanes(acct + hi * d * lanes, d, lanes, w.kf.data());
   }
   lane_outputs(p, it, sp, lanes, V::kLanes == 16, w);
 }

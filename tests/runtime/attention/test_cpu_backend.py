@@ -770,6 +770,28 @@ def test_a_tokens_bits_do_not_depend_on_chunking_or_batching(
     assert torch.equal(_cpu_attend(pool, alone_table, layer, q, alone, mode), outs[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, INT8])
+@pytest.mark.parametrize("mode", [AVX2, AVX512])
+def test_p_v_by_rows_or_by_head_elements_gives_the_same_bits(dtype: torch.dtype, mode: int) -> None:
+    """Items of up to three panels run P.V with the head elements as the lanes (rows_pv), larger ones with
+    the query rows as the lanes (lanes_pv): the same products and sums in the same order. With G = 8 (a
+    16-token item is 128 rows, 8 panels) a prompt's tokens 130-149 come from lanes_pv when it is
+    prefilled whole and from rows_pv in pieces of 2 to 5 tokens (16-40 rows) after the first 130, each
+    over three blocks of keys (the accumulators rescaled between them): the same bits."""
+    pool, table, seqs, _ = _shuffled_step([150], [1], 2, 64, seed=3, dtype=dtype)
+    q, _, _ = _qkv_views(150, 16, 2, 64, seed=4)
+    layer = AttentionLayer(0.5)
+    whole_table, whole = _table_and_batch([seqs[0]], [150])
+    want = _cpu_attend(pool, whole_table, layer, q, whole, mode)
+    pieces, done = [], 0
+    for n in [130, 2, 5, 3, 4, 2, 4]:
+        done += n
+        sub_table, batch = _table_and_batch([seqs[0][:done]], [n])
+        pieces.append(_cpu_attend(pool, sub_table, layer, q[done - n : done], batch, mode))
+    assert done == 150
+    assert torch.equal(torch.cat(pieces), want)
+
+
 @needs_bf16
 def test_bf16_prefill_by_vdpbf16ps_where_the_cpu_has_them() -> None:
     """On a CPU with AVX512-BF16 a bf16 pool's prefill chunks take path 3 by default: scores by vdpbf16ps
