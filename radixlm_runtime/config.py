@@ -241,18 +241,20 @@ class SchedulerConfig:
         "Wall time a step carrying prefill is sized to while no request decodes (it bounds the wait "
         "of requests arriving behind a long prompt's chunk); while streamed requests decode, "
         "--prefill-step-decode-ratio sizes it instead. Step times are measured on this device while "
-        "serving (the decode step alone as a line in its tokens; prefill as a cost per token plus one "
-        "per token x context, the attention work; recent steps weighing most), and each chunk gets "
-        "what fits at its own context, between 16 and --chunked-prefill-size tokens a step. "
+        "serving (the decode step alone as costs per step, per token and per key its tokens attend to; "
+        "prefill as costs per token, per token x context, the attention work, and per key before a "
+        "chunk; recent steps weighing most), and each chunk gets what fits at its own context, between "
+        "16 and --chunked-prefill-size tokens a step. "
         "0: every step takes --chunked-prefill-size tokens, however long that takes.",
     )
     prefill_step_decode_ratio: float = flag(
         2.5,
         "With --prefill-step-target-ms, while requests decode and one of them is streamed, a step "
-        "carrying prefill is sized to this many times the measured time of their decode step alone: a "
-        "long prompt's chunks then stretch a running stream's gaps by at most this factor, on any "
-        "device. Requests nobody streams (offline batches, non-streamed responses) see only their "
-        "end, and their steps are sized by --prefill-step-target-ms. 0: "
+        "carrying prefill is sized to this many times the measured time of their decode step alone at "
+        "short context: a long prompt's chunks then stretch a running stream's gaps by at most this "
+        "factor, on any device (a long-context request's slower decode takes from the prefill's share, "
+        "not the streams' gaps). Requests nobody streams (offline batches, non-streamed responses) see "
+        "only their end, and their steps are sized by --prefill-step-target-ms. 0: "
         "--prefill-step-target-ms applies while requests decode too.",
     )
     disable_prefill_interleave: bool = flag(

@@ -102,15 +102,17 @@ class Admission:
         want = 0
         if self.partial:
             left = sum(_remaining(r) for r in self.partial)
-            fits = self.step_budget.start(self._pending_tokens(), self._streamed()).fit(
-                self.partial[0].kv_len, left
+            pending = self.step_budget.start(
+                self._pending_tokens(), self._streamed(), self._pending_context()
             )
+            fits = pending.fit(self.partial[0].kv_len, left)
             want = min(left, max(fits, MIN_CHUNK))
         decode = self._reserve_decode(want)
         # A running request computes its sampled token, plus any tokens jump-forward appended.
         items = self._decode_items(decode, want)
         decode_tokens = sum(it.extend_len for it in items)
-        budget = self.step_budget.start(decode_tokens, self._streamed())
+        decode_context = sum(it.prefix_len for it in items)
+        budget = self.step_budget.start(decode_tokens, self._streamed(), decode_context)
         if self.partial:
             if not cfg.disable_prefill_interleave and self.waiting and len(self.partial) < MAX_PARTIAL:
                 first = self.partial[0]
@@ -216,6 +218,10 @@ class Admission:
     def _pending_tokens(self) -> int:
         """Tokens the running requests compute next step: one each, more after a jump-forward."""
         return sum(r.pending_len for r in self.running)
+
+    def _pending_context(self) -> int:
+        """Keys the running requests' next tokens attend to, summed (what their decode step reads)."""
+        return sum(r.kv_len for r in self.running)
 
     def _admit(self, budget: PrefillBudget, scheduled: int, interleave: bool = False) -> list[ScheduledItem]:
         """Admits waiting requests in policy order within the budget, the last one possibly

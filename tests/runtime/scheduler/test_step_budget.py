@@ -1,6 +1,7 @@
 """The step budget on its own: a simulated device whose step time is known exactly (a per-step cost,
-a cost per decode token, per prefill token, and per (prefill token x context) pair), fed to the
-budget as the scheduler feeds measured steps; the budgets it hands out must fit the step's target."""
+a cost per decode token and per key the decode tokens attend to, per prefill token, per (prefill token
+x context) pair and per key before a chunk), fed to the budget as the scheduler feeds measured steps;
+the budgets it hands out must fit the step's target."""
 
 from __future__ import annotations
 
@@ -27,17 +28,26 @@ class Device:
     token: float  # seconds a prefill token
     pair: float = 0.0  # seconds a (prefill token x context) pair
     prefill_step: float = 0.0  # seconds a step pays when it carries prefill (its own code path)
+    key: float = 0.0  # seconds a key before a prefill chunk (its prefix read once)
+    decode_key: float = 0.0  # seconds a key the decode tokens attend to
 
-    def seconds(self, decode: int, chunks: list[tuple[int, int]]) -> float:
-        """A step of `decode` decode tokens and prefill chunks of (context, tokens)."""
+    def seconds(self, decode: int, chunks: list[tuple[int, int]], decode_context: int = 0) -> float:
+        """A step of `decode` decode tokens after `decode_context` keys in all and prefill chunks of
+        (context, tokens)."""
         prefill = sum(n for _, n in chunks)
         work = sum(attention_work(c, n) for c, n in chunks)
+        keys = sum(c for c, _ in chunks)
         path = self.prefill_step if prefill else 0.0
-        return self.step + path + self.decode * decode + self.token * prefill + self.pair * work
+        decoding = self.decode * decode + self.decode_key * decode_context
+        return self.step + path + decoding + self.token * prefill + self.pair * work + self.key * keys
 
-    def run(self, budget: StepBudget, decode: int, chunks: list[tuple[int, int]]) -> float:
-        shape = StepShape(decode, sum(n for _, n in chunks), sum(attention_work(c, n) for c, n in chunks))
-        seconds = self.seconds(decode, chunks)
+    def run(
+        self, budget: StepBudget, decode: int, chunks: list[tuple[int, int]], decode_context: int = 0
+    ) -> float:
+        prefill = sum(n for _, n in chunks)
+        work = sum(attention_work(c, n) for c, n in chunks)
+        shape = StepShape(decode, prefill, work, sum(c for c, _ in chunks), decode_context)
+        seconds = self.seconds(decode, chunks, decode_context)
         budget.observe(shape, seconds)
         return seconds
 
@@ -206,6 +216,48 @@ def test_a_prefill_step_pays_its_own_path() -> None:
         # On the target, less at most one token's cost (whole tokens only).
         one_token = device.token + device.pair * (context + n + 1)
         assert target - one_token <= device.seconds(2, [(context, n)]) <= target
+
+
+def test_a_small_chunk_pays_its_prefix_once() -> None:
+    """A chunk reads its prefix's K/V once whatever its size: the model learns that cost per key apart
+    from the per-token and per-pair ones, so a few tokens at context 3,900 beside a decode land on the
+    decode-ratio target rather than past it (4 tokens there cost 3x a decode step on a Zen 5, where a
+    model in tokens and pairs alone sized them for half that)."""
+    device = Device(step=0.006, decode=0.0005, token=0.0006, pair=2e-8, key=2e-6)
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    for _ in range(3):
+        for d in (1, 2, 4):
+            device.run(budget, d, [])
+        for context, n in ((0, 50), (300, 200), (2000, 60), (3500, 100), (3900, 4), (2500, 8), (1000, 30)):
+            device.run(budget, 1, [(context, n)])
+    target = 2.5 * device.seconds(1, [])
+    for context in (100, 1000, 2500):
+        n = budget.start(1).fit(context, 10**6)
+        one_token = device.token + device.pair * (context + n + 1)
+        assert n > MIN_CHUNK
+        assert target - one_token <= device.seconds(1, [(context, n)]) <= target * (1 + 1e-9)
+    # Where the prefix alone takes what the target leaves (9.6 of 9.75 ms at context 4,800): the floor.
+    assert budget.start(1).fit(4800, 10**6) == MIN_CHUNK
+
+
+def test_a_long_context_decode_paces_as_a_short_one() -> None:
+    """A decode step reads its requests' K/V, so at long context it is slower: the model learns that per
+    key. The target stays the ratio times the batch's decode step at no context (a long-context stream
+    must not stretch the gaps of the streams beside it), and the budget is what is left after the
+    decode's own time at its context."""
+    device = Device(step=0.006, decode=0.0005, token=0.0006, decode_key=1.5e-6)
+    budget = StepBudget(max_tokens=1024, target_s=0.25, decode_ratio=2.5)
+    for _ in range(3):
+        for d, keys in ((1, 100), (1, 4000), (2, 600), (4, 2000), (2, 5000)):
+            device.run(budget, d, [], keys)
+    for _ in range(3):
+        for context, n in ((0, 50), (300, 200), (100, 20)):
+            device.run(budget, 1, [(context, n)], 500)
+    assert budget.predict(StepShape(1, 0, 0.0, 0, 3000)) == pytest.approx(device.seconds(1, [], 3000))
+    target = 2.5 * device.seconds(1, [])
+    for keys in (0, 2000, 4000):
+        n = budget.start(1, decode_context=keys).fit(100, 10**6)
+        assert target - device.token <= device.seconds(1, [(100, n)], keys) <= target * (1 + 1e-9)
 
 
 def test_decode_steps_of_one_size_predict_their_mean() -> None:
