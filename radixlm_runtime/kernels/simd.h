@@ -220,10 +220,12 @@ SIMD_AVX512 inline __m512 tanh_avx512(__m512 x) {
 enum class Chains { kFmaZmm, kBf16Zmm, kFmaYmm };
 
 // Seconds for `iters` rounds of 12 independent chains of `kind`, one thread (asm: each chain stays in its
-// register and every instruction runs; the ymm chains are the zmm registers' lower halves).
-SIMD_BF16 inline double time_chains(Chains kind, int64_t iters) {
+// register and every instruction runs; the ymm chains are the zmm registers' lower halves). Compiled for
+// AVX-512 alone: the FMA chains also run on AVX-512 CPUs without BF16 (fma_zmm_over_ymm), and vdpbf16ps
+// exists only in the asm of the kBf16Zmm branch, which only bf16_dot_over_fma runs, on CPUs that have it.
+SIMD_AVX512 inline double time_chains(Chains kind, int64_t iters) {
   const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-7f);
-  const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3580));  // bf16 2^-20: no overflow
+  const __m512i p = _mm512_set1_epi16(0x3580);  // bf16 pairs of 2^-20: no overflow
   __m512 a0 = y, a1 = y, a2 = y, a3 = y, a4 = y, a5 = y, a6 = y, a7 = y, a8 = y, a9 = y, a10 = y, a11 = y;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iters; ++i) {
