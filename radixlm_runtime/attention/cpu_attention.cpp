@@ -1451,8 +1451,9 @@ void ca_decode(const float* q, int64_t q_stride, float* out, int64_t out_stride,
     // rows part-empty panels made them slower than AVX2's on a Zen 4, whose zmm FMAs are two ymm
     // halves), or on full-width units where it has more rows than one AVX2 vector (there one part-empty
     // zmm does the work of two ymm: a 4-token chunk at context 3,900, 12 rows, took 0.75x the time on a
-    // Zen 5); either width gives the same bits. Decode tokens take the row-major tiles. A window masks keys only for a chunk's tokens after its first
-    // (Span::window), so those tiles, which serve single tokens, have no window code.
+    // Zen 5); either width gives the same bits. Decode tokens take the row-major tiles. A window masks
+    // keys only for a chunk's tokens after its first (Span::window), so those tiles, which serve single
+    // tokens, have no window code.
     auto run = [&](const Item& it) {
       const Span sp = span_of(p, it);
       const bool lanes = it.r < 0 || (p.num_new[it.r] >= 2 && p.prefix_of[it.r] == 0);

@@ -171,26 +171,21 @@ LANES_TARGET void rows_pv_tile(const float* pt, int64_t lanes, const float* cons
 constexpr int kRowsPvVectors = V::kTile / 2;
 constexpr int kRowsPvRows = V::kLanes == 16 ? 6 : 4;
 
+// The tile of the first min(N, n) rows from r0: N rows where n has them, else one row fewer, down to 1.
+template <int E, int N = kRowsPvRows>
+LANES_TARGET void rows_pv_rows(int64_t n, const float* pt, int64_t lanes, const float* const* vp, int64_t keys,
+                               float* acc, int64_t d, int64_t r0, int64_t e0, const float* corr) {
+  if constexpr (N > 1) {
+    if (n < N) return rows_pv_rows<E, N - 1>(n, pt, lanes, vp, keys, acc, d, r0, e0, corr);
+  }
+  rows_pv_tile<N, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr);
+}
+
 template <int E>
 LANES_TARGET void rows_pv_cols(const float* pt, int64_t lanes, const float* const* vp, int64_t keys, float* acc,
                                int64_t d, int64_t rows, int64_t e0, const float* corr) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPvRows) {
-    switch (std::min<int64_t>(kRowsPvRows, rows - r0)) {
-#define RQ_ROWS(N) \
-  case N: rows_pv_tile<N, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
-      RQ_ROWS(1) RQ_ROWS(2) RQ_ROWS(3)
-#undef RQ_ROWS
-      default:
-        if constexpr (kRowsPvRows == 4) {
-          rows_pv_tile<4, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr);
-        } else {
-          switch (rows - r0) {
-            case 4: rows_pv_tile<4, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
-            case 5: rows_pv_tile<5, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
-            default: rows_pv_tile<6, E>(pt, lanes, vp, keys, acc, d, r0, e0, corr); break;
-          }
-        }
-    }
+    rows_pv_rows<E>(rows - r0, pt, lanes, vp, keys, acc, d, r0, e0, corr);
   }
 }
 
