@@ -324,34 +324,39 @@ def test_floor_holds_at_any_context(decode: int) -> None:
             st.integers(0, 64),  # decode tokens
             st.lists(st.tuples(st.integers(0, 8000), st.integers(1, 2048)), max_size=3),  # chunks
             st.floats(1e-5, 5.0),  # seconds, however unrelated to the shape
+            st.integers(0, 64 * 8192),  # keys the decode tokens attend to
         ),
         max_size=40,
     ),
     decode=st.integers(0, 64),
+    decode_context=st.integers(0, 64 * 8192),
     context=st.integers(0, 8192),
     target_ms=st.sampled_from([0.0, 1.0, 50.0, 250.0]),
     ratio=st.sampled_from([0.0, 1.0, 2.5]),
 )
 # Found by CI: only a decode step measured, the twofold bound (2 tokens) below the decode tokens.
-@example(steps=[(1, [], 1.0)], decode=2, context=0, target_ms=1.0, ratio=0.0)
-@example(steps=[(1, [], 1.0)], decode=0, context=0, target_ms=1.0, ratio=0.0)
+@example(steps=[(1, [], 1.0, 0)], decode=2, decode_context=0, context=0, target_ms=1.0, ratio=0.0)
+@example(steps=[(1, [], 1.0, 0)], decode=0, decode_context=0, context=0, target_ms=1.0, ratio=0.0)
 @settings(max_examples=1000, deadline=None)
 def test_every_step_admits_its_floor(
-    steps: list[tuple[int, list[tuple[int, int]], float]],
+    steps: list[tuple[int, list[tuple[int, int]], float, int]],
     decode: int,
+    decode_context: int,
     context: int,
     target_ms: float,
     ratio: float,
 ) -> None:
     """Whatever the measured times (noise, a slow first step, times unrelated to the work), a step's
-    budget is never spent before its floor and fits the floor at any context: admission relies on it
-    to make progress when nothing else runs (the stall of CI stop 40)."""
+    budget is never spent before its floor and fits the floor at any context, its own and its decodes'
+    (the model's per-key costs included): admission relies on it to make progress when nothing else
+    runs (the stall of CI stop 40)."""
     budget = StepBudget(max_tokens=1024, target_s=target_ms / 1000, decode_ratio=ratio)
-    for d, chunks, seconds in steps:
-        shape = StepShape(d, sum(n for _, n in chunks), sum(attention_work(c, n) for c, n in chunks))
-        budget.observe(shape, seconds)
+    for d, chunks, seconds, keys in steps:
+        prefill = sum(n for _, n in chunks)
+        work = sum(attention_work(c, n) for c, n in chunks)
+        budget.observe(StepShape(d, prefill, work, sum(c for c, _ in chunks), keys), seconds)
     least = MIN_CHUNK if decode else MIN_STEP_TOKENS
-    step = budget.start(decode)
+    step = budget.start(decode, decode_context=decode_context)
     assert not step.spent
     assert step.fit(context, 10**6) >= least
     assert step.fit(context, 3) == 3
