@@ -15,11 +15,14 @@
 #include <algorithm>
 #include <chrono>
 
-// The target attributes of the SIMD paths, beside the run-time checks for exactly those features.
+// The target attributes of the SIMD paths, beside the run-time checks for exactly those features. Each
+// wider one is a superset of the narrower (F16C included: cpu_has_avx2_fma checks it), so the narrower
+// paths' helpers inline into it.
 #define SIMD_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define SIMD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
-#define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-#define SIMD_AMX_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
+#define SIMD_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+#define SIMD_AMX_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")))
 
 namespace simd {
 

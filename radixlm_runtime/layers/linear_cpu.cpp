@@ -532,9 +532,10 @@ SIMD_AVX2 void f32_linear_avx2(const Weights& w, const float* x, int64_t m, floa
 }
 
 // An MR x NP tile of 16-float accumulators (MR rows of x, NP panels): zeroed, and stored row by row, the
-// last panel's first `last_valid` columns only.
+// last panel's first `last_valid` columns only. Always inlined: a call keeps the tile in memory around
+// it, which costs a short micro-kernel call (the int8-activation kernel's 18 chunks) several percent.
 template <int MR, int NP>
-SIMD_AVX512 inline void zero_tile512(__m512 (&acc)[MR][NP]) {
+SIMD_AVX512 __attribute__((always_inline)) inline void zero_tile512(__m512 (&acc)[MR][NP]) {
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
@@ -543,7 +544,7 @@ SIMD_AVX512 inline void zero_tile512(__m512 (&acc)[MR][NP]) {
 }
 
 template <int MR, int NP>
-SIMD_AVX512 inline void store_tile512(const __m512 (&acc)[MR][NP], float* c, int64_t ldc, int64_t last_valid) {
+SIMD_AVX512 __attribute__((always_inline)) inline void store_tile512(const __m512 (&acc)[MR][NP], float* c, int64_t ldc, int64_t last_valid) {
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
@@ -1072,7 +1073,8 @@ void panel8_scalar(const int8_t* panels, const float* scales, const FixedX& f, i
   }
 }
 
-#define SIMD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+// A superset of SIMD_AVX512, as simd.h's targets are of each other.
+#define SIMD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 bool cpu_has_avx512_vnni() {
   __builtin_cpu_init();
@@ -1650,9 +1652,11 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
   __m512 out[MR][NP];
   zero_tile512(out);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    // The MR rows' codes of a chunk 4 ahead (kRows x 32 bytes apart: a stride the hardware misses).
+    // The MR rows' codes of a chunk 4 ahead (kRows x 32 bytes apart: a stride the hardware misses): a
+    // prefetch per 64 bytes and one at the last byte, so every line of the run is touched.
     const int8_t* ahead = xq + 4 * QuantX::kRows * kChunk;
-    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int64_t off = 0; off < MR * kChunk; off += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + off), _MM_HINT_T0);
     if constexpr (MR * kChunk > 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + MR * kChunk - 1), _MM_HINT_T0);
     __m512i acc[MR][NP];
 #pragma GCC unroll 8
@@ -1709,20 +1713,28 @@ SIMD_VNNI void micro_act8(const Weights& w, const QuantX& qx, int64_t r0, int64_
   store_tile512(out, c, w.n, last_valid);
 }
 
-// Rows and panels per micro-kernel call: 4 x 2 keeps 8 sums and 8 float accumulators in registers,
-// each weight vector serving 4 rows and each activation broadcast 2 panels (6 x 2 and 4 x 3 measured
-// no faster on Zen 4: the epilogue's share of the multiply pipes is the same at every blocking).
-constexpr int64_t kAct8Rows = 4, kAct8Panels = 2;
+// Rows and panels per micro-kernel call: 6 x 2 keeps 12 sums and 12 float accumulators in registers
+// (31 of 32 with the weights, broadcasts and nibble mask), each weight vector and its nibble split
+// serving 6 rows and each activation broadcast 2 panels. On Zen 5 the kernel alone ran 8 % faster than
+// at 4 x 2 (section "int8 activations" of benchmarks/README.md); on Zen 4 they measured alike.
+constexpr int64_t kAct8Rows = 6, kAct8Panels = 2;
 
-template <int NP, bool NIBBLE, bool MINS>
+// micro_act8 for min(R, rows) rows: tiles of R rows down to 1, picked at compile time. Calls wider than
+// kAct8Panels take 1 or 2 rows only (act8_linear_avx512), so only those tiles are built for them.
+template <int R, int NP, bool NIBBLE, bool MINS>
 SIMD_VNNI void micro_act8_rows(int64_t rows, const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c,
                                int64_t last_valid) {
-  switch (rows) {
-    case 1: micro_act8<1, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
-    case 2: micro_act8<2, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
-    case 3: micro_act8<3, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
-    default: micro_act8<kAct8Rows, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid); break;
+  if constexpr (R > 1) {
+    if (rows < R) return micro_act8_rows<R - 1, NP, NIBBLE, MINS>(rows, w, qx, r0, p0, c, last_valid);
   }
+  micro_act8<R, NP, NIBBLE, MINS>(w, qx, r0, p0, c, last_valid);
+}
+
+template <int NP, bool NIBBLE, bool MINS>
+SIMD_VNNI void micro_act8_tile(int64_t rows, const Weights& w, const QuantX& qx, int64_t r0, int64_t p0, float* c,
+                               int64_t last_valid) {
+  constexpr int kRows = NP > kAct8Panels ? 2 : kAct8Rows;
+  micro_act8_rows<kRows, NP, NIBBLE, MINS>(rows, w, qx, r0, p0, c, last_valid);
 }
 
 // Rows of x the AVX-512 kernel takes through its panels at a time: their codes (rows x K bytes) stay in
@@ -1751,10 +1763,10 @@ SIMD_VNNI void act8_linear_avx512(const Weights& w, const QuantX& qx, int64_t m,
           const int64_t rows = std::min(kRows, r1 - r);
           float* c = y + r * w.n + p * kPanel;
           switch (count) {
-            case 1: micro_act8_rows<1, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
-            case 2: micro_act8_rows<2, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
-            case 3: micro_act8_rows<3, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
-            default: micro_act8_rows<4, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            case 1: micro_act8_tile<1, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            case 2: micro_act8_tile<2, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            case 3: micro_act8_tile<3, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
+            default: micro_act8_tile<4, NIBBLE, MINS>(rows, w, qx, r, p, c, last_valid); break;
           }
         }
       }
@@ -1785,7 +1797,7 @@ struct D {
 #undef ACT8_TARGET
 }  // namespace act8_avx2
 
-#define SIMD_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#define SIMD_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 bool cpu_has_avx_vnni() {
   __builtin_cpu_init();
